@@ -1,0 +1,62 @@
+"""reshard: move live, sharded training state between layouts without a whole-model gather.
+
+See README.md for the quick start and docs/ for the design. Names are resolved lazily so
+that `import reshard` stays cheap and the pure-data half (layout, plan) imports without
+the compiled extension.
+"""
+
+from .errors import (
+    LayoutError,
+    NotReadyError,
+    PreflightError,
+    TransferError,
+    UnsupportedError,
+)
+
+# Geometry and planning are pure data and import eagerly. `plan` must be bound here
+# after the submodule import, or the submodule `reshard.plan` would shadow the function.
+from .layout import Layout, Piece, Storage, TensorLayout, flat, nest, replicated, split
+from .plan import Plan, plan
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    # execution
+    "execute": "executor",
+    "Transfer": "executor",
+    "Report": "report",
+    # ops
+    "copy_runs": "_ops",
+}
+
+__all__ = sorted(
+    [
+        *_LAZY,
+        "Layout",
+        "Piece",
+        "Plan",
+        "Storage",
+        "TensorLayout",
+        "flat",
+        "nest",
+        "plan",
+        "replicated",
+        "split",
+        "LayoutError", "NotReadyError", "PreflightError", "TransferError", "UnsupportedError",
+    ]
+)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'reshard' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
