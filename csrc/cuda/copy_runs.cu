@@ -1,0 +1,334 @@
+/* reshard CUDA: copy a whole descriptor table in one launch, with fused casts.
+ *
+ * Work space: the table flattened in (row, c, j) order, as in the C core; work element k
+ * is one destination element. Each warp takes a tile of 32 * U * V consecutive work
+ * elements (V = elements per 16-byte access of the narrower dtype, U groups per lane in
+ * flight), finds the rows the tile spans with one binary search over the prefix array,
+ * and then each lane maps its own groups to rows inside that (usually one-row) range.
+ * A group whose V elements sit in one run at 16-byte-aligned addresses on both sides
+ * moves with 16-byte loads/stores (two of them on the wider side of a cast); any other
+ * group moves element by element. Casts match the C core bit for bit (torch's CPU .to()).
+ * No torch headers: this file compiles with plain `nvcc -c -std=c++17 -arch=sm_90`.
+ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "cuda_check.h"
+#include "reshard_cuda.h"
+
+namespace {
+
+/* ---- casts (bit patterns as torch's CPU .to(); see csrc/reshard.h) -------------------- */
+
+__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if (f != f) return 0x7FC0; /* c10: any NaN -> 0x7FC0 */
+  return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+}
+
+__device__ __forceinline__ uint16_t f32_to_f16(float f) {
+  uint32_t u = __float_as_uint(f);
+  /* c10 keeps the sign of a NaN and returns the canonical quiet NaN 0x7E00 */
+  if (f != f) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7E00u);
+  /* cvt.rn.f16.f32: round to nearest even, subnormals and overflow to inf as IEEE */
+  return __half_as_ushort(__float2half_rn(f));
+}
+
+__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
+  return __uint_as_float((uint32_t)h << 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) /* inf; a NaN comes out quiet, as from x86 float arithmetic in c10 */
+    return __uint_as_float(sign | 0x7F800000u | (man ? 0x00400000u : 0u) | (man << 13));
+  if (exp == 0) /* zero or subnormal: man * 2^-24, exact in fp32 */
+    return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));
+  return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+/* Element kinds: storage type + how to convert through float. */
+enum Kind { K_F32, K_BF16, K_F16, K_RAW1, K_RAW2, K_RAW4, K_RAW8 };
+
+template <int K> struct Store;
+template <> struct Store<K_F32> { typedef uint32_t T; };
+template <> struct Store<K_BF16> { typedef uint16_t T; };
+template <> struct Store<K_F16> { typedef uint16_t T; };
+template <> struct Store<K_RAW1> { typedef uint8_t T; };
+template <> struct Store<K_RAW2> { typedef uint16_t T; };
+template <> struct Store<K_RAW4> { typedef uint32_t T; };
+template <> struct Store<K_RAW8> { typedef uint64_t T; };
+
+template <int K> __device__ __forceinline__ float to_f32(typename Store<K>::T x);
+template <> __device__ __forceinline__ float to_f32<K_F32>(uint32_t x) { return __uint_as_float(x); }
+template <> __device__ __forceinline__ float to_f32<K_BF16>(uint16_t x) { return bf16_to_f32(x); }
+template <> __device__ __forceinline__ float to_f32<K_F16>(uint16_t x) { return f16_to_f32(x); }
+
+template <int K> __device__ __forceinline__ typename Store<K>::T from_f32(float f);
+template <> __device__ __forceinline__ uint32_t from_f32<K_F32>(float f) { return __float_as_uint(f); }
+template <> __device__ __forceinline__ uint16_t from_f32<K_BF16>(float f) { return f32_to_bf16(f); }
+template <> __device__ __forceinline__ uint16_t from_f32<K_F16>(float f) { return f32_to_f16(f); }
+
+template <int SK, int DK> struct Cast {
+  __device__ __forceinline__ static typename Store<DK>::T run(typename Store<SK>::T x) {
+    return from_f32<DK>(to_f32<SK>(x));
+  }
+};
+/* Same kind: raw bits. */
+template <int K> struct Cast<K, K> {
+  __device__ __forceinline__ static typename Store<K>::T run(typename Store<K>::T x) { return x; }
+};
+
+/* ---- the kernel ---------------------------------------------------------------------- */
+
+struct Params {
+  const char *src;
+  char *dst;
+  const rs_run *runs;
+  const int64_t *prefix;
+  int64_t n;
+  int64_t begin, end;
+  int mode; /* rs_mode */
+};
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+/* Largest r in [lo, hi) with prefix[r] <= pos; prefix[lo] <= pos must hold. Since
+ * pos < prefix[hi], the answer is a non-empty row. */
+__device__ __forceinline__ int64_t find_row(const int64_t *__restrict__ prefix, int64_t lo,
+                                            int64_t hi, int64_t pos) {
+  while (hi - lo > 1) {
+    int64_t mid = lo + ((hi - lo) >> 1);
+    if (__ldg(prefix + mid) <= pos) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/* Run index c and element j inside the run of work offset e within a row. */
+__device__ __forceinline__ void split_offset(int64_t e, int64_t len, int64_t &c, int64_t &j) {
+  if (e < len) {
+    c = 0;
+    j = e;
+  } else if (e <= 0xFFFFFFFFll) { /* then len < 2^32 too: 32-bit division is far cheaper */
+    uint32_t q = (uint32_t)e / (uint32_t)len;
+    c = q;
+    j = e - (int64_t)q * len;
+  } else {
+    c = e / len;
+    j = e - c * len;
+  }
+}
+
+/* Element indices (in each side's dtype) of work element k in row r. */
+__device__ __forceinline__ void locate(const Params &p, const rs_run &row, int64_t row_start,
+                                       int64_t k, int64_t &si, int64_t &di, int64_t &left) {
+  int64_t c, j;
+  split_offset(k - row_start, row.length, c, j);
+  si = p.mode == RS_MODE_UNPACK ? k - p.begin : row.src_offset + c * row.src_stride + j;
+  di = p.mode == RS_MODE_PACK ? k - p.begin : row.dst_offset + c * row.dst_stride + j;
+  left = row.length - j; /* elements left in this run */
+}
+
+__device__ __forceinline__ rs_run load_row(const rs_run *runs, int64_t r) {
+  const longlong2 *q = reinterpret_cast<const longlong2 *>(runs + r);
+  longlong2 a = __ldg(q), b = __ldg(q + 1), c = __ldg(q + 2);
+  rs_run row;
+  row.src_offset = a.x;
+  row.src_stride = a.y;
+  row.dst_offset = b.x;
+  row.dst_stride = b.y;
+  row.length = c.x;
+  row.count = c.y;
+  return row;
+}
+
+template <int SK, int DK>
+__global__ void __launch_bounds__(kThreads) copy_kernel(Params p) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int kMin = sizeof(S) < sizeof(D) ? (int)sizeof(S) : (int)sizeof(D);
+  constexpr int V = 16 / kMin;           /* elements per group */
+  constexpr int kSrcVec = V * sizeof(S) / 16; /* 16-byte words per group, each side */
+  constexpr int kDstVec = V * sizeof(D) / 16;
+  constexpr int64_t kSpan = 32 * kUnroll * V; /* work elements per warp tile */
+
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = ((int64_t)blockIdx.x * kThreads + threadIdx.x) >> 5;
+  const int64_t nwarps = ((int64_t)gridDim.x * kThreads) >> 5;
+  const int64_t work = p.end - p.begin;
+
+  for (int64_t tile = warp; tile * kSpan < work; tile += nwarps) {
+    const int64_t t0 = p.begin + tile * kSpan;
+    const int64_t t1 = min(t0 + kSpan, p.end);
+    /* warp-uniform: every lane reads the same prefix entries (broadcast) */
+    const int64_t rlo = find_row(p.prefix, 0, p.n, t0);
+    const int64_t rhi = (__ldg(p.prefix + rlo + 1) >= t1) ? rlo : find_row(p.prefix, rlo, p.n, t1 - 1);
+
+    uint4 val[kUnroll][kSrcVec];
+    int64_t dvec[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      dvec[u] = -1;
+      const int64_t k = t0 + ((int64_t)u * 32 + lane) * V;
+      if (k >= t1) continue;
+      const int64_t r = rlo == rhi ? rlo : find_row(p.prefix, rlo, rhi + 1, k);
+      const rs_run row = load_row(p.runs, r);
+      const int64_t row_start = __ldg(p.prefix + r);
+      int64_t si, di, left;
+      locate(p, row, row_start, k, si, di, left);
+      const S *sp = src + si;
+      D *dp = dst + di;
+      if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+#pragma unroll
+        for (int w = 0; w < kSrcVec; ++w) val[u][w] = reinterpret_cast<const uint4 *>(sp)[w];
+        dvec[u] = di;
+        continue;
+      }
+      /* element by element: the group crosses a run or a row, or is misaligned */
+      int64_t rr = r, rstart = row_start, rend = __ldg(p.prefix + r + 1);
+      rs_run cur = row;
+      const int64_t kend = min(k + V, t1);
+      for (int64_t kk = k; kk < kend; ++kk) {
+        if (kk >= rend) {
+          do {
+            ++rr;
+            rend = __ldg(p.prefix + rr + 1);
+          } while (kk >= rend);
+          rstart = __ldg(p.prefix + rr);
+          cur = load_row(p.runs, rr);
+        }
+        int64_t s1, d1, l1;
+        locate(p, cur, rstart, kk, s1, d1, l1);
+        dst[d1] = Cast<SK, DK>::run(src[s1]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (dvec[u] < 0) continue;
+      const S *sv = reinterpret_cast<const S *>(val[u]);
+      uint4 out[kDstVec];
+      D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+      for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+      uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[u]);
+#pragma unroll
+      for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
+    }
+  }
+}
+
+int kind_of(rs_dtype d) {
+  switch (d) {
+    case RS_F32: return K_F32;
+    case RS_BF16: return K_BF16;
+    case RS_F16: return K_F16;
+    case RS_RAW1: return K_RAW1;
+    case RS_RAW2: return K_RAW2;
+    case RS_RAW4: return K_RAW4;
+    case RS_RAW8: return K_RAW8;
+    default: return -1;
+  }
+}
+
+/* Same-dtype copies move raw bits of the element size. */
+int raw_kind(rs_dtype d) {
+  switch (d) {
+    case RS_F32: case RS_RAW4: return K_RAW4;
+    case RS_BF16: case RS_F16: case RS_RAW2: return K_RAW2;
+    case RS_RAW1: return K_RAW1;
+    case RS_RAW8: return K_RAW8;
+    default: return -1;
+  }
+}
+
+typedef void (*kernel_fn)(Params);
+
+kernel_fn pick_kernel(rs_dtype s, rs_dtype d) {
+  if (s == d) {
+    switch (raw_kind(s)) {
+      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1>;
+      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2>;
+      case K_RAW4: return copy_kernel<K_RAW4, K_RAW4>;
+      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8>;
+      default: return nullptr;
+    }
+  }
+  const int a = kind_of(s), b = kind_of(d);
+  if (a == K_F32 && b == K_BF16) return copy_kernel<K_F32, K_BF16>;
+  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16>;
+  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32>;
+  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32>;
+  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16>;
+  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16>;
+  return nullptr;
+}
+
+int elems_per_group(rs_dtype s, rs_dtype d) {
+  size_t a = rs_dtype_size(s), b = rs_dtype_size(d);
+  size_t m = a < b ? a : b;
+  return m ? (int)(16 / m) : 0;
+}
+
+/* Multiprocessor count per device, read once (a benign race: every writer stores the same). */
+int sm_count(int device) {
+  static int cache[64];
+  if (device < 0 || device >= 64) return 132;
+  if (cache[device] == 0) {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || v <= 0)
+      v = 132;
+    cache[device] = v;
+  }
+  return cache[device];
+}
+
+}  // namespace
+
+extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, void *dst,
+                                        rs_dtype dst_dtype, const rs_run *d_runs, int64_t n,
+                                        const int64_t *d_prefix, int64_t begin, int64_t end,
+                                        rs_mode mode, void *stream, rs_error *err) {
+  if (mode != RS_MODE_RUNS && mode != RS_MODE_PACK && mode != RS_MODE_UNPACK)
+    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): bad mode");
+  if (begin < 0 || end < begin)
+    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): bad work range");
+  kernel_fn fn = pick_kernel(src_dtype, dst_dtype);
+  if (!fn)
+    return rs_fail(err, RS_EDTYPE, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
+                   rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
+  if (end == begin || n == 0) return RS_OK;
+  if (!src || !dst || !d_runs || !d_prefix)
+    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): null pointer");
+
+  int device = 0;
+  RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
+  const int64_t span = (int64_t)32 * kUnroll * elems_per_group(src_dtype, dst_dtype);
+  const int64_t tiles = (end - begin + span - 1) / span;
+  const int64_t warps_per_block = kThreads / 32;
+  int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
+  /* A persistent-style grid: enough resident warps to keep many 16-byte accesses in flight;
+   * the warps stride over the remaining tiles. */
+  const int64_t cap = (int64_t)sm_count(device) * (2048 / kThreads) * 4;
+  if (blocks > cap) blocks = cap;
+
+  Params p;
+  p.src = static_cast<const char *>(src);
+  p.dst = static_cast<char *>(dst);
+  p.runs = d_runs;
+  p.prefix = d_prefix;
+  p.n = n;
+  p.begin = begin;
+  p.end = end;
+  p.mode = (int)mode;
+  cudaGetLastError(); /* a stale error from elsewhere must not be reported as ours */
+  fn<<<(unsigned)blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  RS_CUDA_TRY("copy_runs (CUDA): kernel launch", cudaGetLastError(), err);
+  return RS_OK;
+}

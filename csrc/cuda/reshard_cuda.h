@@ -1,0 +1,140 @@
+/* reshard CUDA half: the device copy of a descriptor table, and the event-ordered staging
+ * loop between CPU and GPU buffers. A C API with no torch types; compiled by nvcc.
+ *
+ * Same conventions as the C core (../reshard.h): every function returns an rs_status and
+ * fills a caller-provided rs_error; nothing prints, exits or aborts. CUDA failures come back
+ * as RS_EDEVICE with the CUDA error string in err->msg. Tables are validated by the C core
+ * (rs_validate) before they reach these functions; nothing here re-checks ranges.
+ *
+ * Streams are passed as `void *` (a cudaStream_t) so this header needs no CUDA header.
+ */
+#ifndef RESHARD_CUDA_H
+#define RESHARD_CUDA_H
+
+#include <stdint.h>
+
+#include "../reshard.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Copies work elements [begin, end) of a validated table on `stream` in ONE kernel launch,
+ * with the cast src_dtype -> dst_dtype (same pairs and same bits as rs_copy_slice).
+ * d_runs (n rows) and d_prefix (n + 1 entries, from rs_prefix) live in device memory.
+ * src and dst are device pointers (or host pointers the device can address: pinned or
+ * registered memory under unified addressing). Modes as in rs_copy_slice: in RS_MODE_PACK
+ * dst[k - begin] holds work element k; in RS_MODE_UNPACK src[k - begin] does.
+ * 16-byte loads and stores wherever a group of elements lies in one run and both addresses
+ * are 16-byte aligned; element by element elsewhere. Returns after the launch (asynchronous). */
+rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
+                             const rs_run *d_runs, int64_t n, const int64_t *d_prefix,
+                             int64_t begin, int64_t end, rs_mode mode, void *stream,
+                             rs_error *err);
+
+/* ---- staging between host and device ------------------------------------------------- */
+
+typedef enum rs_direction { RS_H2D = 0, RS_D2H = 1 } rs_direction;
+
+/* The host half of the staging loop: copies work [begin, end) of the ring table between the
+ * host buffer and a ring slot (RS_MODE_PACK for H2D, RS_MODE_UNPACK for D2H). The caller
+ * supplies it so that packing runs on its thread pool (csrc/ops.cpp: at::parallel_for over
+ * rs_copy_slice). Returns RS_OK or an error code. */
+typedef rs_status (*rs_host_copy_fn)(void *ctx, const void *src, rs_dtype src_dtype, void *dst,
+                                     rs_dtype dst_dtype, const rs_run *runs, int64_t n,
+                                     const int64_t *prefix, int64_t begin, int64_t end,
+                                     rs_mode mode);
+
+/* A validated table split in two parts:
+ *  - ring rows (runs/prefix on the host, d_runs/d_prefix the same on the device): packed
+ *    on the host into a pinned ring slot, moved by one DMA per slot, scattered on the device
+ *    by rs_cuda_copy_slice (H2D); or gathered on the device, one DMA per slot, scattered on
+ *    the host (D2H);
+ *  - direct rows: cudaMemcpyAsync / cudaMemcpy2DAsync straight between the pinned host
+ *    buffer and the device buffer, no bounce (only when the host buffer is pinned and the
+ *    dtypes are equal; see rs_stage_row_is_direct). */
+typedef struct rs_stage_table {
+  const rs_run *runs;
+  const int64_t *prefix;
+  int64_t n;
+  int64_t total; /* prefix[n] */
+  const rs_run *d_runs;
+  const int64_t *d_prefix;
+  const rs_run *direct;
+  int64_t n_direct;
+} rs_stage_table;
+
+typedef struct rs_stage_buffers {
+  const void *src; /* H2D: host; D2H: device */
+  rs_dtype src_dtype;
+  void *dst; /* H2D: device; D2H: host */
+  rs_dtype dst_dtype;
+  void *ring; /* pinned host memory, 16-byte aligned */
+  int64_t ring_bytes;
+  void *staging; /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes) */
+  void *stream;  /* cudaStream_t: every copy and kernel is ordered on it */
+} rs_stage_buffers;
+
+typedef struct rs_stage_stats {
+  int64_t slots;        /* ring slots used (0 when there are no ring rows) */
+  int64_t slot_bytes;   /* bytes of one slot */
+  int64_t chunks;       /* slot-sized chunks moved through the ring */
+  int64_t ring_bytes;   /* wire bytes moved through the ring */
+  int64_t direct_bytes; /* bytes moved by direct copies */
+  int64_t direct_copies;
+  int64_t host_waits;   /* event waits on the host (one per reused slot, plus the final one) */
+} rs_stage_stats;
+
+/* Rows of at least this many bytes per run go direct when the host side is pinned. */
+#define RS_STAGE_DIRECT_MIN_BYTES ((int64_t)256 * 1024)
+/* The ring is cut into this many slots (fewer when it is small: see rs_stage_slots). */
+#define RS_STAGE_MAX_SLOTS 4
+/* Smallest useful ring: two slots of 16 bytes. */
+#define RS_STAGE_MIN_RING_BYTES 32
+
+/* The dtype that crosses PCIe: the narrower of the two; on a tie the cast (if any) runs on
+ * the device (H2D: the source dtype travels; D2H: the target dtype travels). */
+rs_dtype rs_stage_wire_dtype(rs_direction dir, rs_dtype src_dtype, rs_dtype dst_dtype);
+
+/* 1 if a row goes direct (no bounce) when the host buffer is pinned and dtypes are equal:
+ * runs of >= min_bytes each, and for count > 1 both strides >= length (cudaMemcpy2D). */
+int rs_stage_row_is_direct(const rs_run *row, int64_t elem_size, int64_t min_bytes);
+
+/* How a ring of ring_bytes is cut: *slots in [2, RS_STAGE_MAX_SLOTS], each *slot_bytes (a
+ * multiple of 16; at least 16). RS_EINVAL when ring_bytes < RS_STAGE_MIN_RING_BYTES. */
+rs_status rs_stage_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes, rs_error *err);
+
+/* Device staging the loop needs for a ring of ring_bytes: slots * slot_bytes (<= ring_bytes). */
+int64_t rs_stage_device_bytes(int64_t ring_bytes);
+
+/* Runs the staging loop. H2D: for each chunk k (slot s = k mod slots): wait for the event of
+ * the DMA that last read slot s, pack chunk k into it on the host (host_copy), DMA it into
+ * device staging slot s, record the slot's event, scatter it on the device. The host packs
+ * chunk k while chunk k-1 is in flight. D2H: gather chunk k on the device into staging slot
+ * s, DMA it into ring slot s, record the event; before reusing slot s, wait for its event
+ * once and scatter the chunk it holds on the host. Direct rows are issued interleaved with
+ * the ring chunks, in proportion to their bytes, so the link stays busy while the host packs.
+ * Returns when every host byte (reads of an H2D source and of the ring, writes of a D2H
+ * target) is done; device-side scatters of an H2D may still be queued on the stream. */
+rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *table,
+                        const rs_stage_buffers *buf, rs_host_copy_fn host_copy, void *ctx,
+                        rs_stage_stats *stats, rs_error *err);
+
+/* ---- page-locking live host memory in place ------------------------------------------- */
+
+/* 1 if the device can DMA from/to [ptr, ptr + bytes) asynchronously: the first and the last
+ * byte lie in pinned (cudaHostAlloc) or registered (cudaHostRegister) memory. */
+int rs_cuda_is_pinned(const void *ptr, int64_t bytes);
+
+/* cudaHostRegister(ptr, bytes, portable | mapped). *registered = 1 when this call registered
+ * it; 0 when the range was already pinned or registered (nothing done, nothing to undo). */
+rs_status rs_cuda_host_register(void *ptr, int64_t bytes, int *registered, rs_error *err);
+
+/* cudaHostUnregister(ptr): undoes rs_cuda_host_register (ptr as registered). */
+rs_status rs_cuda_host_unregister(void *ptr, rs_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RESHARD_CUDA_H */

@@ -1,0 +1,316 @@
+/* reshard CUDA: the event-ordered staging loop between host and device buffers, and
+ * in-place page-locking of live host memory. Host code only (CUDA runtime), no torch.
+ *
+ * H2D, chunk k in ring slot s = k mod S:
+ *   host: wait ev[s] (the DMA that last read slot s) -> pack chunk k into ring[s]
+ *   stream: DMA ring[s] -> staging[s]; record ev[s]; scatter staging[s] -> dst (kernel)
+ * so the host packs chunk k while the DMAs of chunks k-S+1 .. k-1 are in flight.
+ * D2H, chunk k in slot s:
+ *   host: if slot s holds chunk k-S: wait ev[s] once, scatter ring[s] -> dst
+ *   stream: gather src -> staging[s] (kernel); DMA staging[s] -> ring[s]; record ev[s]
+ * Direct rows (pinned host side, equal dtypes, long runs) are plain async copies, issued
+ * between ring chunks in proportion to their bytes.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_check.h"
+#include "reshard_cuda.h"
+
+extern "C" rs_dtype rs_stage_wire_dtype(rs_direction dir, rs_dtype s, rs_dtype d) {
+  const size_t a = rs_dtype_size(s), b = rs_dtype_size(d);
+  if (a < b) return s;
+  if (b < a) return d;
+  return dir == RS_H2D ? s : d; /* equal widths: any cast runs on the device */
+}
+
+extern "C" int rs_stage_row_is_direct(const rs_run *r, int64_t elem_size, int64_t min_bytes) {
+  if (r->length <= 0 || r->count <= 0) return 0;
+  if (r->length > INT64_MAX / elem_size) return 0;
+  const int64_t run_bytes = r->length * elem_size;
+  if (run_bytes < min_bytes) return 0;
+  if (r->count == 1) return 1;
+  /* cudaMemcpy2DAsync needs pitches >= width */
+  return r->src_stride >= r->length && r->dst_stride >= r->length;
+}
+
+extern "C" rs_status rs_stage_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes,
+                                    rs_error *err) {
+  if (ring_bytes < RS_STAGE_MIN_RING_BYTES) {
+    if (err) {
+      err->code = RS_EINVAL;
+      err->row = -1;
+      err->other_row = -1;
+      snprintf(err->msg, sizeof err->msg,
+               "ring of %lld bytes is too small: at least %d bytes (two 16-byte slots)",
+               (long long)ring_bytes, RS_STAGE_MIN_RING_BYTES);
+    }
+    return RS_EINVAL;
+  }
+  /* Four slots keep three chunks in flight while the host packs the fourth; a small ring
+   * is cut in fewer, larger slots, each at least 64 KiB where the ring allows. */
+  int64_t s = RS_STAGE_MAX_SLOTS;
+  while (s > 2 && ring_bytes / s < (int64_t)64 * 1024) --s;
+  *slots = s;
+  *slot_bytes = (ring_bytes / s) & ~(int64_t)15;
+  return RS_OK;
+}
+
+extern "C" int64_t rs_stage_device_bytes(int64_t ring_bytes) {
+  int64_t s = 0, b = 0;
+  if (rs_stage_slots(ring_bytes, &s, &b, NULL) != RS_OK) return 0;
+  return s * b;
+}
+
+namespace {
+
+struct Events {
+  cudaEvent_t ev[RS_STAGE_MAX_SLOTS + 1];
+  int n = 0;
+  ~Events() {
+    for (int i = 0; i < n; ++i) cudaEventDestroy(ev[i]);
+  }
+  rs_status create(int count, rs_error *err) {
+    for (; n < count; ++n)
+      RS_CUDA_TRY("staging: cudaEventCreateWithFlags",
+                  cudaEventCreateWithFlags(&ev[n], cudaEventDisableTiming), err);
+    return RS_OK;
+  }
+};
+
+/* Issues direct row i (H2D or D2H) on the stream. */
+rs_status issue_direct(rs_direction dir, const rs_run *r, const rs_stage_buffers *buf,
+                       int64_t es, cudaStream_t st, rs_error *err) {
+  const char *src = static_cast<const char *>(buf->src) + r->src_offset * es;
+  char *dst = static_cast<char *>(buf->dst) + r->dst_offset * es;
+  const cudaMemcpyKind kind = dir == RS_H2D ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+  const size_t width = (size_t)(r->length * es);
+  if (r->count == 1) {
+    RS_CUDA_TRY(dir == RS_H2D ? "stage_h2d: cudaMemcpyAsync (direct)"
+                              : "stage_d2h: cudaMemcpyAsync (direct)",
+                cudaMemcpyAsync(dst, src, width, kind, st), err);
+    return RS_OK;
+  }
+  const size_t spitch = (size_t)(r->src_stride * es), dpitch = (size_t)(r->dst_stride * es);
+  RS_CUDA_TRY(dir == RS_H2D ? "stage_h2d: cudaMemcpy2DAsync (direct)"
+                            : "stage_d2h: cudaMemcpy2DAsync (direct)",
+              cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, (size_t)r->count, kind, st),
+              err);
+  return RS_OK;
+}
+
+int64_t run_bytes(const rs_run *r, int64_t es) { return r->length * r->count * es; }
+
+}  // namespace
+
+namespace {
+rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_buffers *buf,
+                     rs_host_copy_fn host_copy, void *ctx, rs_stage_stats *stats,
+                     rs_error *err) {
+  rs_stage_stats st_local;
+  rs_stage_stats *so = stats ? stats : &st_local;
+  memset(so, 0, sizeof *so);
+  const char *op = dir == RS_H2D ? "stage_h2d" : "stage_d2h";
+  if (dir != RS_H2D && dir != RS_D2H)
+    return rs_fail(err, RS_EINVAL, -1, "staging: bad direction");
+  if (!t || !buf || !host_copy)
+    return rs_fail(err, RS_EINVAL, -1, "%s: null argument", op);
+  const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
+  const int64_t es_direct = (int64_t)rs_dtype_size(buf->src_dtype);
+  const rs_dtype wire = rs_stage_wire_dtype(dir, buf->src_dtype, buf->dst_dtype);
+  const int64_t wes = (int64_t)rs_dtype_size(wire);
+  if (!wes || !rs_dtype_pair_ok(buf->src_dtype, buf->dst_dtype))
+    return rs_fail(err, RS_EDTYPE, -1, "%s: unsupported dtype pair %s -> %s", op,
+                   rs_dtype_name(buf->src_dtype), rs_dtype_name(buf->dst_dtype));
+  if (t->n_direct > 0 && buf->src_dtype != buf->dst_dtype)
+    return rs_fail(err, RS_EINVAL, -1, "%s: direct rows need equal dtypes", op);
+
+  int64_t direct_total = 0;
+  for (int64_t i = 0; i < t->n_direct; ++i) direct_total += run_bytes(&t->direct[i], es_direct);
+
+  int64_t slots = 0, slot_bytes = 0, slot_elems = 0, chunks = 0;
+  if (t->total > 0) {
+    rs_status s = rs_stage_slots(buf->ring_bytes, &slots, &slot_bytes, err);
+    if (s != RS_OK) return s;
+    if (!buf->ring || !buf->staging)
+      return rs_fail(err, RS_EINVAL, -1, "%s: ring or device staging is null", op);
+    if ((((uintptr_t)buf->ring) | ((uintptr_t)buf->staging)) & 15)
+      return rs_fail(err, RS_EINVAL, -1, "%s: ring and staging must be 16-byte aligned", op);
+    slot_elems = slot_bytes / wes;
+    chunks = (t->total + slot_elems - 1) / slot_elems;
+  }
+  so->slots = slots;
+  so->slot_bytes = slot_bytes;
+
+  Events ev;
+  rs_status s = ev.create((int)slots + 1, err); /* + one final event */
+  if (s != RS_OK) return s;
+  char *ring = static_cast<char *>(buf->ring);
+  char *staging = static_cast<char *>(buf->staging);
+
+  /* Direct rows are interleaved: after ring chunk k is issued, issue direct rows until
+   * their bytes reach the same fraction of direct_total as the ring has reached. */
+  int64_t next_direct = 0, direct_done = 0;
+  auto issue_directs_upto = [&](double frac) -> rs_status {
+    while (next_direct < t->n_direct && (double)direct_done < frac * (double)direct_total) {
+      const rs_run *r = &t->direct[next_direct++];
+      rs_status e = issue_direct(dir, r, buf, es_direct, stream, err);
+      if (e != RS_OK) return e;
+      direct_done += run_bytes(r, es_direct);
+      so->direct_bytes += run_bytes(r, es_direct);
+      so->direct_copies += 1;
+    }
+    return RS_OK;
+  };
+  /* Direct rows start before any packing (at least one), so the link is busy at once. */
+  s = issue_directs_upto(1.0 / (double)(chunks + 1));
+  if (s != RS_OK) return s;
+
+  /* chunk_of[s]: the chunk slot s holds whose host half is still pending (D2H), or -1 */
+  int64_t pending[RS_STAGE_MAX_SLOTS];
+  for (int i = 0; i < RS_STAGE_MAX_SLOTS; ++i) pending[i] = -1;
+
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t sl = k % slots;
+    const int64_t b = k * slot_elems;
+    const int64_t e = (b + slot_elems < t->total) ? b + slot_elems : t->total;
+    const size_t nbytes = (size_t)((e - b) * wes);
+    char *ring_slot = ring + sl * slot_bytes;
+    char *dev_slot = staging + sl * slot_bytes;
+    if (dir == RS_H2D) {
+      if (k >= slots) { /* the DMA that read this slot (chunk k - slots) must be done */
+        RS_CUDA_TRY("stage_h2d: cudaEventSynchronize (ring slot)", cudaEventSynchronize(ev.ev[sl]),
+                    err);
+        so->host_waits += 1;
+      }
+      s = host_copy(ctx, buf->src, buf->src_dtype, ring_slot, wire, t->runs, t->n, t->prefix, b, e,
+                    RS_MODE_PACK);
+      if (s != RS_OK)
+        return rs_fail(err, s, -1, "stage_h2d: host pack of a chunk failed (%s)",
+                       rs_status_name(s));
+      RS_CUDA_TRY("stage_h2d: cudaMemcpyAsync (ring -> device staging)",
+                  cudaMemcpyAsync(dev_slot, ring_slot, nbytes, cudaMemcpyHostToDevice, stream), err);
+      RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
+      s = rs_cuda_copy_slice(dev_slot, wire, buf->dst, buf->dst_dtype, t->d_runs, t->n,
+                             t->d_prefix, b, e, RS_MODE_UNPACK, buf->stream, err);
+      if (s != RS_OK) return s;
+    } else {
+      if (pending[sl] >= 0) { /* slot s holds chunk k - slots: finish it on the host */
+        const int64_t pb = pending[sl] * slot_elems;
+        const int64_t pe = (pb + slot_elems < t->total) ? pb + slot_elems : t->total;
+        RS_CUDA_TRY("stage_d2h: cudaEventSynchronize (ring slot)", cudaEventSynchronize(ev.ev[sl]),
+                    err);
+        so->host_waits += 1;
+        s = host_copy(ctx, ring_slot, wire, buf->dst, buf->dst_dtype, t->runs, t->n, t->prefix, pb,
+                      pe, RS_MODE_UNPACK);
+        if (s != RS_OK)
+          return rs_fail(err, s, -1, "stage_d2h: host scatter of a chunk failed (%s)",
+                         rs_status_name(s));
+        pending[sl] = -1;
+      }
+      s = rs_cuda_copy_slice(buf->src, buf->src_dtype, dev_slot, wire, t->d_runs, t->n,
+                             t->d_prefix, b, e, RS_MODE_PACK, buf->stream, err);
+      if (s != RS_OK) return s;
+      RS_CUDA_TRY("stage_d2h: cudaMemcpyAsync (device staging -> ring)",
+                  cudaMemcpyAsync(ring_slot, dev_slot, nbytes, cudaMemcpyDeviceToHost, stream), err);
+      RS_CUDA_TRY("stage_d2h: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
+      pending[sl] = k;
+    }
+    so->chunks += 1;
+    so->ring_bytes += (int64_t)nbytes;
+    s = issue_directs_upto((double)(k + 2) / (double)(chunks + 1));
+    if (s != RS_OK) return s;
+  }
+  s = issue_directs_upto(2.0); /* whatever is left */
+  if (s != RS_OK) return s;
+
+  if (dir == RS_D2H) { /* finish the chunks still in the ring, oldest first */
+    for (int64_t k = chunks > slots ? chunks - slots : 0; k < chunks; ++k) {
+      const int64_t sl = k % slots;
+      if (pending[sl] != k) continue;
+      const int64_t pb = k * slot_elems;
+      const int64_t pe = (pb + slot_elems < t->total) ? pb + slot_elems : t->total;
+      RS_CUDA_TRY("stage_d2h: cudaEventSynchronize (ring slot)", cudaEventSynchronize(ev.ev[sl]),
+                  err);
+      so->host_waits += 1;
+      s = host_copy(ctx, ring + sl * slot_bytes, wire, buf->dst, buf->dst_dtype, t->runs, t->n,
+                    t->prefix, pb, pe, RS_MODE_UNPACK);
+      if (s != RS_OK)
+        return rs_fail(err, s, -1, "stage_d2h: host scatter of a chunk failed (%s)",
+                       rs_status_name(s));
+      pending[sl] = -1;
+    }
+  }
+  /* Every host byte must be settled before returning: the H2D source and ring may be
+   * rewritten by the caller, a D2H target read. One wait covers all earlier copies. */
+  if (so->direct_copies > 0 || (dir == RS_H2D && chunks > 0)) {
+    RS_CUDA_TRY("staging: cudaEventRecord (final)", cudaEventRecord(ev.ev[slots], stream), err);
+    RS_CUDA_TRY("staging: cudaEventSynchronize (final)", cudaEventSynchronize(ev.ev[slots]), err);
+    so->host_waits += 1;
+  }
+  return RS_OK;
+}
+
+}  // namespace
+
+extern "C" rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *t,
+                                   const rs_stage_buffers *buf, rs_host_copy_fn host_copy,
+                                   void *ctx, rs_stage_stats *stats, rs_error *err) {
+  rs_status s = stage_impl(dir, t, buf, host_copy, ctx, stats, err);
+  if (s != RS_OK && buf) {
+    /* Copies already queued may still read or write the ring and the host buffers: let them
+     * finish before the caller can free or reuse those (best effort: the stream may be
+     * broken, and then the error above is what matters). */
+    cudaStreamSynchronize(static_cast<cudaStream_t>(buf->stream));
+  }
+  return s;
+}
+
+/* ---- registration ---------------------------------------------------------------------- */
+
+namespace {
+int one_pinned(const void *p) {
+  cudaPointerAttributes a;
+  cudaError_t e = cudaPointerGetAttributes(&a, p);
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* unregistered pointers may report an error on old runtimes */
+    return 0;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+}  // namespace
+
+extern "C" int rs_cuda_is_pinned(const void *ptr, int64_t bytes) {
+  if (!ptr || bytes <= 0) return 0;
+  return one_pinned(ptr) && one_pinned(static_cast<const char *>(ptr) + (bytes - 1));
+}
+
+extern "C" rs_status rs_cuda_host_register(void *ptr, int64_t bytes, int *registered,
+                                           rs_error *err) {
+  if (registered) *registered = 0;
+  if (!ptr || bytes <= 0)
+    return rs_fail(err, RS_EINVAL, -1, "host_register: null pointer or empty range");
+  if (rs_cuda_is_pinned(ptr, bytes)) return RS_OK;
+  cudaError_t e = cudaHostRegister(ptr, (size_t)bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  if (e == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();
+    return RS_OK;
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return rs_cuda_fail(err, "host_register: cudaHostRegister", e);
+  }
+  if (registered) *registered = 1;
+  return RS_OK;
+}
+
+extern "C" rs_status rs_cuda_host_unregister(void *ptr, rs_error *err) {
+  if (!ptr) return rs_fail(err, RS_EINVAL, -1, "host_unregister: null pointer");
+  cudaError_t e = cudaHostUnregister(ptr);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return rs_cuda_fail(err, "host_unregister: cudaHostUnregister", e);
+  }
+  return RS_OK;
+}
