@@ -1,0 +1,109 @@
+"""The compiled ops (`torch.ops.reshard.*`), their fake implementations and Python wrappers.
+
+Importing this module loads the extension `reshard._C`, whose import registers the ops with
+the dispatcher. The ops are destination-passing: they write into `dst` (and `ring`) and
+return nothing. A descriptor table `desc` is an int64 [n, 6] array/tensor with rows
+`(src_offset, src_stride, dst_offset, dst_stride, length, count)` in elements.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.reshard.*)
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError(
+        "reshard's compiled extension is missing or does not match this torch "
+        f"({torch.__version__}): build it with `pip install --no-build-isolation -e .` "
+        f"from the repository root ({exc})"
+    ) from exc
+
+__all__ = ["as_desc", "copy_runs", "stage_d2h", "stage_h2d"]
+
+DESC_COLUMNS = ("src_offset", "src_stride", "dst_offset", "dst_stride", "length", "count")
+
+
+def as_desc(desc) -> torch.Tensor:
+    """A descriptor table as a contiguous int64 [n, 6] tensor (numpy arrays are shared, not
+    copied, when they already are int64 and contiguous)."""
+    if isinstance(desc, torch.Tensor):
+        t = desc
+    else:
+        arr = np.asarray(desc)
+        if arr.size == 0 and arr.ndim == 1:
+            arr = arr.reshape(0, 6)
+        if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
+            raise TypeError(f"desc must hold integers, got numpy dtype {arr.dtype}")
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+    if t.dtype != torch.int64:
+        raise TypeError(f"desc must be int64, got {t.dtype}")
+    if t.dim() != 2 or t.shape[1] != 6:
+        raise ValueError(
+            f"desc must have shape [n, 6] {DESC_COLUMNS}, got {tuple(t.shape)}"
+        )
+    return t.contiguous()
+
+
+def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
+    """For every row and c in range(count):
+    `dst[dst_offset + c*dst_stride : +length] = src[src_offset + c*src_stride : +length]`,
+    cast to `dst.dtype` (float32/bfloat16/float16 cast bitwise like `Tensor.to`; any other
+    dtype copies to itself). src and dst are 1-D contiguous on the same device. The whole
+    table is validated before any write; a bad row raises RuntimeError naming it.
+    Overlapping writes are rejected. Returns dst."""
+    torch.ops.reshard.copy_runs(src, as_desc(desc), dst)
+    return dst
+
+
+def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Runs of a CPU `src` into a CUDA `dst` through the pinned host `ring` (CUDA builds)."""
+    torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst)
+    return dst
+
+
+def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Runs of a CUDA `src` into a CPU `dst` through the pinned host `ring` (CUDA builds)."""
+    torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst)
+    return dst
+
+
+# ------------------------------------------------------------------ fake (meta) impls
+# Metadata checks only: a fake tensor has no data, so row contents are checked at run time.
+
+
+def _check_desc_meta(op: str, desc: torch.Tensor) -> None:
+    torch._check(desc.dtype == torch.int64, lambda: f"{op}: desc must be int64, got {desc.dtype}")
+    torch._check(
+        desc.dim() == 2 and desc.shape[1] == 6,
+        lambda: f"{op}: desc must have shape [n, 6], got {tuple(desc.shape)}",
+    )
+
+
+def _check_1d(op: str, name: str, t: torch.Tensor) -> None:
+    torch._check(t.dim() == 1, lambda: f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
+
+
+@torch.library.register_fake("reshard::copy_runs")
+def _copy_runs_fake(src, desc, dst):
+    _check_desc_meta("reshard::copy_runs", desc)
+    _check_1d("reshard::copy_runs", "src", src)
+    _check_1d("reshard::copy_runs", "dst", dst)
+    return None
+
+
+@torch.library.register_fake("reshard::stage_h2d")
+def _stage_h2d_fake(src, desc, ring, dst):
+    _check_desc_meta("reshard::stage_h2d", desc)
+    _check_1d("reshard::stage_h2d", "src", src)
+    _check_1d("reshard::stage_h2d", "dst", dst)
+    return None
+
+
+@torch.library.register_fake("reshard::stage_d2h")
+def _stage_d2h_fake(src, desc, ring, dst):
+    _check_desc_meta("reshard::stage_d2h", desc)
+    _check_1d("reshard::stage_d2h", "src", src)
+    _check_1d("reshard::stage_d2h", "dst", dst)
+    return None
