@@ -53,32 +53,76 @@ __device__ __forceinline__ float f16_to_f32(uint16_t h) {
 /* Element kinds: storage type + how to convert through float. */
 enum Kind { K_F32, K_BF16, K_F16, K_RAW1, K_RAW2, K_RAW4, K_RAW8 };
 
-template <int K> struct Store;
-template <> struct Store<K_F32> { typedef uint32_t T; };
-template <> struct Store<K_BF16> { typedef uint16_t T; };
-template <> struct Store<K_F16> { typedef uint16_t T; };
-template <> struct Store<K_RAW1> { typedef uint8_t T; };
-template <> struct Store<K_RAW2> { typedef uint16_t T; };
-template <> struct Store<K_RAW4> { typedef uint32_t T; };
-template <> struct Store<K_RAW8> { typedef uint64_t T; };
+template <int K>
+struct Store;
+template <>
+struct Store<K_F32> {
+  typedef uint32_t T;
+};
+template <>
+struct Store<K_BF16> {
+  typedef uint16_t T;
+};
+template <>
+struct Store<K_F16> {
+  typedef uint16_t T;
+};
+template <>
+struct Store<K_RAW1> {
+  typedef uint8_t T;
+};
+template <>
+struct Store<K_RAW2> {
+  typedef uint16_t T;
+};
+template <>
+struct Store<K_RAW4> {
+  typedef uint32_t T;
+};
+template <>
+struct Store<K_RAW8> {
+  typedef uint64_t T;
+};
 
-template <int K> __device__ __forceinline__ float to_f32(typename Store<K>::T x);
-template <> __device__ __forceinline__ float to_f32<K_F32>(uint32_t x) { return __uint_as_float(x); }
-template <> __device__ __forceinline__ float to_f32<K_BF16>(uint16_t x) { return bf16_to_f32(x); }
-template <> __device__ __forceinline__ float to_f32<K_F16>(uint16_t x) { return f16_to_f32(x); }
+template <int K>
+__device__ __forceinline__ float to_f32(typename Store<K>::T x);
+template <>
+__device__ __forceinline__ float to_f32<K_F32>(uint32_t x) {
+  return __uint_as_float(x);
+}
+template <>
+__device__ __forceinline__ float to_f32<K_BF16>(uint16_t x) {
+  return bf16_to_f32(x);
+}
+template <>
+__device__ __forceinline__ float to_f32<K_F16>(uint16_t x) {
+  return f16_to_f32(x);
+}
 
-template <int K> __device__ __forceinline__ typename Store<K>::T from_f32(float f);
-template <> __device__ __forceinline__ uint32_t from_f32<K_F32>(float f) { return __float_as_uint(f); }
-template <> __device__ __forceinline__ uint16_t from_f32<K_BF16>(float f) { return f32_to_bf16(f); }
-template <> __device__ __forceinline__ uint16_t from_f32<K_F16>(float f) { return f32_to_f16(f); }
+template <int K>
+__device__ __forceinline__ typename Store<K>::T from_f32(float f);
+template <>
+__device__ __forceinline__ uint32_t from_f32<K_F32>(float f) {
+  return __float_as_uint(f);
+}
+template <>
+__device__ __forceinline__ uint16_t from_f32<K_BF16>(float f) {
+  return f32_to_bf16(f);
+}
+template <>
+__device__ __forceinline__ uint16_t from_f32<K_F16>(float f) {
+  return f32_to_f16(f);
+}
 
-template <int SK, int DK> struct Cast {
+template <int SK, int DK>
+struct Cast {
   __device__ __forceinline__ static typename Store<DK>::T run(typename Store<SK>::T x) {
     return from_f32<DK>(to_f32<SK>(x));
   }
 };
 /* Same kind: raw bits. */
-template <int K> struct Cast<K, K> {
+template <int K>
+struct Cast<K, K> {
   __device__ __forceinline__ static typename Store<K>::T run(typename Store<K>::T x) { return x; }
 };
 
@@ -103,8 +147,10 @@ __device__ __forceinline__ int64_t find_row(const int64_t *__restrict__ prefix, 
                                             int64_t hi, int64_t pos) {
   while (hi - lo > 1) {
     int64_t mid = lo + ((hi - lo) >> 1);
-    if (__ldg(prefix + mid) <= pos) lo = mid;
-    else hi = mid;
+    if (__ldg(prefix + mid) <= pos)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -152,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int kMin = sizeof(S) < sizeof(D) ? (int)sizeof(S) : (int)sizeof(D);
-  constexpr int V = 16 / kMin;           /* elements per group */
+  constexpr int V = 16 / kMin;                /* elements per group */
   constexpr int kSrcVec = V * sizeof(S) / 16; /* 16-byte words per group, each side */
   constexpr int kDstVec = V * sizeof(D) / 16;
   constexpr int64_t kSpan = 32 * kUnroll * V; /* work elements per warp tile */
@@ -169,7 +215,8 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Params p) {
     const int64_t t1 = min(t0 + kSpan, p.end);
     /* warp-uniform: every lane reads the same prefix entries (broadcast) */
     const int64_t rlo = find_row(p.prefix, 0, p.n, t0);
-    const int64_t rhi = (__ldg(p.prefix + rlo + 1) >= t1) ? rlo : find_row(p.prefix, rlo, p.n, t1 - 1);
+    const int64_t rhi =
+        (__ldg(p.prefix + rlo + 1) >= t1) ? rlo : find_row(p.prefix, rlo, p.n, t1 - 1);
 
     uint4 val[kUnroll][kSrcVec];
     int64_t dvec[kUnroll];
@@ -240,8 +287,11 @@ int kind_of(rs_dtype d) {
 /* Same-dtype copies move raw bits of the element size. */
 int raw_kind(rs_dtype d) {
   switch (d) {
-    case RS_F32: case RS_RAW4: return K_RAW4;
-    case RS_BF16: case RS_F16: case RS_RAW2: return K_RAW2;
+    case RS_F32:
+    case RS_RAW4: return K_RAW4;
+    case RS_BF16:
+    case RS_F16:
+    case RS_RAW2: return K_RAW2;
     case RS_RAW1: return K_RAW1;
     case RS_RAW8: return K_RAW8;
     default: return -1;

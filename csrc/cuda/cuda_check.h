@@ -8,8 +8,7 @@
 
 #include "reshard_cuda.h"
 
-static inline rs_status rs_fail(rs_error *err, rs_status code, int64_t row, const char *fmt,
-                                ...) {
+static inline rs_status rs_fail(rs_error *err, rs_status code, int64_t row, const char *fmt, ...) {
   if (err) {
     va_list ap;
     va_start(ap, fmt);
@@ -28,9 +27,9 @@ static inline rs_status rs_cuda_fail(rs_error *err, const char *what, cudaError_
 }
 
 /* what: a short description of the call, e.g. "stage_h2d: cudaMemcpyAsync (ring -> device)". */
-#define RS_CUDA_TRY(what, call, err)                                   \
-  do {                                                                 \
-    cudaError_t rs_e_ = (call);                                        \
+#define RS_CUDA_TRY(what, call, err)                                     \
+  do {                                                                   \
+    cudaError_t rs_e_ = (call);                                          \
     if (rs_e_ != cudaSuccess) return rs_cuda_fail((err), (what), rs_e_); \
   } while (0)
 

@@ -29,8 +29,7 @@ extern "C" {
  * are 16-byte aligned; element by element elsewhere. Returns after the launch (asynchronous). */
 rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
                              const rs_run *d_runs, int64_t n, const int64_t *d_prefix,
-                             int64_t begin, int64_t end, rs_mode mode, void *stream,
-                             rs_error *err);
+                             int64_t begin, int64_t end, rs_mode mode, void *stream, rs_error *err);
 
 /* ---- staging between host and device ------------------------------------------------- */
 
@@ -82,7 +81,7 @@ typedef struct rs_stage_stats {
   int64_t ring_bytes;   /* wire bytes moved through the ring */
   int64_t direct_bytes; /* bytes moved by direct copies */
   int64_t direct_copies;
-  int64_t host_waits;   /* event waits on the host (one per reused slot, plus the final one) */
+  int64_t host_waits; /* event waits on the host (one per reused slot, plus the final one) */
 } rs_stage_stats;
 
 /* Rows of at least this many bytes per run go direct when the host side is pinned. */
@@ -116,9 +115,8 @@ int64_t rs_stage_device_bytes(int64_t ring_bytes);
  * the ring chunks, in proportion to their bytes, so the link stays busy while the host packs.
  * Returns when every host byte (reads of an H2D source and of the ring, writes of a D2H
  * target) is done; device-side scatters of an H2D may still be queued on the stream. */
-rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *table,
-                        const rs_stage_buffers *buf, rs_host_copy_fn host_copy, void *ctx,
-                        rs_stage_stats *stats, rs_error *err);
+rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *table, const rs_stage_buffers *buf,
+                        rs_host_copy_fn host_copy, void *ctx, rs_stage_stats *stats, rs_error *err);
 
 /* ---- page-locking live host memory in place ------------------------------------------- */
 

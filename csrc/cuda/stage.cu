@@ -80,8 +80,8 @@ struct Events {
 };
 
 /* Issues direct row i (H2D or D2H) on the stream. */
-rs_status issue_direct(rs_direction dir, const rs_run *r, const rs_stage_buffers *buf,
-                       int64_t es, cudaStream_t st, rs_error *err) {
+rs_status issue_direct(rs_direction dir, const rs_run *r, const rs_stage_buffers *buf, int64_t es,
+                       cudaStream_t st, rs_error *err) {
   const char *src = static_cast<const char *>(buf->src) + r->src_offset * es;
   char *dst = static_cast<char *>(buf->dst) + r->dst_offset * es;
   const cudaMemcpyKind kind = dir == RS_H2D ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
@@ -95,8 +95,7 @@ rs_status issue_direct(rs_direction dir, const rs_run *r, const rs_stage_buffers
   const size_t spitch = (size_t)(r->src_stride * es), dpitch = (size_t)(r->dst_stride * es);
   RS_CUDA_TRY(dir == RS_H2D ? "stage_h2d: cudaMemcpy2DAsync (direct)"
                             : "stage_d2h: cudaMemcpy2DAsync (direct)",
-              cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, (size_t)r->count, kind, st),
-              err);
+              cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, (size_t)r->count, kind, st), err);
   return RS_OK;
 }
 
@@ -106,16 +105,13 @@ int64_t run_bytes(const rs_run *r, int64_t es) { return r->length * r->count * e
 
 namespace {
 rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_buffers *buf,
-                     rs_host_copy_fn host_copy, void *ctx, rs_stage_stats *stats,
-                     rs_error *err) {
+                     rs_host_copy_fn host_copy, void *ctx, rs_stage_stats *stats, rs_error *err) {
   rs_stage_stats st_local;
   rs_stage_stats *so = stats ? stats : &st_local;
   memset(so, 0, sizeof *so);
   const char *op = dir == RS_H2D ? "stage_h2d" : "stage_d2h";
-  if (dir != RS_H2D && dir != RS_D2H)
-    return rs_fail(err, RS_EINVAL, -1, "staging: bad direction");
-  if (!t || !buf || !host_copy)
-    return rs_fail(err, RS_EINVAL, -1, "%s: null argument", op);
+  if (dir != RS_H2D && dir != RS_D2H) return rs_fail(err, RS_EINVAL, -1, "staging: bad direction");
+  if (!t || !buf || !host_copy) return rs_fail(err, RS_EINVAL, -1, "%s: null argument", op);
   const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
   const int64_t es_direct = (int64_t)rs_dtype_size(buf->src_dtype);
   const rs_dtype wire = rs_stage_wire_dtype(dir, buf->src_dtype, buf->dst_dtype);
@@ -190,10 +186,11 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
         return rs_fail(err, s, -1, "stage_h2d: host pack of a chunk failed (%s)",
                        rs_status_name(s));
       RS_CUDA_TRY("stage_h2d: cudaMemcpyAsync (ring -> device staging)",
-                  cudaMemcpyAsync(dev_slot, ring_slot, nbytes, cudaMemcpyHostToDevice, stream), err);
+                  cudaMemcpyAsync(dev_slot, ring_slot, nbytes, cudaMemcpyHostToDevice, stream),
+                  err);
       RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
-      s = rs_cuda_copy_slice(dev_slot, wire, buf->dst, buf->dst_dtype, t->d_runs, t->n,
-                             t->d_prefix, b, e, RS_MODE_UNPACK, buf->stream, err);
+      s = rs_cuda_copy_slice(dev_slot, wire, buf->dst, buf->dst_dtype, t->d_runs, t->n, t->d_prefix,
+                             b, e, RS_MODE_UNPACK, buf->stream, err);
       if (s != RS_OK) return s;
     } else {
       if (pending[sl] >= 0) { /* slot s holds chunk k - slots: finish it on the host */
@@ -209,11 +206,12 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
                          rs_status_name(s));
         pending[sl] = -1;
       }
-      s = rs_cuda_copy_slice(buf->src, buf->src_dtype, dev_slot, wire, t->d_runs, t->n,
-                             t->d_prefix, b, e, RS_MODE_PACK, buf->stream, err);
+      s = rs_cuda_copy_slice(buf->src, buf->src_dtype, dev_slot, wire, t->d_runs, t->n, t->d_prefix,
+                             b, e, RS_MODE_PACK, buf->stream, err);
       if (s != RS_OK) return s;
       RS_CUDA_TRY("stage_d2h: cudaMemcpyAsync (device staging -> ring)",
-                  cudaMemcpyAsync(ring_slot, dev_slot, nbytes, cudaMemcpyDeviceToHost, stream), err);
+                  cudaMemcpyAsync(ring_slot, dev_slot, nbytes, cudaMemcpyDeviceToHost, stream),
+                  err);
       RS_CUDA_TRY("stage_d2h: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
       pending[sl] = k;
     }
@@ -292,7 +290,8 @@ extern "C" rs_status rs_cuda_host_register(void *ptr, int64_t bytes, int *regist
   if (!ptr || bytes <= 0)
     return rs_fail(err, RS_EINVAL, -1, "host_register: null pointer or empty range");
   if (rs_cuda_is_pinned(ptr, bytes)) return RS_OK;
-  cudaError_t e = cudaHostRegister(ptr, (size_t)bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  cudaError_t e =
+      cudaHostRegister(ptr, (size_t)bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
   if (e == cudaErrorHostMemoryAlreadyRegistered) {
     cudaGetLastError();
     return RS_OK;
