@@ -171,8 +171,8 @@ static int cmp_footprint(const void *pa, const void *pb) {
 
 static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
   int64_t lo = r1 < r2 ? r1 : r2, hi = r1 < r2 ? r2 : r1;
-  return fail(err, RS_EOVERLAP, hi, lo, "rows %" PRId64 " and %" PRId64 " write the same dst element",
-              lo, hi);
+  return fail(err, RS_EOVERLAP, hi, lo,
+              "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
 }
 
 /* Cross-row overlap check of the non-empty rows. Sorted tables (the common case: plans emit
@@ -285,8 +285,7 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
   return st;
 }
 
-rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total,
-                    rs_error *err) {
+rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total, rs_error *err) {
   int64_t i, sum = 0;
   clear(err);
   if (n < 0) return fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
@@ -346,7 +345,7 @@ static inline uint16_t f16_from_f32_bits(uint32_t w) {
   uint32_t a = w & UINT32_C(0x7FFFFFFF);
   if (a > UINT32_C(0x7F800000)) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
   if (a >= UINT32_C(0x47800000)) return (uint16_t)(sign | 0x7C00u); /* >= 2^16 and inf */
-  if (a < UINT32_C(0x38800000)) {                                    /* f16 subnormal or 0 */
+  if (a < UINT32_C(0x38800000)) {                                   /* f16 subnormal or 0 */
     uint32_t e = a >> 23, m, shift, q, rem, half;
     if (e < 102) return (uint16_t)sign; /* < 2^-25 rounds to zero (2^-25 ties to even 0) */
     m = (a & UINT32_C(0x7FFFFF)) | UINT32_C(0x800000);
@@ -402,8 +401,12 @@ static inline uint16_t ld16(const unsigned char *p, int64_t i) {
   memcpy(&v, p + (size_t)i * 2, 2);
   return v;
 }
-static inline void st32(unsigned char *p, int64_t i, uint32_t v) { memcpy(p + (size_t)i * 4, &v, 4); }
-static inline void st16(unsigned char *p, int64_t i, uint16_t v) { memcpy(p + (size_t)i * 2, &v, 2); }
+static inline void st32(unsigned char *p, int64_t i, uint32_t v) {
+  memcpy(p + (size_t)i * 4, &v, 4);
+}
+static inline void st16(unsigned char *p, int64_t i, uint16_t v) {
+  memcpy(p + (size_t)i * 2, &v, 2);
+}
 
 static void cvt_f32_bf16(const unsigned char *s, unsigned char *d, int64_t n) {
   int64_t i;
@@ -447,8 +450,10 @@ static int64_t find_row(const int64_t *prefix, int64_t n, int64_t k) {
   int64_t lo = 0, hi = n; /* invariant: prefix[lo] <= k, answer < hi */
   while (hi - lo > 1) {
     int64_t mid = lo + (hi - lo) / 2;
-    if (prefix[mid] <= k) lo = mid;
-    else hi = mid;
+    if (prefix[mid] <= k)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -487,8 +492,10 @@ rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype
                                   : s + (size_t)(R->src_offset + c * R->src_stride + j) * ssz;
       dp = mode == RS_MODE_PACK ? d + (size_t)(k - begin) * dsz
                                 : d + (size_t)(R->dst_offset + c * R->dst_stride + j) * dsz;
-      if (cvt) cvt(sp, dp, take);
-      else memcpy(dp, sp, (size_t)take * ssz);
+      if (cvt)
+        cvt(sp, dp, take);
+      else
+        memcpy(dp, sp, (size_t)take * ssz);
       k += take;
     }
     r++;
@@ -512,11 +519,13 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
     return fail(err, RS_EINVAL, -1, -1, "null src or dst with a nonzero extent");
   }
   prefix = (int64_t *)malloc((size_t)(n + 1) * sizeof *prefix);
-  if (!prefix) return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
+  if (!prefix)
+    return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
   st = rs_prefix(runs, n, prefix, &total, err);
-  if (st == RS_OK) st = rs_copy_slice(src, src_dtype, dst, dst_dtype, runs, n, prefix, 0, total,
-                                      RS_MODE_RUNS);
-  if (st != RS_OK && err && err->code == RS_OK) fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
+  if (st == RS_OK)
+    st = rs_copy_slice(src, src_dtype, dst, dst_dtype, runs, n, prefix, 0, total, RS_MODE_RUNS);
+  if (st != RS_OK && err && err->code == RS_OK)
+    fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
   free(prefix);
   return st;
 }

@@ -25,9 +25,15 @@
 extern "C" {
 // An empty module: `import reshard._C` loads the shared library, which registers the ops.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "reshard torch ops (registered on import)", -1, nullptr,
-      nullptr, nullptr, nullptr, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
+                                          "_C",
+                                          "reshard torch ops (registered on import)",
+                                          -1,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr,
+                                          nullptr};
   return PyModule_Create(&module_def);
 }
 }
@@ -75,8 +81,8 @@ at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor&
   TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous (stride ", src.stride(0), ")");
   TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ", dst.stride(0), ")");
   const auto st = src.scalar_type(), dt = dst.scalar_type();
-  TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op,
-              ": cannot copy ", st, " to ", dt,
+  TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
+              st, " to ", dt,
               " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
               "themselves)");
   rs_dtype unused;
@@ -118,8 +124,8 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
   std::vector<int64_t> prefix(static_cast<size_t>(n) + 1);
   int64_t total = 0;
   rs_error err;
-  TORCH_CHECK(rs_prefix(runs, n, prefix.data(), &total, &err) == RS_OK, op, ": bad desc: ",
-              err.msg);
+  TORCH_CHECK(rs_prefix(runs, n, prefix.data(), &total, &err) == RS_OK, op,
+              ": bad desc: ", err.msg);
   if (total == 0) return;
 
   rs_dtype sdt, ddt;

@@ -5,8 +5,8 @@
  *
  * A descriptor table is n rows of six int64 (rs_run), all counted in *elements* of the
  * respective buffer's dtype:
- *   for c in [0, count): dst[dst_offset + c*dst_stride + j] = cast(src[src_offset + c*src_stride + j])
- *                        for j in [0, length)
+ *   for c in [0, count), j in [0, length):
+ *     dst[dst_offset + c*dst_stride + j] = cast(src[src_offset + c*src_stride + j])
  * Rows with count == 0 or length == 0 are legal no-ops. Negative values are errors.
  *
  * "Work" is the table flattened in row-major (row, c, j) order: work element k is one
@@ -87,9 +87,9 @@ typedef struct rs_error {
 /* Copy modes of rs_copy_slice. In the dense modes the dense side's pointer is the element
  * holding work element `begin`: work element k lives at dense[k - begin]. */
 typedef enum rs_mode {
-  RS_MODE_RUNS = 0,   /* src and dst both addressed by the table's offsets/strides */
-  RS_MODE_PACK = 1,   /* src by the table, dst dense: gather a chunk into a staging slot */
-  RS_MODE_UNPACK = 2  /* src dense, dst by the table: scatter a staging slot */
+  RS_MODE_RUNS = 0,  /* src and dst both addressed by the table's offsets/strides */
+  RS_MODE_PACK = 1,  /* src by the table, dst dense: gather a chunk into a staging slot */
+  RS_MODE_UNPACK = 2 /* src dense, dst by the table: scatter a staging slot */
 } rs_mode;
 
 /* Bytes per element; 0 for an unknown dtype. */
@@ -116,8 +116,7 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
 /* prefix[i] = work elements of rows [0, i); prefix must hold n + 1 entries; *total =
  * prefix[n]. Fails with RS_EOVERFLOW (naming the row) if a sum overflows int64.
  * prefix may be NULL to compute only the total. */
-rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total,
-                    rs_error *err);
+rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total, rs_error *err);
 
 /* Copies work elements [begin, end) of a *validated* table (no bounds checks here: call
  * rs_validate first) from src to dst with a cast. prefix comes from rs_prefix. Disjoint
@@ -133,7 +132,11 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
                        rs_dtype dst_dtype, int64_t dst_numel, const rs_run *runs, int64_t n,
                        unsigned flags, rs_error *err);
 
-/* Scalar casts, exposed for tests and for the CUDA half's host reference. */
+/* Scalar casts, exposed for tests and for the CUDA half's host reference. Bitwise equal to
+ * torch's CPU .to() on contiguous tensors, NaN included; torch's NaN results differ per pair:
+ *   f32 -> bf16: every NaN -> 0xFFFF;  f16 -> bf16: every NaN -> 0x7FC0
+ *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as x86 F16C)
+ *   f16 -> f32: sign and payload kept, quiet bit set;  bf16 -> f32: exact (bits << 16) */
 uint16_t rs_f32_to_bf16(float f);
 uint16_t rs_f32_to_f16(float f);
 float rs_bf16_to_f32(uint16_t h);
