@@ -10,7 +10,6 @@
  * group moves element by element. Casts match the C core bit for bit (torch's CPU .to()).
  * No torch headers: this file compiles with plain `nvcc -c -std=c++17 -arch=sm_90`.
  */
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -19,38 +18,68 @@
 
 namespace {
 
-/* ---- casts (bit patterns as torch's CPU .to(); see csrc/reshard.h) -------------------- */
+/* ---- casts: the C core's bit rules (csrc/copy_runs.c), i.e. torch 2.13's CPU .to() ------
+ * NaN per pair: f32 -> bf16 gives 0xFFFF; f16 -> bf16 gives 0x7FC0; f32/bf16 -> f16 keep the
+ * sign, set the quiet bit and keep the top 9 payload bits; f16 -> f32 keeps sign and payload
+ * and sets the quiet bit; bf16 -> f32 is a plain shift. Integer arithmetic only, so the
+ * result never depends on the device's float modes. */
 
-__device__ __forceinline__ uint16_t f32_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if (f != f) return 0x7FC0; /* c10: any NaN -> 0x7FC0 */
-  return (uint16_t)((u + (((u >> 16) & 1u) + 0x7FFFu)) >> 16);
+__host__ __device__ __forceinline__ uint32_t clz32(uint32_t m) {
+#ifdef __CUDA_ARCH__
+  return (uint32_t)__clz(m);
+#else
+  return (uint32_t)__builtin_clz(m);
+#endif
 }
 
-__device__ __forceinline__ uint16_t f32_to_f16(float f) {
-  uint32_t u = __float_as_uint(f);
-  /* c10 keeps the sign of a NaN and returns the canonical quiet NaN 0x7E00 */
-  if (f != f) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7E00u);
-  /* cvt.rn.f16.f32: round to nearest even, subnormals and overflow to inf as IEEE */
-  return __half_as_ushort(__float2half_rn(f));
+/* Host-callable too, so tests can compare them with the C core without a GPU. */
+__host__ __device__ __forceinline__ uint16_t bf16_from_bits_rne(uint32_t u) { /* u is not NaN */
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) {
-  return __uint_as_float((uint32_t)h << 16);
+__host__ __device__ __forceinline__ uint16_t bf16_from_f32_bits(uint32_t u) {
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
+  return bf16_from_bits_rne(u);
 }
 
-__device__ __forceinline__ float f16_to_f32(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t man = h & 0x3FFu;
-  if (exp == 0x1Fu) /* inf; a NaN comes out quiet, as from x86 float arithmetic in c10 */
-    return __uint_as_float(sign | 0x7F800000u | (man ? 0x00400000u : 0u) | (man << 13));
-  if (exp == 0) /* zero or subnormal: man * 2^-24, exact in fp32 */
-    return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));
-  return __uint_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+__host__ __device__ __forceinline__ uint16_t f16_from_f32_bits(uint32_t w) {
+  const uint32_t sign = (w >> 16) & 0x8000u;
+  uint32_t a = w & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 2^16 and inf */
+  if (a < 0x38800000u) {                                   /* f16 subnormal or zero */
+    const uint32_t e = a >> 23;
+    if (e < 102) return (uint16_t)sign; /* < 2^-25 rounds to zero */
+    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+    const uint32_t shift = 126 - e; /* value / 2^-24 = m >> shift, shift in [14, 24] */
+    uint32_t q = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1);
+    const uint32_t half = 1u << (shift - 1);
+    q += (rem > half) || (rem == half && (q & 1u));
+    return (uint16_t)(sign | q);
+  }
+  a += 0xC8000FFFu + ((a >> 13) & 1u); /* rebias, round to nearest even */
+  return (uint16_t)(sign | (a >> 13));
 }
 
-/* Element kinds: storage type + how to convert through float. */
+__host__ __device__ __forceinline__ uint32_t f32_bits_from_f16(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  if (e == 0x1F) return sign | 0x7F800000u | (m ? 0x400000u | (m << 13) : 0u);
+  if (e == 0) {
+    if (m == 0) return sign;
+    const uint32_t p = 31 - clz32(m); /* leading bit: value = m * 2^-24 */
+    return sign | ((p + 103) << 23) | ((m << (23 - p)) & 0x7FFFFFu);
+  }
+  return sign | ((e + 112) << 23) | (m << 13);
+}
+
+__host__ __device__ __forceinline__ uint16_t bf16_from_f16_bits(uint16_t h) {
+  if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu)) return 0x7FC0u;
+  return bf16_from_bits_rne(f32_bits_from_f16(h));
+}
+
+/* Element kinds: the storage type of each; casts exist among F32, BF16, F16. */
 enum Kind { K_F32, K_BF16, K_F16, K_RAW1, K_RAW2, K_RAW4, K_RAW8 };
 
 template <int K>
@@ -84,47 +113,25 @@ struct Store<K_RAW8> {
   typedef uint64_t T;
 };
 
-template <int K>
-__device__ __forceinline__ float to_f32(typename Store<K>::T x);
-template <>
-__device__ __forceinline__ float to_f32<K_F32>(uint32_t x) {
-  return __uint_as_float(x);
-}
-template <>
-__device__ __forceinline__ float to_f32<K_BF16>(uint16_t x) {
-  return bf16_to_f32(x);
-}
-template <>
-__device__ __forceinline__ float to_f32<K_F16>(uint16_t x) {
-  return f16_to_f32(x);
-}
-
-template <int K>
-__device__ __forceinline__ typename Store<K>::T from_f32(float f);
-template <>
-__device__ __forceinline__ uint32_t from_f32<K_F32>(float f) {
-  return __float_as_uint(f);
-}
-template <>
-__device__ __forceinline__ uint16_t from_f32<K_BF16>(float f) {
-  return f32_to_bf16(f);
-}
-template <>
-__device__ __forceinline__ uint16_t from_f32<K_F16>(float f) {
-  return f32_to_f16(f);
-}
-
+/* Same kind: raw bits. */
 template <int SK, int DK>
 struct Cast {
-  __device__ __forceinline__ static typename Store<DK>::T run(typename Store<SK>::T x) {
-    return from_f32<DK>(to_f32<SK>(x));
-  }
+  __device__ __forceinline__ static typename Store<DK>::T run(typename Store<SK>::T x) { return x; }
 };
-/* Same kind: raw bits. */
-template <int K>
-struct Cast<K, K> {
-  __device__ __forceinline__ static typename Store<K>::T run(typename Store<K>::T x) { return x; }
-};
+#define RS_CAST(SK, DK, EXPR)                                                              \
+  template <>                                                                              \
+  struct Cast<SK, DK> {                                                                    \
+    __device__ __forceinline__ static typename Store<DK>::T run(typename Store<SK>::T x) { \
+      return EXPR;                                                                         \
+    }                                                                                      \
+  };
+RS_CAST(K_F32, K_BF16, bf16_from_f32_bits(x))
+RS_CAST(K_F32, K_F16, f16_from_f32_bits(x))
+RS_CAST(K_BF16, K_F32, (uint32_t)x << 16)
+RS_CAST(K_F16, K_F32, f32_bits_from_f16(x))
+RS_CAST(K_BF16, K_F16, f16_from_f32_bits((uint32_t)x << 16))
+RS_CAST(K_F16, K_BF16, bf16_from_f16_bits(x))
+#undef RS_CAST
 
 /* ---- the kernel ---------------------------------------------------------------------- */
 
