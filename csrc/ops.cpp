@@ -19,6 +19,16 @@
 #include "reshard.h"
 
 #ifdef RESHARD_WITH_CUDA
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <list>
+#include <memory>
+#include <mutex>
+
 #include "cuda/reshard_cuda.h"
 #endif
 
@@ -163,6 +173,318 @@ TORCH_LIBRARY_IMPL(reshard, CPU, m) { m.impl("copy_runs", &copy_runs_cpu); }
 // dispatcher picks CUDA when any argument is a CUDA tensor).
 // ============================================================================================
 #ifdef RESHARD_WITH_CUDA
+// ---- CUDA (docs/cuda.md) ----------------------------------------------------------------
+// desc is a CPU int64 tensor. The first call with a given desc validates it on the host
+// (the same rs_validate as the CPU path) and uploads it with its prefix sums to the device;
+// the result is cached by the desc's storage identity (a weak reference, so a freed desc
+// never matches), its version counter (an in-place torch op on desc invalidates it), the
+// buffers' extents and the device. Repeated syncs with the same desc tensor pay neither
+// validation nor upload. Mutating a desc behind torch's back (through a numpy view) is not
+// detected: build a new tensor instead.
+
+namespace {
+
+struct DeviceTable {
+  std::vector<rs_run> runs;  // host copy (empty when it is the desc tensor itself)
+  const rs_run* host_runs = nullptr;
+  int64_t n = 0, total = 0;
+  std::vector<int64_t> prefix;  // host, n + 1
+  at::Tensor d_runs, d_prefix;  // device
+  std::vector<rs_run> direct;   // stage split only: rows moved by direct copies
+};
+
+struct CacheEntry {
+  const c10::StorageImpl* storage = nullptr;
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
+  uint32_t version = 0;
+  const void* data = nullptr;
+  int64_t n = 0, src_numel = 0, dst_numel = 0;
+  int device = -1;
+  std::shared_ptr<DeviceTable> full;
+  // stage splits keyed by the element size used to pick direct rows (0: no direct rows)
+  std::vector<std::pair<int64_t, std::shared_ptr<DeviceTable>>> splits;
+};
+
+constexpr size_t kCacheEntries = 64;
+std::mutex g_cache_mutex;
+std::list<std::shared_ptr<CacheEntry>> g_cache;  // most recently used first
+
+void upload(DeviceTable& t, int device) {
+  const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  // from_blob views host memory we own; .to() copies synchronously (pageable source)
+  t.d_runs = at::from_blob(const_cast<rs_run*>(t.host_runs), {t.n, 6}, opts).to(dev);
+  t.d_prefix = at::from_blob(t.prefix.data(), {t.n + 1}, opts).to(dev);
+}
+
+// Prefix sums + upload of a (validated) table; owned rows are moved in.
+std::shared_ptr<DeviceTable> make_table(const char* op, const rs_run* runs, int64_t n,
+                                        std::vector<rs_run> owned, int device) {
+  auto t = std::make_shared<DeviceTable>();
+  t->runs = std::move(owned);
+  t->host_runs = t->runs.empty() ? runs : t->runs.data();
+  t->n = n;
+  t->prefix.resize(static_cast<size_t>(n) + 1);
+  rs_error err;
+  TORCH_CHECK(rs_prefix(t->host_runs, n, t->prefix.data(), &t->total, &err) == RS_OK, op,
+              ": bad desc: ", err.msg);
+  if (n > 0) upload(*t, device);
+  return t;
+}
+
+// Finds (or validates and inserts) the entry of desc for these extents on this device.
+std::shared_ptr<CacheEntry> lookup(const char* op, const at::Tensor& desc, int64_t src_numel,
+                                   int64_t dst_numel, int device) {
+  const int64_t n = desc.size(0);
+  const c10::StorageImpl* storage = desc.storage().unsafeGetStorageImpl();
+  const bool cacheable = !desc.is_inference();
+  const uint32_t version =
+      cacheable ? desc.unsafeGetTensorImpl()->version_counter().current_version() : 0;
+  const void* data = desc.const_data_ptr();
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto it = g_cache.begin(); it != g_cache.end(); ++it) {
+      const CacheEntry& e = **it;
+      if (e.storage == storage && !e.weak.expired() && e.version == version && e.data == data &&
+          e.n == n && e.src_numel == src_numel && e.dst_numel == dst_numel && e.device == device) {
+        auto hit = *it;
+        g_cache.erase(it);
+        g_cache.push_front(hit);
+        return hit;
+      }
+    }
+  }
+  const auto* runs = reinterpret_cast<const rs_run*>(desc.const_data_ptr<int64_t>());
+  validate_table(op, runs, n, src_numel, dst_numel);
+  auto e = std::make_shared<CacheEntry>();
+  e->storage = storage;
+  e->version = version;
+  e->data = data;
+  e->n = n;
+  e->src_numel = src_numel;
+  e->dst_numel = dst_numel;
+  e->device = device;
+  // the entry owns a copy of the rows: it must not pin (or follow) the caller's tensor
+  e->full = make_table(op, nullptr, n, std::vector<rs_run>(runs, runs + n), device);
+  if (cacheable) {
+    e->weak = desc.storage().getWeakStorageImpl();
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    g_cache.push_front(e);
+    if (g_cache.size() > kCacheEntries) g_cache.pop_back();
+  }
+  return e;
+}
+
+// Ring rows and direct rows for staging. direct_es == 0: every row goes through the ring.
+std::shared_ptr<DeviceTable> stage_table(const char* op, CacheEntry& e, int64_t direct_es) {
+  if (direct_es == 0) return e.full;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto& kv : e.splits)
+      if (kv.first == direct_es) return kv.second;
+  }
+  const rs_run* r = e.full->host_runs;
+  std::vector<rs_run> ring, direct;
+  for (int64_t i = 0; i < e.n; ++i)
+    (rs_stage_row_is_direct(&r[i], direct_es, RS_STAGE_DIRECT_MIN_BYTES) ? direct : ring)
+        .push_back(r[i]);
+  if (direct.empty()) return e.full;
+  const auto n_ring = static_cast<int64_t>(ring.size());
+  auto t = make_table(op, nullptr, n_ring, std::move(ring), e.device);
+  t->direct = std::move(direct);
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  e.splits.emplace_back(direct_es, t);
+  return t;
+}
+
+// The caching allocator must not hand a cached table's memory to another stream while a
+// kernel on this one may still read it.
+void record_use(const DeviceTable& t, const c10::cuda::CUDAStream& stream) {
+  if (t.n == 0) return;
+  c10::cuda::CUDACachingAllocator::recordStream(t.d_runs.storage().data_ptr(), stream);
+  c10::cuda::CUDACachingAllocator::recordStream(t.d_prefix.storage().data_ptr(), stream);
+}
+
+rs_dtype rs_dtype_of(const at::Tensor& t) {
+  rs_dtype d;
+  to_rs_dtype(t.scalar_type(), &d);
+  return d;
+}
+
+void copy_runs_cuda(const at::Tensor& src, const at::Tensor& desc_in, const at::Tensor& dst) {
+  constexpr const char* op = "reshard::copy_runs";
+  at::Tensor desc = check_common(op, src, desc_in, dst);
+  TORCH_CHECK(src.is_cuda() && dst.is_cuda() && src.device() == dst.device(), op,
+              ": the CUDA implementation needs src and dst on one CUDA device, got ", src.device(),
+              " and ", dst.device(), " (CPU<->GPU copies are reshard::stage_h2d / stage_d2h)");
+  TORCH_CHECK(desc.is_cpu(), op,
+              ": desc must be a CPU tensor (it is validated on the host, then uploaded once "
+              "and cached per device), got ",
+              desc.device());
+  check_no_alias(op, src, dst);
+  const c10::cuda::CUDAGuard guard(dst.device());
+  auto entry = lookup(op, desc, src.numel(), dst.numel(), dst.get_device());
+  const auto t = entry->full;
+  if (t->total == 0) return;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  rs_error err;
+  const rs_status st = rs_cuda_copy_slice(
+      src.const_data_ptr(), rs_dtype_of(src), dst.mutable_data_ptr(), rs_dtype_of(dst),
+      reinterpret_cast<const rs_run*>(t->d_runs.const_data_ptr<int64_t>()), t->n,
+      t->d_prefix.const_data_ptr<int64_t>(), 0, t->total, RS_MODE_RUNS, stream.stream(), &err);
+  TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
+  record_use(*t, stream);
+}
+
+// Host half of the staging loop: rs_copy_slice over the torch thread pool. The dense side's
+// pointer moves with each thread's sub-range (it holds work element `begin` at index 0).
+rs_status host_copy_threaded(void* /*ctx*/, const void* src, rs_dtype sdt, void* dst, rs_dtype ddt,
+                             const rs_run* runs, int64_t n, const int64_t* prefix, int64_t begin,
+                             int64_t end, rs_mode mode) {
+  const auto ssz = static_cast<int64_t>(rs_dtype_size(sdt));
+  const auto dsz = static_cast<int64_t>(rs_dtype_size(ddt));
+  if (ssz == 0 || dsz == 0) return RS_EDTYPE;
+  std::atomic<int> status{RS_OK};
+  at::parallel_for(begin, end, std::max<int64_t>(1, kGrainBytes / dsz), [&](int64_t b, int64_t e) {
+    const char* s = static_cast<const char*>(src);
+    char* d = static_cast<char*>(dst);
+    if (mode == RS_MODE_UNPACK) s += (b - begin) * ssz;
+    if (mode == RS_MODE_PACK) d += (b - begin) * dsz;
+    const rs_status r = rs_copy_slice(s, sdt, d, ddt, runs, n, prefix, b, e, mode);
+    if (r != RS_OK) status.store(r);
+  });
+  return static_cast<rs_status>(status.load());
+}
+
+thread_local rs_stage_stats g_last_stats{};
+
+void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) {
+  TORCH_CHECK(ring.is_cpu(), op, ": ring must be a pinned CPU tensor, got ", ring.device());
+  TORCH_CHECK(ring.is_contiguous(), op, ": ring must be contiguous");
+  TORCH_CHECK(ring.is_pinned(), op,
+              ": ring must be pinned host memory (torch.empty(nbytes, dtype=torch.uint8, "
+              "pin_memory=True)); pageable memory would make every DMA synchronous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(ring.const_data_ptr()) % 16 == 0, op,
+              ": ring must start on a 16-byte boundary");
+  if (host.numel() > 0 && ring.numel() > 0) {
+    const auto r0 = reinterpret_cast<uintptr_t>(ring.const_data_ptr());
+    const auto h0 = reinterpret_cast<uintptr_t>(host.const_data_ptr());
+    TORCH_CHECK(r0 + ring.nbytes() <= h0 || h0 + host.nbytes() <= r0, op,
+                ": ring overlaps the host buffer");
+  }
+}
+
+void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
+                const at::Tensor& ring, const at::Tensor& dst) {
+  const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
+  at::Tensor desc = check_common(op, src, desc_in, dst);
+  const at::Tensor& host = dir == RS_H2D ? src : dst;
+  const at::Tensor& dev = dir == RS_H2D ? dst : src;
+  TORCH_CHECK(host.is_cpu(), op, ": ", dir == RS_H2D ? "src" : "dst",
+              " must be a CPU tensor (pinned or pageable), got ", host.device());
+  TORCH_CHECK(dev.is_cuda(), op, ": ", dir == RS_H2D ? "dst" : "src",
+              " must be a CUDA tensor, got ", dev.device());
+  TORCH_CHECK(desc.is_cpu(), op, ": desc must be a CPU tensor, got ", desc.device());
+  check_ring(op, ring, host);
+  const c10::cuda::CUDAGuard guard(dev.device());
+  auto entry = lookup(op, desc, src.numel(), dst.numel(), dev.get_device());
+  // Direct copies need a pinned (or registered) host buffer and no cast.
+  const bool direct_ok =
+      host.numel() > 0 && src.scalar_type() == dst.scalar_type() &&
+      rs_cuda_is_pinned(host.const_data_ptr(), static_cast<int64_t>(host.nbytes()));
+  const auto t = stage_table(op, *entry, direct_ok ? static_cast<int64_t>(src.itemsize()) : 0);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor staging;
+  const int64_t ring_bytes = static_cast<int64_t>(ring.nbytes());
+  if (t->total > 0) {
+    rs_error err;
+    int64_t slots = 0, slot_bytes = 0;
+    TORCH_CHECK(rs_stage_slots(ring_bytes, &slots, &slot_bytes, &err) == RS_OK, op, ": ", err.msg);
+    staging = at::empty({rs_stage_device_bytes(ring_bytes)},
+                        at::TensorOptions().dtype(at::kByte).device(dev.device()));
+  }
+  rs_stage_table table;
+  table.runs = t->host_runs;
+  table.prefix = t->prefix.data();
+  table.n = t->n;
+  table.total = t->total;
+  table.d_runs =
+      t->n ? reinterpret_cast<const rs_run*>(t->d_runs.const_data_ptr<int64_t>()) : nullptr;
+  table.d_prefix = t->n ? t->d_prefix.const_data_ptr<int64_t>() : nullptr;
+  table.direct = t->direct.data();
+  table.n_direct = static_cast<int64_t>(t->direct.size());
+  rs_stage_buffers buf;
+  buf.src = src.const_data_ptr();
+  buf.src_dtype = rs_dtype_of(src);
+  buf.dst = dst.mutable_data_ptr();
+  buf.dst_dtype = rs_dtype_of(dst);
+  buf.ring = ring.mutable_data_ptr();
+  buf.ring_bytes = ring_bytes;
+  buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
+  buf.stream = stream.stream();
+  rs_stage_stats stats;
+  rs_error err;
+  const rs_status st = rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
+  TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
+  g_last_stats = stats;
+  record_use(*t, stream);
+}
+
+void stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                    const at::Tensor& dst) {
+  stage_cuda(RS_H2D, src, desc, ring, dst);
+}
+
+void stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                    const at::Tensor& dst) {
+  stage_cuda(RS_D2H, src, desc, ring, dst);
+}
+
+// Page-locks the whole storage of a CPU tensor in place. 1: registered by this call (undo
+// with host_unregister); 0: it already was pinned or registered (nothing to undo).
+int64_t host_register(const at::Tensor& t) {
+  TORCH_CHECK(t.is_cpu(), "reshard::host_register: needs a CPU tensor, got ", t.device());
+  const auto nbytes = static_cast<int64_t>(t.storage().nbytes());
+  TORCH_CHECK(nbytes > 0, "reshard::host_register: the tensor's storage is empty");
+  int registered = 0;
+  rs_error err;
+  TORCH_CHECK(rs_cuda_host_register(t.storage().mutable_data(), nbytes, &registered, &err) == RS_OK,
+              "reshard::host_register: ", err.msg);
+  return registered;
+}
+
+void host_unregister(const at::Tensor& t) {
+  TORCH_CHECK(t.is_cpu(), "reshard::host_unregister: needs a CPU tensor, got ", t.device());
+  rs_error err;
+  TORCH_CHECK(rs_cuda_host_unregister(t.storage().mutable_data(), &err) == RS_OK,
+              "reshard::host_unregister: ", err.msg);
+}
+
+// What the calling thread's last stage_h2d/stage_d2h did: [slots, slot_bytes, chunks,
+// ring_bytes, direct_bytes, direct_copies, host_waits]. For tests and reports.
+std::vector<int64_t> last_stage_stats() {
+  const rs_stage_stats& s = g_last_stats;
+  return {s.slots,        s.slot_bytes,    s.chunks,    s.ring_bytes,
+          s.direct_bytes, s.direct_copies, s.host_waits};
+}
+
+// Device bytes a stage call holds for a ring of ring_bytes (0 when the ring is too small).
+int64_t stage_device_bytes(int64_t ring_bytes) { return rs_stage_device_bytes(ring_bytes); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(reshard, m) {
+  m.def("host_register(Tensor t) -> int", &host_register);
+  m.def("host_unregister(Tensor t) -> ()", &host_unregister);
+  m.def("last_stage_stats() -> int[]", &last_stage_stats);
+  m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
+}
+
+TORCH_LIBRARY_IMPL(reshard, CUDA, m) {
+  m.impl("copy_runs", &copy_runs_cuda);
+  m.impl("stage_h2d", &stage_h2d_cuda);
+  m.impl("stage_d2h", &stage_d2h_cuda);
+}
 
 #endif  // RESHARD_WITH_CUDA
 
