@@ -1,0 +1,263 @@
+"""reshard::copy_runs on CUDA: random tables against an independent reference and against the
+CPU implementation (bit for bit, NaNs included), odd sizes, errors, caching, streams,
+opcheck and torch.compile. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_ref import (
+    FLOAT_PAIRS,
+    RAW,
+    assert_same,
+    poison,
+    random_table,
+    random_values,
+    reference,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ops = pytest.importorskip("reshard._ops")
+if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
+    pytest.skip("reshard was built without CUDA", allow_module_level=True)
+
+DEV = "cuda"
+PAIRS = FLOAT_PAIRS + [(t, t) for t in RAW]
+
+
+def _ids(p):
+    return f"{str(p[0]).split('.')[-1]}-{str(p[1]).split('.')[-1]}"
+
+
+def run_both(src_cpu, desc, dst_dtype, dst_numel, src_offset=0, dst_offset=0):
+    """Runs the CUDA op (on views starting src_offset/dst_offset elements into their buffers,
+    to misalign them) and the CPU op on poisoned outputs; returns (cuda_out, cpu_out, ref)."""
+    sbuf = torch.empty(src_cpu.numel() + src_offset, dtype=src_cpu.dtype, device=DEV)
+    src = sbuf[src_offset:]
+    src.copy_(src_cpu.to(DEV))
+    dbuf = poison(dst_numel + dst_offset, dst_dtype, DEV)
+    dst = dbuf[dst_offset:]
+    ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
+    ops.copy_runs(src, desc, dst)
+    cpu = poison(dst_numel, dst_dtype, "cpu")
+    ops.copy_runs(src_cpu, desc, cpu)
+    torch.cuda.synchronize()
+    assert torch.equal(dbuf[:dst_offset].cpu(), poison(dst_offset, dst_dtype, "cpu"))
+    return dst.cpu(), cpu, ref
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_tables(pair, seed):
+    sdt, ddt = pair
+    rng = np.random.default_rng(seed)
+    for n, max_len, max_count in [(1, 1, 1), (7, 40, 3), (300, 200, 4), (2000, 9, 20)]:
+        desc, sn, dn = random_table(rng, n, max_len, max_count)
+        src = random_values(rng, sn, sdt)
+        out, cpu, ref = run_both(src, desc, ddt, dn)
+        assert_same(out, ref)
+        assert_same(out, cpu, nan_exact=True)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("offsets", [(1, 0), (0, 3), (5, 7)])
+def test_misaligned(pair, offsets):
+    sdt, ddt = pair
+    rng = np.random.default_rng(7)
+    desc, sn, dn = random_table(rng, 50, 300, 3)
+    src = random_values(rng, sn, sdt)
+    out, cpu, ref = run_both(src, desc, ddt, dn, *offsets)
+    assert_same(out, ref)
+    assert_same(out, cpu, nan_exact=True)
+
+
+@pytest.mark.parametrize("pair", FLOAT_PAIRS, ids=_ids)
+def test_every_bit_pattern(pair):
+    """All 65536 16-bit patterns and 4M random 32-bit patterns (NaN payloads, subnormals,
+    ties) through each cast: CUDA == CPU op bit for bit, == torch's .to() except NaN bits."""
+    sdt, ddt = pair
+    if sdt == torch.float32:
+        g = torch.Generator().manual_seed(3)
+        raw = torch.randint(-(2**31), 2**31, (1 << 22,), generator=g, dtype=torch.int64)
+        src = raw.to(torch.int32).view(torch.float32)
+    else:
+        src = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(sdt)
+    n = src.numel()
+    desc = np.array([[0, 0, 0, 0, n, 1]], dtype=np.int64)
+    out, cpu, ref = run_both(src, desc, ddt, n)
+    assert_same(out, ref)
+    assert_same(out, cpu, nan_exact=True)
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+    ids=_ids,
+)
+def test_huge_run(pair):
+    sdt, ddt = pair
+    n = (64 << 20) + 3
+    src = torch.randn(n + 5, dtype=torch.float32).to(sdt)
+    desc = np.array([[5, 0, 1, 0, n, 1]], dtype=np.int64)
+    out, cpu, ref = run_both(src, desc, ddt, n + 2)
+    assert_same(out, cpu, nan_exact=True)
+    assert_same(out, ref)
+
+
+def test_million_tiny_runs():
+    rng = np.random.default_rng(11)
+    m = 1_000_000
+    lens = rng.integers(1, 4, m)
+    dst_off = np.cumsum(lens + 1) - lens - 1
+    src_off = rng.integers(0, 5_000_000, m)
+    desc = np.stack(
+        [
+            src_off,
+            np.zeros(m, np.int64),
+            dst_off,
+            np.zeros(m, np.int64),
+            lens,
+            np.ones(m, np.int64),
+        ],
+        1,
+    )
+    desc = desc[rng.permutation(m)]
+    src = torch.randn(5_000_004)
+    out, _, ref = run_both(src, desc, torch.bfloat16, int((lens + 1).sum()) + 1)
+    assert_same(out, ref)
+    # one row, a million strided runs of one element
+    desc = np.array([[0, 3, 1, 2, 1, m]], dtype=np.int64)
+    out, _, ref = run_both(torch.randn(3 * m), desc, torch.float32, 2 * m + 1)
+    assert_same(out, ref)
+
+
+def test_empty_tables():
+    src = torch.randn(10, device=DEV)
+    dst = torch.full((4,), 7.0, device=DEV)
+    ops.copy_runs(src, np.zeros((0, 6), np.int64), dst)
+    ops.copy_runs(src, np.array([[0, 0, 0, 0, 0, 5], [3, 1, 2, 1, 4, 0]]), dst)
+    ops.copy_runs(
+        torch.empty(0, device=DEV), np.zeros((0, 6), np.int64), torch.empty(0, device=DEV)
+    )
+    assert torch.equal(dst.cpu(), torch.full((4,), 7.0))
+
+
+BAD_ROWS = [
+    ([0, 0, 0, 0, -1, 1], "negative"),
+    ([0, -2, 0, 0, 1, 2], "negative"),
+    ([8, 0, 0, 0, 4, 1], "row 1"),  # reads past src
+    ([0, 0, 30, 0, 4, 1], "row 1"),  # writes past dst
+    ([0, 1, 0, 1, 3, 2], "row 1"),  # overlapping writes within the row
+    ([0, 0, 0, 0, 2, 1], "rows 0 and 1"),  # overlaps row 0
+    ([0, 1 << 62, 0, 1, 1, 4], "row 1"),  # offset arithmetic overflows
+]
+
+
+@pytest.mark.parametrize("row,msg", BAD_ROWS)
+def test_bad_rows_write_nothing(row, msg):
+    src = torch.randn(10, device=DEV)
+    dst = torch.full((32,), 7.0, device=DEV)
+    desc = np.array([[0, 0, 0, 0, 1, 1], row], dtype=np.int64)
+    with pytest.raises(RuntimeError, match=msg):
+        ops.copy_runs(src, desc, dst)
+    assert torch.equal(dst.cpu(), torch.full((32,), 7.0))
+
+
+def test_bad_arguments():
+    src = torch.randn(10, device=DEV)
+    dst = torch.zeros(10, device=DEV)
+    ok = torch.tensor([[0, 0, 0, 0, 4, 1]])
+    op = torch.ops.reshard.copy_runs
+    with pytest.raises(RuntimeError, match="desc must be a CPU tensor"):
+        op(src, ok.to(DEV), dst)
+    with pytest.raises(RuntimeError, match="one CUDA device"):
+        op(src.cpu(), ok, dst)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(src, ok.to(torch.int32), dst)
+    with pytest.raises(RuntimeError, match="shape"):
+        op(src, ok[:, :5], dst)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(torch.randn(20, device=DEV)[::2], ok, dst)
+    with pytest.raises(RuntimeError, match="1-D"):
+        op(src.view(2, 5), ok, dst)
+    with pytest.raises(RuntimeError, match="cannot copy"):
+        op(src, ok, torch.zeros(10, dtype=torch.int32, device=DEV))
+    with pytest.raises(RuntimeError, match="overlap"):
+        buf = torch.randn(20, device=DEV)
+        op(buf[:12], ok, buf[8:])
+
+
+def test_cached_table_follows_in_place_edits():
+    """The device table is cached per desc tensor; an in-place edit (version bump) must
+    invalidate it, and so must a new tensor at the same address."""
+    src = torch.arange(100, dtype=torch.float32, device=DEV)
+    dst = torch.zeros(100, device=DEV)
+    desc = torch.tensor([[10, 0, 0, 0, 5, 1]])
+    ops.copy_runs(src, desc, dst)
+    assert dst[:5].tolist() == [10, 11, 12, 13, 14]
+    desc[0, 0] = 50  # in place: bumps the version counter
+    ops.copy_runs(src, desc, dst)
+    assert dst[:5].tolist() == [50, 51, 52, 53, 54]
+    desc[0, 4] = 1000  # now invalid: must be re-validated, not served from the cache
+    with pytest.raises(RuntimeError, match="row 0"):
+        ops.copy_runs(src, desc, dst)
+    for k in range(20):  # fresh tensors, possibly at recycled addresses
+        d = torch.tensor([[k, 0, 0, 0, 5, 1]])
+        ops.copy_runs(src, d, dst)
+        assert dst[:5].tolist() == [k, k + 1, k + 2, k + 3, k + 4]
+        del d
+
+
+def test_runs_on_the_current_stream():
+    """Launched on a side stream behind a long kernel: a launch on the default stream would
+    read src before the side stream wrote it."""
+    n = 1 << 22
+    src = torch.zeros(n, device=DEV)
+    dst = torch.zeros(n, device=DEV)
+    desc = torch.tensor([[0, 0, 0, 0, n, 1]])
+    ops.copy_runs(src, desc, dst)  # warm the cache and the kernel
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+        src.fill_(3.0)
+        ops.copy_runs(src, desc, dst)
+    side.synchronize()
+    assert bool((dst == 3.0).all())
+
+
+def test_opcheck():
+    rng = np.random.default_rng(5)
+    for sdt, ddt in [
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.int64, torch.int64),
+    ]:
+        desc, sn, dn = random_table(rng, 20, 30, 3)
+        src = random_values(rng, sn, sdt).to(DEV)
+        dst = poison(dn, ddt, DEV)
+        torch.library.opcheck(torch.ops.reshard.copy_runs, (src, torch.from_numpy(desc), dst))
+
+
+def test_torch_compile_fullgraph():
+    rng = np.random.default_rng(9)
+    desc_np, sn, dn = random_table(rng, 40, 50, 3)
+    desc = torch.from_numpy(desc_np)
+    src = torch.randn(sn, device=DEV)
+
+    @torch.compile(fullgraph=True)
+    def f(src, desc, dst):
+        torch.ops.reshard.copy_runs(src * 2, desc, dst)
+        return dst + 1
+
+    dst = poison(dn, torch.bfloat16, DEV)
+    out = f(src, desc, dst)
+    ref = reference((src * 2).cpu(), desc_np, poison(dn, torch.bfloat16, "cpu"))
+    assert_same(dst, ref)
+    assert_same(out, (ref.to(DEV) + 1))
