@@ -1,0 +1,452 @@
+"""Execute a plan on live buffers: preflight, then rounds of pack -> send/recv -> unpack.
+
+    report = execute(plan, src_buffers, dst_buffers, group=None)     # one-off
+    sync = Transfer(src_layout, dst_layout, budget_bytes_per_peer, group)
+    report = sync(src_buffers, dst_buffers)                          # every step: no re-plan,
+                                                                     # arenas reused
+Per round k (global order, the same on every rank): pack this rank's messages of round k with
+`copy_runs` into a send arena, post all sends and receives of the round in one
+`batch_isend_irecv`, wait, unpack with `copy_runs` out of the receive arena. Two arenas per
+direction: round k+1 is packed while round k is in flight. Local runs skip transport and arenas.
+
+Transports: gloo (CPU buffers, host arenas), NCCL (arenas in device memory; CUDA buffers are
+packed on the device; CPU buffers go through pinned host mirrors of the arenas with plain torch
+copies: a STAND-IN marked below, to be replaced by the stage_h2d/stage_d2h ops), and "local"
+(no process group initialized: every storage must be on rank 0; no collectives).
+
+Failure model: preflight failures are collective `PreflightError`s with nothing written. Any
+failure after preflight passed is a `TransferError`: targets may be partially written. Waits are
+bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog): never a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import preflight as pf
+from .errors import PreflightError, TransferError
+from .report import Report
+
+log = logging.getLogger("reshard")
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _copy_runs_op():
+    from . import _ops  # noqa: F401 - loads the compiled extension, registering torch.ops.reshard
+
+    return torch.ops.reshard.copy_runs
+
+
+def resolve_group(group):
+    """(group, rank, world_size, transport) with rank and size taken from the group itself."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1, "local"
+    if group is None:
+        group = dist.group.WORLD
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "gloo":
+        transport = "gloo"
+    elif backend == "nccl" or ("nccl" in backend and torch.cuda.is_available()):
+        transport = "nccl"
+    elif "gloo" in backend:
+        transport = "gloo"
+    else:
+        transport = backend
+    return group, dist.get_rank(group), dist.get_world_size(group), transport
+
+
+class _Seg:
+    """One segment's cached state: numpy desc, desc tensors per device, arena views."""
+
+    __slots__ = ("desc_np", "desc_t", "host_view", "loc", "numel", "view")
+
+    def __init__(self, loc, desc, view, numel):
+        self.loc = loc
+        self.desc_np = np.ascontiguousarray(desc, dtype=np.int64).reshape(-1, 6)
+        # Descriptor tables stay CPU tensors, converted once: the CUDA copy_runs caches its
+        # device copy keyed by this tensor's identity, so keeping it alive keeps that cache hot.
+        self.desc_t = torch.from_numpy(self.desc_np)
+        self.view = view  # arena view (transport device), wire dtype
+        self.host_view = None  # NCCL stand-in: the same bytes in the pinned mirror
+        self.numel = numel
+
+
+class _Engine:
+    """Everything one rank keeps for one plan: schedule, desc tensors, arenas, views.
+
+    Built once per Transfer (or per execute call); arenas are allocated on first use and
+    reused afterwards, so repeated syncs allocate nothing."""
+
+    def __init__(self, plan, group, rank, world_size, transport):
+        self.plan, self.group, self.rank = plan, group, rank
+        self.world_size, self.transport = world_size, transport
+        self.sched = plan.schedule(rank)
+        s = self.sched
+        self.num_rounds = int(s.num_rounds)
+        self.nbuf = min(2, self.num_rounds)
+        if transport == "nccl":
+            self.arena_device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.arena_device = torch.device("cpu")
+        self.global_peer = {}
+        peers = {m.peer for msgs in [*s.sends, *s.recvs] for m in msgs}
+        for p in peers:
+            self.global_peer[p] = dist.get_global_rank(group, p) if group is not None else p
+        self.bytes_sent, self.bytes_received = {}, {}
+        for msgs, acc in ((s.sends, self.bytes_sent), (s.recvs, self.bytes_received)):
+            for round_msgs in msgs:
+                for m in round_msgs:
+                    acc[m.peer] = acc.get(m.peer, 0) + int(m.nbytes)
+        self.local = [
+            (lc.src_location, lc.dst_location, _Seg(lc.src_location, lc.desc, None, 0))
+            for lc in s.local
+        ]
+        self.arenas = None  # {"send": [..], "recv": [..]} once allocated
+        self.pinned = None  # NCCL stand-in: pinned mirrors of the arenas
+        self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
+        self._written = None
+
+    # ------------------------------------------------------------ staging
+
+    def written(self):
+        if self._written is None:
+            self._written = pf.written_elements(self.sched)
+        return self._written
+
+    def bound(self, pinned: bool) -> dict:
+        transport = "nccl" if self.transport == "nccl" else "gloo"
+        ring = self._pinned_bytes() if pinned else 0
+        b = self.plan.staging_bytes(self.rank, transport=transport, host_ring_bytes=ring)
+        return {k: int(b.get(k, 0)) for k in ("device", "host_pinned", "host")}
+
+    def _pinned_bytes(self) -> int:
+        return self.nbuf * (int(self.sched.send_arena_bytes) + int(self.sched.recv_arena_bytes))
+
+    def held(self) -> dict:
+        held = {"device": 0, "host_pinned": 0, "host": 0}
+        kind = "device" if self.arena_device.type == "cuda" else "host"
+        for arenas in (self.arenas or {}).values():
+            held[kind] += sum(a.numel() for a in arenas)
+        for arenas in (self.pinned or {}).values():
+            held["host_pinned"] += sum(a.numel() for a in arenas)
+        return held
+
+    def allocate(self, need_pinned: bool):
+        """Allocate (once) and check against the plan's bound; raising here is a preflight
+        reason on this rank, not a crash."""
+        s = self.sched
+        if self.arenas is None:
+            self.arenas = {
+                "send": [self._alloc(int(s.send_arena_bytes), False) for _ in range(self.nbuf)],
+                "recv": [self._alloc(int(s.recv_arena_bytes), False) for _ in range(self.nbuf)],
+            }
+            self._build_rounds()
+        if need_pinned and self.pinned is None:
+            # STAND-IN (NCCL with CPU buffers): pinned mirrors of the arenas, plain torch
+            # copies. The CUDA issue replaces this with stage_h2d/stage_d2h and a bounded ring.
+            self.pinned = {
+                "send": [self._alloc(a.numel(), True) for a in self.arenas["send"]],
+                "recv": [self._alloc(a.numel(), True) for a in self.arenas["recv"]],
+            }
+            for k, (sends, recvs, _) in enumerate(self.rounds):
+                for ops, key in ((sends, "send"), (recvs, "recv")):
+                    for seg, off in ops:
+                        mirror = self.pinned[key][k % 2][
+                            off : off + seg.view.numel() * seg.view.element_size()
+                        ]
+                        seg.host_view = mirror.view(seg.view.dtype)
+        held, bound = self.held(), self.bound(self.pinned is not None)
+        over = {k: (held[k], bound[k]) for k in held if held[k] > bound[k]}
+        if over:
+            raise RuntimeError(f"staging held {held} exceeds the plan's bound {bound}")
+
+    def _alloc(self, nbytes, pinned):
+        if pinned:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.arena_device)
+
+    def _build_rounds(self):
+        """Arena views per segment and per message, built once (arenas never move)."""
+        self.rounds = []
+        for k in range(self.num_rounds):
+            send_ops, recv_ops, p2p = [], [], []
+            for msgs, ops, key in (
+                (self.sched.sends[k], send_ops, "send"),
+                (self.sched.recvs[k], recv_ops, "recv"),
+            ):
+                arena = self.arenas[key][k % 2]
+                for m in msgs:
+                    mo, nb = int(m.arena_offset), int(m.nbytes)
+                    if mo < 0 or mo + nb > arena.numel():
+                        raise RuntimeError(
+                            f"plan bug: round {k} {key} message to/from rank {m.peer} spans "
+                            f"arena bytes [{mo}, {mo + nb}) beyond the arena's {arena.numel()}"
+                        )
+                    for seg in m.segments:
+                        off = mo + int(seg.byte_offset)
+                        isz = torch.empty((), dtype=seg.wire_dtype).element_size()
+                        n = int(seg.numel)
+                        view = arena[off : off + n * isz].view(seg.wire_dtype)
+                        loc = seg.src_location if key == "send" else seg.dst_location
+                        ops.append((_Seg(loc, seg.desc, view, n), off))
+                    if nb:
+                        p2p.append((m.peer, key == "send", arena[mo : mo + nb]))
+            self.rounds.append((send_ops, recv_ops, p2p))
+
+    # ------------------------------------------------------------ the rounds
+
+    def run(self, src, dst, report, timeout_s):
+        copy_runs = _copy_runs_op()
+        sec = report.seconds
+        cuda = self.arena_device.type == "cuda"
+        tmo = datetime.timedelta(seconds=timeout_s)
+
+        def pack(k):
+            t0 = time.perf_counter()
+            h2d = 0.0
+            for seg, _ in self.rounds[k][0]:
+                buf = src[seg.loc]
+                if buf.device == self.arena_device:
+                    copy_runs(buf, seg.desc_t, seg.view)
+                else:  # STAND-IN: CPU source under NCCL, through the pinned mirror
+                    copy_runs(buf, seg.desc_t, seg.host_view)
+                    t1 = time.perf_counter()
+                    seg.view.copy_(seg.host_view, non_blocking=True)
+                    h2d += time.perf_counter() - t1
+            sec["pack"] += time.perf_counter() - t0 - h2d
+            sec["h2d"] += h2d
+
+        def post(k):
+            ops = []
+            for peer, is_send, buf in self.rounds[k][2]:
+                fn = dist.isend if is_send else dist.irecv
+                ops.append(dist.P2POp(fn, buf, self.global_peer[peer], self.group))
+            return dist.batch_isend_irecv(ops) if ops else []
+
+        def wait(works):
+            t0 = time.perf_counter()
+            for w in works:
+                if self.transport == "gloo":
+                    w.wait(tmo)
+                else:
+                    w.wait()
+            sec["transport"] += time.perf_counter() - t0
+
+        def unpack(k):
+            recv_ops = self.rounds[k][1]
+            stand_in = [seg for seg, _ in recv_ops if dst[seg.loc].device != self.arena_device]
+            if stand_in:  # STAND-IN: CPU targets under NCCL: D2H into the pinned mirror
+                t0 = time.perf_counter()
+                for seg in stand_in:
+                    seg.host_view.copy_(seg.view, non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+                sec["d2h"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for seg, _ in recv_ops:
+                buf = dst[seg.loc]
+                arena_view = seg.view if buf.device == self.arena_device else seg.host_view
+                copy_runs(arena_view, seg.desc_t, buf)
+            sec["unpack"] += time.perf_counter() - t0
+
+        def local():
+            t0 = time.perf_counter()
+            for sloc, dloc, seg in self.local:
+                s, d = src[sloc], dst[dloc]
+                copy_runs(s, seg.desc_t, d)
+            sec["local"] += time.perf_counter() - t0
+
+        R = self.num_rounds
+        if R == 0:
+            local()
+        else:
+            pack(0)
+        for k in range(R):
+            works = post(k)
+            if k == 0:
+                local()  # overlaps round 0's transport
+            if k + 1 < R:
+                if cuda and self.pinned is not None:
+                    # STAND-IN: the pinned send mirror of round k+1 was last read by round k-1's
+                    # H2D copies; make sure they finished before the host overwrites it.
+                    torch.cuda.current_stream().synchronize()
+                pack(k + 1)  # overlaps round k's transport
+            wait(works)
+            unpack(k)
+            log.debug(
+                "reshard rank %d round %d/%d: sent %d B, received %d B",
+                self.rank,
+                k + 1,
+                R,
+                sum(b.numel() for _, s_, b in self.rounds[k][2] if s_),
+                sum(b.numel() for _, s_, b in self.rounds[k][2] if not s_),
+            )
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+
+
+def _needs_pinned(engine, src_ok, dst_ok) -> bool:
+    if engine.transport != "nccl":
+        return False
+    for msgs, bufs, attr in (
+        (engine.sched.sends, src_ok, "src_location"),
+        (engine.sched.recvs, dst_ok, "dst_location"),
+    ):
+        for round_msgs in msgs:
+            for m in round_msgs:
+                for seg in m.segments:
+                    t = bufs.get(getattr(seg, attr))
+                    if t is not None and t.device.type == "cpu":
+                        return True
+    return False
+
+
+def _local_device_reasons(engine, src_ok, dst_ok) -> list[str]:
+    reasons = []
+    for sloc, dloc, _ in engine.local:
+        s, d = src_ok.get(sloc), dst_ok.get(dloc)
+        if s is not None and d is not None and s.device != d.device:
+            reasons.append(
+                f"source location {sloc} ({s.device}) -> target location {dloc} ({d.device}): "
+                "local copies across devices need the stage_h2d/stage_d2h ops, not wired yet"
+            )
+    return reasons
+
+
+def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds):
+    t_start = time.perf_counter()
+    rank, world = engine.rank, engine.world_size
+    report = Report(
+        rank=rank,
+        world_size=world,
+        transport=engine.transport,
+        rounds=engine.num_rounds,
+        fingerprint=str(plan.fingerprint),
+        bytes_sent=dict(engine.bytes_sent),
+        bytes_received=dict(engine.bytes_received),
+    )
+    report.seconds["plan"] = plan_seconds
+    src = pf.as_buffer_set(src_buffers, "src")
+    dst = pf.as_buffer_set(dst_buffers, "dst")
+
+    state = {}
+
+    # Staging is allocated after every other local check passed (it needs validated buffers
+    # to know whether the NCCL stand-in's pinned mirrors are needed).
+    reasons, src_ok, dst_ok = pf.local_checks(
+        plan, rank, world, engine.transport, src, dst, checks, None, engine.written
+    )
+    if not reasons:
+        reasons = _local_device_reasons(engine, src_ok, dst_ok)
+    if not reasons:
+        try:
+            state["pinned"] = _needs_pinned(engine, src_ok, dst_ok)
+            engine.allocate(state["pinned"])
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
+            reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+    try:
+        pf.agree(
+            reasons,
+            plan.fingerprint,
+            engine.group,
+            rank,
+            world,
+            engine.arena_device if engine.transport == "nccl" else torch.device("cpu"),
+        )
+    except PreflightError:
+        raise
+    except Exception as exc:  # the exchange itself failed: a peer died or timed out
+        raise PreflightError(
+            f"preflight exchange failed on rank {rank} ({type(exc).__name__}: {exc}); "
+            "nothing was written on this rank",
+            {rank: [str(exc)]},
+        ) from exc
+    t_pre = time.perf_counter()
+    report.seconds["preflight"] = t_pre - t_start
+    report.staged_with_torch_fallback = bool(state.get("pinned"))
+    report.staging_bound = engine.bound(bool(state.get("pinned")))
+    try:
+        engine.run(src_ok, dst_ok, report, timeout_s)
+    except Exception as exc:
+        raise TransferError(
+            f"transfer failed on rank {rank} after writes began ({type(exc).__name__}: {exc}); "
+            "targets may be partially written"
+        ) from exc
+    report.peak_staging_bytes = engine.held()
+    report.local_bytes = sum(
+        int((seg.desc_np[:, 4] * seg.desc_np[:, 5]).sum()) * dst_ok[dloc].element_size()
+        for _, dloc, seg in engine.local
+    )
+    report.seconds["total"] = time.perf_counter() - t_start + plan_seconds
+    log.info(
+        "reshard rank %d/%d [%s]: %d rounds, sent %d B, received %d B, local %d B, "
+        "%.3f ms, %.3f GB/s",
+        rank,
+        world,
+        engine.transport,
+        engine.num_rounds,
+        report.total_bytes_sent,
+        report.total_bytes_received,
+        report.local_bytes,
+        report.seconds["total"] * 1e3,
+        report.gbps,
+    )
+    return report
+
+
+def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DEFAULT_TIMEOUT_S):
+    """Run `plan` once: preflight (collective), then the rounds. Collective over `group`.
+
+    src_buffers / dst_buffers: {location: 1-D contiguous tensor} for the locations this rank
+    owns (ranks of `group`), or objects with `.buffers` and an optional `.check()` readiness
+    hook. checks: extra callables raising to veto the transfer. timeout: seconds any wait may
+    take (gloo; NCCL uses the group's timeout). Returns this rank's `Report`.
+    """
+    group, rank, world, transport = resolve_group(group)
+    engine = _Engine(plan, group, rank, world, transport)
+    return _run(engine, plan, src_buffers, dst_buffers, checks, timeout, 0.0)
+
+
+class Transfer:
+    """A planned transfer for repeated syncs: plans once, keeps arenas and descriptor tensors.
+
+    `Transfer(src, dst, budget_bytes_per_peer, group)` plans (pure, local: no collective);
+    each call runs preflight + the rounds and returns a `Report`. The first call allocates the
+    staging arenas; later calls allocate nothing.
+    """
+
+    def __init__(
+        self, src, dst, budget_bytes_per_peer=64 << 20, group=None, *, timeout=DEFAULT_TIMEOUT_S
+    ):
+        from .plan import plan as make_plan
+
+        t0 = time.perf_counter()
+        self.plan = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
+        self._plan_seconds = time.perf_counter() - t0
+        self.group, self.timeout = group, timeout
+        self._engine = None
+
+    @property
+    def engine_allocations(self) -> int:
+        """How many staging tensors this Transfer holds (constant after the first call)."""
+        e = self._engine
+        if e is None:
+            return 0
+        return sum(len(v) for v in (e.arenas or {}).values()) + sum(
+            len(v) for v in (e.pinned or {}).values()
+        )
+
+    def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
+        if self._engine is None:
+            group, rank, world, transport = resolve_group(self.group)
+            self._engine = _Engine(self.plan, group, rank, world, transport)
+            plan_s, self._plan_seconds = self._plan_seconds, 0.0
+        else:
+            plan_s = 0.0
+        return _run(self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s)

@@ -1,0 +1,323 @@
+"""Preflight: every rank checks its own buffers against the plan, then one collective exchange.
+
+Nothing is written unless every rank of the group agrees. Local checks (this rank only):
+ownership and presence of locations, dtype and extent against each `Storage`, 1-D contiguous,
+device vs transport, target writes that alias a source buffer or another target's writes,
+readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint) to one
+small all-gather; only when someone failed (or the fingerprints differ) a second all-gather
+carries the reasons, and every rank raises the same `PreflightError`.
+
+Buffer sets: `src_buffers` / `dst_buffers` are either a mapping {location: tensor} or an
+object with a `.buffers` mapping and, optionally, a `.check()` method that raises (e.g.
+`NotReadyError`) when the state is not usable yet: the integrations' hook (a DeepSpeed
+`describe()` result is such an object). Extra checks can also be passed as callables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import PreflightError
+
+SUPPORTED_TRANSPORTS = ("gloo", "nccl", "local")
+
+
+@dataclass
+class BufferSet:
+    """A normalized buffer set: {location: tensor or None} plus readiness hooks."""
+
+    buffers: dict
+    checks: list = field(default_factory=list)
+
+
+def as_buffer_set(obj, side: str) -> BufferSet:
+    """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`)."""
+    if isinstance(obj, BufferSet):
+        return obj
+    if isinstance(obj, Mapping):
+        return BufferSet(dict(obj))
+    buffers = getattr(obj, "buffers", None)
+    if isinstance(buffers, Mapping):
+        check = getattr(obj, "check", None)
+        return BufferSet(dict(buffers), [check] if callable(check) else [])
+    raise TypeError(
+        f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
+        f"mapping, got {type(obj).__name__}"
+    )
+
+
+def torch_dtype(d) -> torch.dtype:
+    """A Storage's dtype as a torch.dtype (accepts torch.dtype, numpy dtype or a name)."""
+    if isinstance(d, torch.dtype):
+        return d
+    name = str(getattr(d, "name", d)).removeprefix("torch.")
+    aliases = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}
+    t = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(t, torch.dtype):
+        raise TypeError(f"cannot interpret {d!r} as a torch dtype")
+    return t
+
+
+def fingerprint_words(fp) -> tuple[int, int]:
+    """Two int64 words of a fingerprint's hash, so it fits a fixed-size tensor all-gather."""
+    digest = hashlib.sha256(str(fp).encode()).digest()
+    return (
+        int.from_bytes(digest[:8], "little", signed=True),
+        int.from_bytes(digest[8:16], "little", signed=True),
+    )
+
+
+# ---------------------------------------------------------------- written ranges (aliasing)
+
+
+def _expand_runs(desc: np.ndarray, off_col: int, stride_col: int) -> np.ndarray:
+    """Element intervals [start, stop) touched by the (off, stride, length, count) side of desc."""
+    if desc.size == 0:
+        return np.zeros((0, 2), np.int64)
+    off, stride, length, count = desc[:, off_col], desc[:, stride_col], desc[:, 4], desc[:, 5]
+    keep = (length > 0) & (count > 0)
+    off, stride, length, count = off[keep], stride[keep], length[keep], count[keep]
+    if off.size == 0:
+        return np.zeros((0, 2), np.int64)
+    row = np.repeat(np.arange(off.size), count)
+    first = np.cumsum(count) - count
+    c = np.arange(row.size) - np.repeat(first, count)
+    starts = off[row] + c * stride[row]
+    return np.stack([starts, starts + length[row]], axis=1)
+
+
+def _merge(iv: np.ndarray) -> np.ndarray:
+    if iv.shape[0] <= 1:
+        return iv
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    ends = np.maximum.accumulate(iv[:, 1])
+    new = np.ones(iv.shape[0], bool)
+    new[1:] = iv[1:, 0] >= ends[:-1]
+    idx = np.flatnonzero(new)
+    return np.stack([iv[idx, 0], np.maximum.reduceat(iv[:, 1], idx)], axis=1)
+
+
+def written_elements(sched) -> dict[int, np.ndarray]:
+    """Per target location of this rank: merged element intervals the schedule writes."""
+    parts: dict[int, list] = {}
+    for lc in sched.local:
+        parts.setdefault(lc.dst_location, []).append(_expand_runs(np.asarray(lc.desc), 2, 3))
+    for msgs in sched.recvs:
+        for msg in msgs:
+            for seg in msg.segments:
+                iv = _expand_runs(np.asarray(seg.desc), 2, 3)
+                parts.setdefault(seg.dst_location, []).append(iv)
+    return {loc: _merge(np.concatenate(p)) for loc, p in parts.items()}
+
+
+def _intervals_overlap(a: np.ndarray, b: np.ndarray) -> tuple[int, int] | None:
+    """First overlap [lo, hi) of two merged interval sets, or None."""
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return None
+    # b is disjoint and sorted, so its ends are sorted too: the last b starting before a's end
+    # is the only b interval that can reach into a.
+    j = np.searchsorted(b[:, 0], a[:, 1], side="left") - 1
+    hit = (j >= 0) & (b[np.maximum(j, 0), 1] > a[:, 0])
+    if not hit.any():
+        return None
+    i = int(np.flatnonzero(hit)[0])
+    return int(max(a[i, 0], b[j[i], 0])), int(min(a[i, 1], b[j[i], 1]))
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------- local checks
+
+
+def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
+    storages = layout.storages
+    for loc, st in storages.items():
+        if st.rank >= world_size:
+            reasons.append(
+                f"{side} location {loc} belongs to rank {st.rank}, but the group has only "
+                f"{world_size} ranks"
+            )
+        elif st.rank == rank and loc not in buffers:
+            reasons.append(f"{side} location {loc} (owned by rank {rank}) is missing")
+    ok = {}
+    for loc, t in buffers.items():
+        st = storages.get(loc)
+        if st is None:
+            reasons.append(f"{side} location {loc} does not exist in the {side} layout")
+            continue
+        if st.rank != rank:
+            reasons.append(f"{side} location {loc} is owned by rank {st.rank}, not {rank}")
+            continue
+        if t is None:
+            reasons.append(f"{side} location {loc} has no buffer (None: not ready)")
+            continue
+        if not isinstance(t, torch.Tensor):
+            reasons.append(
+                f"{side} location {loc}: expected a torch.Tensor, got {type(t).__name__}"
+            )
+            continue
+        bad = []
+        want = torch_dtype(st.dtype)
+        if t.dtype != want:
+            bad.append(f"dtype {t.dtype}, storage declares {want}")
+        if t.dim() != 1:
+            bad.append(f"must be 1-D, got shape {tuple(t.shape)}")
+        elif not t.is_contiguous():
+            bad.append(f"must be contiguous, got stride {t.stride()}")
+        if t.numel() != st.numel:
+            bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
+        dev = t.device
+        if transport == "gloo" and dev.type != "cpu":
+            bad.append(f"is on {dev}, but the gloo transport needs CPU buffers")
+        elif transport == "nccl" and dev.type not in ("cpu", "cuda"):
+            bad.append(f"is on {dev}, the NCCL transport takes CUDA or CPU buffers")
+        elif (
+            transport == "nccl" and dev.type == "cuda" and dev.index != torch.cuda.current_device()
+        ):
+            bad.append(
+                f"is on {dev}, not this rank's current device cuda:{torch.cuda.current_device()}"
+            )
+        if bad:
+            reasons.append(f"{side} location {loc}: " + "; ".join(bad))
+        else:
+            ok[loc] = t
+    return ok
+
+
+def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
+    """Target writes must not touch a source buffer, nor another target's writes."""
+    written_bytes = {}
+    for loc, t in dst_ok.items():
+        iv = sched_written().get(loc)
+        if iv is None or iv.shape[0] == 0:
+            continue
+        written_bytes[loc] = iv * t.element_size() + t.data_ptr()
+    for dloc, wb in written_bytes.items():
+        d = dst_ok[dloc]
+        for sloc, s in src_ok.items():
+            if s.device != d.device:
+                continue
+            lo, hi = _extent(s)
+            hit = _intervals_overlap(wb, np.array([[lo, hi]], np.int64))
+            if hit is not None:
+                reasons.append(
+                    f"target location {dloc} aliases source location {sloc}: the transfer would "
+                    f"write source bytes [{hit[0] - lo}, {hit[1] - lo}) (sources are never written)"
+                )
+    locs = sorted(written_bytes)
+    for i, a in enumerate(locs):
+        for b in locs[i + 1 :]:
+            if dst_ok[a].device != dst_ok[b].device:
+                continue
+            hit = _intervals_overlap(written_bytes[a], written_bytes[b])
+            if hit is not None:
+                reasons.append(
+                    f"target locations {a} and {b} alias: both would write the same bytes "
+                    f"(bytes [{hit[0] - dst_ok[a].data_ptr()}, "
+                    f"{hit[1] - dst_ok[a].data_ptr()}) of location {a})"
+                )
+
+
+def _any_overlap(src_ok, dst_ok) -> bool:
+    """Cheap test first: do any target buffers share memory with a source or each other?"""
+    exts = [(_extent(t), t.device, "d") for t in dst_ok.values()]
+    exts += [(_extent(t), t.device, "s") for t in src_ok.values()]
+    for i, ((lo1, hi1), d1, k1) in enumerate(exts):
+        if k1 != "d":
+            continue
+        for j, ((lo2, hi2), d2, _) in enumerate(exts):
+            if j != i and d1 == d2 and lo1 < hi2 and lo2 < hi1:
+                return True
+    return False
+
+
+def local_checks(
+    plan,
+    rank: int,
+    world_size: int,
+    transport: str,
+    src: BufferSet,
+    dst: BufferSet,
+    extra_checks: Iterable[Callable[[], None]] = (),
+    allocate: Callable[[], None] | None = None,
+    written: Callable[[], dict] | None = None,
+) -> tuple[list[str], dict, dict]:
+    """This rank's reasons (empty if fine) and the validated {location: tensor} maps."""
+    if transport not in SUPPORTED_TRANSPORTS:
+        return [f"unsupported transport {transport!r} (gloo, nccl or no process group)"], {}, {}
+    reasons: list[str] = []
+    src_ok = _check_side("source", plan.src, src.buffers, rank, world_size, transport, reasons)
+    dst_ok = _check_side("target", plan.dst, dst.buffers, rank, world_size, transport, reasons)
+    for check in [*src.checks, *dst.checks, *extra_checks]:
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - any hook failure is a reason, not a crash
+            reasons.append(f"{type(exc).__name__}: {exc}")
+    if not reasons and _any_overlap(src_ok, dst_ok):
+        if written is None:
+            sched = plan.schedule(rank)
+
+            def written():
+                return written_elements(sched)
+
+        _check_aliasing(src_ok, dst_ok, written, reasons)
+    if not reasons and allocate is not None:
+        try:
+            allocate()
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
+            reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+    return reasons, src_ok, dst_ok
+
+
+# ---------------------------------------------------------------- the collective
+
+
+def agree(reasons: list[str], fingerprint, group, rank: int, world_size: int, device) -> None:
+    """One all-gather of (ok, fingerprint); raise the same PreflightError on every rank if any
+    rank failed or the fingerprints differ. world_size 1 and no group: purely local."""
+    words = fingerprint_words(fingerprint)
+    if world_size == 1:
+        rows = [[0 if reasons else 1, *words]]
+    else:
+        mine = torch.tensor([0 if reasons else 1, *words], dtype=torch.int64, device=device)
+        gathered = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(gathered, mine, group=group)
+        rows = torch.stack(gathered).cpu().tolist()
+    ref = tuple(rows[0][1:])
+    fp_bad = [r for r, row in enumerate(rows) if tuple(row[1:]) != ref]
+    if all(row[0] for row in rows) and not fp_bad:
+        return
+    # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
+    if world_size == 1:
+        all_reasons = [reasons]
+        all_fps = [str(fingerprint)]
+    else:
+        payload = [None] * world_size
+        dist.all_gather_object(payload, (reasons, str(fingerprint)), group=group)
+        all_reasons = [p[0] for p in payload]
+        all_fps = [p[1] for p in payload]
+    failures: dict[int, list[str]] = {}
+    for r in range(world_size):
+        rs = list(all_reasons[r])
+        if r in fp_bad:
+            rs.append(
+                f"plan fingerprint {all_fps[r]} differs from rank 0's {all_fps[0]} "
+                "(the ranks planned different transfers)"
+            )
+        if rs:
+            failures[r] = rs
+    lines = [f"  rank {r}: {reason}" for r, rs in sorted(failures.items()) for reason in rs]
+    raise PreflightError(
+        f"preflight failed on {len(failures)} of {world_size} ranks "
+        f"({', '.join(map(str, sorted(failures)))}); nothing was written:\n" + "\n".join(lines),
+        failures,
+    )
