@@ -1,0 +1,252 @@
+"""reshard::stage_h2d / stage_d2h and host registration on CUDA: pageable, pinned and
+registered host buffers, casts, rings smaller than one run, the direct (no bounce) path, the
+number of host waits, errors, opcheck and torch.compile. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gpu_ref import FLOAT_PAIRS, RAW, assert_same, poison, random_table, random_values, reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ops = pytest.importorskip("reshard._ops")
+if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
+    pytest.skip("reshard was built without CUDA", allow_module_level=True)
+
+DEV = "cuda"
+STATS = (
+    "slots",
+    "slot_bytes",
+    "chunks",
+    "ring_bytes",
+    "direct_bytes",
+    "direct_copies",
+    "host_waits",
+)
+
+
+def stats() -> dict:
+    return dict(zip(STATS, torch.ops.reshard.last_stage_stats(), strict=True))
+
+
+def ring(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _ids(p):
+    return f"{str(p[0]).split('.')[-1]}-{str(p[1]).split('.')[-1]}"
+
+
+def h2d(src_cpu, desc, dst_dtype, dst_numel, ring_bytes):
+    dst = poison(dst_numel, dst_dtype, DEV)
+    ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
+    ops.stage_h2d(src_cpu, desc, ring(ring_bytes), dst)
+    torch.cuda.synchronize()
+    return dst.cpu(), ref
+
+
+def d2h(src_cpu, desc, dst_dtype, dst_numel, ring_bytes, pin=False):
+    dst = poison(dst_numel, dst_dtype, "cpu")
+    if pin:
+        dst = dst.pin_memory()
+    ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
+    ops.stage_d2h(src_cpu.to(DEV), desc, ring(ring_bytes), dst)
+    return dst, ref  # stage_d2h returns with every host write done: no synchronize here
+
+
+@pytest.mark.parametrize("pair", FLOAT_PAIRS + [(t, t) for t in RAW], ids=_ids)
+@pytest.mark.parametrize("ring_bytes", [32, 48, 1000, 1 << 16, 4 << 20])
+def test_random_tables_h2d_d2h(pair, ring_bytes):
+    sdt, ddt = pair
+    rng = np.random.default_rng(ring_bytes)
+    desc, sn, dn = random_table(rng, 300, 500, 4)
+    src = random_values(rng, sn, sdt)
+    out, ref = h2d(src, desc, ddt, dn, ring_bytes)
+    assert_same(out, ref)
+    s = stats()
+    assert s["direct_copies"] == 0  # pageable source: everything through the ring
+    wire = int((desc[:, 4] * desc[:, 5]).sum()) * min(sdt.itemsize, ddt.itemsize)
+    assert s["ring_bytes"] == wire  # the narrower dtype crosses the link
+    assert s["chunks"] == (-(-wire // s["slot_bytes"]) if wire else 0)
+    # one wait per reused slot plus one final wait: never one per run
+    assert s["host_waits"] <= max(0, s["chunks"] - s["slots"]) + 1
+    out, ref = d2h(src, desc, ddt, dn, ring_bytes)
+    assert_same(out, ref)
+    s = stats()
+    assert s["host_waits"] == s["chunks"]
+
+
+def test_ring_smaller_than_one_run():
+    n = 1_000_003
+    src = torch.randn(n + 1)
+    desc = np.array([[1, 0, 2, 0, n, 1]], dtype=np.int64)
+    out, ref = h2d(src, desc, torch.bfloat16, n + 5, 64)
+    assert_same(out, ref)
+    assert stats()["chunks"] == -(-(2 * n) // 32)
+    out, ref = d2h(src, desc, torch.float16, n + 5, 64)
+    assert_same(out, ref)
+
+
+def _long_runs_table(rng, elem_bytes):
+    """Long runs (direct-eligible: >= 256 KiB each, one strided 2-D row) mixed with short
+    ones that must still go through the ring."""
+    long_len = (300 << 10) // elem_bytes
+    rows = [
+        [0, 0, 0, 0, long_len, 1],
+        [long_len + 7, long_len + 3, long_len + 11, long_len + 5, long_len, 3],  # 2-D
+        [17, 0, 5 * long_len + 100, 0, 33, 1],  # short: ring
+        [100, 9, 6 * long_len, 8, 5, 40],  # short, strided: ring
+    ]
+    desc = np.array(rows, dtype=np.int64)[rng.permutation(4)]
+    return desc, 5 * long_len + 200, 7 * long_len
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_pinned_source_goes_direct(dtype):
+    rng = np.random.default_rng(1)
+    desc, sn, dn = _long_runs_table(rng, dtype.itemsize)
+    src = random_values(rng, sn, dtype).pin_memory()
+    out, ref = h2d(src, desc, dtype, dn, 1 << 16)
+    assert_same(out, ref)
+    s = stats()
+    long_len = int(desc[:, 4].max())
+    assert s["direct_copies"] == 2
+    assert s["direct_bytes"] == 4 * long_len * dtype.itemsize
+    assert s["ring_bytes"] == (33 + 5 * 40) * dtype.itemsize
+    # a cast cannot go direct: all through the ring
+    if dtype == torch.float32:
+        out, ref = h2d(src, desc, torch.bfloat16, dn, 1 << 16)
+        assert_same(out, ref)
+        assert stats()["direct_copies"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pinned_target_goes_direct(dtype):
+    rng = np.random.default_rng(2)
+    desc, sn, dn = _long_runs_table(rng, dtype.itemsize)
+    src = random_values(rng, sn, dtype)
+    out, ref = d2h(src, desc, dtype, dn, 1 << 16, pin=True)
+    assert_same(out, ref)
+    assert stats()["direct_copies"] == 2
+
+
+def test_host_register_in_place():
+    rng = np.random.default_rng(3)
+    desc, sn, dn = _long_runs_table(rng, 4)
+    src = random_values(rng, sn, torch.float32)
+    assert not src.is_pinned()
+    assert torch.ops.reshard.host_register(src) == 1
+    try:
+        assert src.is_pinned()
+        assert torch.ops.reshard.host_register(src) == 0  # already: nothing to undo
+        out, ref = h2d(src, desc, torch.float32, dn, 1 << 16)
+        assert_same(out, ref)
+        assert stats()["direct_copies"] == 2
+    finally:
+        torch.ops.reshard.host_unregister(src)
+    assert not src.is_pinned()
+    with pytest.raises(RuntimeError, match="host_unregister"):
+        torch.ops.reshard.host_unregister(src)
+    # a tensor from the pinned allocator is already pinned: registering does nothing
+    p = torch.empty(1000).pin_memory()
+    assert torch.ops.reshard.host_register(p) == 0
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        torch.ops.reshard.host_register(torch.zeros(4, device=DEV))
+
+
+def test_registered_target_d2h():
+    rng = np.random.default_rng(4)
+    desc, sn, dn = _long_runs_table(rng, 2)
+    src = random_values(rng, sn, torch.bfloat16).to(DEV)
+    dst = poison(dn, torch.bfloat16, "cpu")
+    ref = reference(src.cpu(), desc, dst)
+    assert torch.ops.reshard.host_register(dst) == 1
+    try:
+        ops.stage_d2h(src, desc, ring(1 << 16), dst)
+        assert stats()["direct_copies"] == 2
+        assert_same(dst, ref)
+    finally:
+        torch.ops.reshard.host_unregister(dst)
+
+
+def test_stage_errors_write_nothing():
+    src = torch.randn(100)
+    dst = torch.full((100,), 7.0, device=DEV)
+    good = torch.tensor([[0, 0, 0, 0, 50, 1]])
+    h2d_op, d2h_op = torch.ops.reshard.stage_h2d, torch.ops.reshard.stage_d2h
+    with pytest.raises(RuntimeError, match="pinned"):
+        h2d_op(src, good, torch.empty(1024, dtype=torch.uint8), dst)
+    with pytest.raises(RuntimeError, match="too small"):
+        h2d_op(src, good, ring(16), dst)
+    with pytest.raises(RuntimeError, match="16-byte"):
+        h2d_op(src, good, ring(1024)[1:], dst)
+    with pytest.raises(RuntimeError, match="row 1"):
+        h2d_op(src, torch.tensor([[0, 0, 0, 0, 50, 1], [90, 0, 60, 0, 20, 1]]), ring(1024), dst)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        h2d_op(src.to(DEV), good, ring(1024), dst)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        d2h_op(src, good, ring(1024), torch.zeros(100).to(DEV))
+    with pytest.raises(RuntimeError, match="cannot copy"):
+        h2d_op(src, good, ring(1024), torch.zeros(100, dtype=torch.int32, device=DEV))
+    r = ring(4096)
+    with pytest.raises(RuntimeError, match="ring overlaps"):
+        h2d_op(r[:400].view(torch.float32), good, r, dst)
+    assert torch.equal(dst.cpu(), torch.full((100,), 7.0))
+    host = torch.full((100,), 7.0)
+    with pytest.raises(RuntimeError, match="row 0"):
+        d2h_op(dst, torch.tensor([[0, 0, 60, 0, 50, 1]]), ring(1024), host)
+    assert torch.equal(host, torch.full((100,), 7.0))
+
+
+def test_stage_on_side_stream():
+    n = 1 << 20
+    src_dev = torch.zeros(n, device=DEV)
+    host = torch.zeros(n)
+    desc = torch.tensor([[0, 0, 0, 0, n, 1]])
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        src_dev.fill_(5.0)
+        ops.stage_d2h(src_dev, desc, ring(1 << 16), host)  # ordered after the fill
+    assert bool((host == 5.0).all())
+    dst = torch.zeros(n, device=DEV)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        ops.stage_h2d(torch.full((n,), 2.0), desc, ring(1 << 16), dst)
+        out = dst * 1  # on the side stream, after the scatter
+    side.synchronize()
+    assert bool((out == 2.0).all())
+
+
+def test_opcheck_stage():
+    rng = np.random.default_rng(8)
+    desc, sn, dn = random_table(rng, 30, 40, 3)
+    d = torch.from_numpy(desc)
+    src = random_values(rng, sn, torch.float32)
+    torch.library.opcheck(
+        torch.ops.reshard.stage_h2d, (src, d, ring(256), poison(dn, torch.bfloat16, DEV))
+    )
+    torch.library.opcheck(
+        torch.ops.reshard.stage_d2h, (src.to(DEV), d, ring(256), poison(dn, torch.float16, "cpu"))
+    )
+
+
+def test_torch_compile_stage():
+    rng = np.random.default_rng(10)
+    desc_np, sn, dn = random_table(rng, 30, 40, 3)
+    desc = torch.from_numpy(desc_np)
+    src = random_values(rng, sn, torch.float32)
+    r = ring(512)
+
+    @torch.compile(fullgraph=True)
+    def f(src, desc, ring, dst):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst)
+        return dst.float() * 2
+
+    dst = poison(dn, torch.bfloat16, DEV)
+    out = f(src, desc, r, dst)
+    ref = reference(src, desc_np, poison(dn, torch.bfloat16, "cpu"))
+    assert_same(dst, ref)
+    assert_same(out, ref.float().to(DEV) * 2)
