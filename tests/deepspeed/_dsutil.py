@@ -1,0 +1,232 @@
+"""Helpers for the DeepSpeed tests, used inside spawned ranks: real engines, references.
+
+Kept import-light at module level (the spawn context re-imports it in every worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+STAGES_OFFLOAD = [(s, o) for s in (1, 2, 3) for o in ("none", "cpu")]
+
+
+def ds_env(rank, world):
+    """What the DeepSpeed launcher would set; DS_ACCELERATOR=cpu before deepspeed imports."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update(
+        LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world)
+    )
+    import deepspeed
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.ERROR)
+    return deepspeed
+
+
+def make_model(kind, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        # 13x13 + 13 twice, plus a 1-element param in its own group: with dp 3 it pads its
+        # ZeRO-1/2 group to 6, so two ranks hold only padding.
+        class MLP(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc1 = torch.nn.Linear(13, 13)
+                self.fc2 = torch.nn.Linear(13, 13)
+                self.scale = torch.nn.Parameter(torch.ones(1))
+
+            def forward(self, x):
+                return self.fc2(torch.relu(self.fc1(x))) * self.scale
+
+        return MLP()
+    if kind == "block":
+        # A small transformer block with odd sizes and a frozen LayerNorm.
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.TransformerEncoderLayer(
+                    d_model=12, nhead=2, dim_feedforward=20, dropout=0.0, batch_first=True
+                )
+                self.head = torch.nn.Linear(12, 7)
+                self.layer.norm2.weight.requires_grad_(False)
+
+            def forward(self, x):
+                return self.head(self.layer(x))
+
+        return Block()
+    raise ValueError(kind)
+
+
+def param_groups(model):
+    weights, biases, other = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (weights if name.endswith("weight") else biases if name.endswith("bias") else other).append(
+            p
+        )
+    groups = [{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    return groups
+
+
+def make_engine(stage, offload, model="mlp", seed=0, dtype="bf16", zero_extra=None, config_extra=None):
+    import deepspeed
+    import torch
+
+    net = make_model(model, seed)
+    opt = torch.optim.AdamW(param_groups(net), lr=1e-2, betas=(0.9, 0.99))
+    zero = {"stage": stage, "offload_optimizer": {"device": offload}}
+    if stage == 3 and model == "block":
+        # several sub-groups, and no persistent params: the plain ZeRO-3 path
+        zero.update(sub_group_size=200, stage3_param_persistence_threshold=0)
+    zero.update(zero_extra or {})
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 128}
+    cfg.update(config_extra or {})
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=cfg)
+    return engine
+
+
+def batch(engine, model, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 13) if model == "mlp" else (2, 5, 12)
+    dtype = next(p for p in engine.module.parameters()).dtype
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def train(engine, model, steps, seed, rank, first=0):
+    for s in range(first, first + steps):
+        x = batch(engine, model, seed * 1000 + s * 10 + rank)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    relink_moments(engine)
+
+
+def relink_moments(engine):
+    """Work around a DeepSpeed 0.19.8 bug: ZeRO-1/2 links the per-param moment views once,
+    right after the *first* param group's first step, so params of later groups get no
+    `exp_avg` link and safe_get_full_optimizer_state raises for them. Re-linking after a step
+    makes the public accessor usable as the reference (no reshard code path depends on it)."""
+    opt = engine.optimizer
+    if engine.zero_optimization_stage() <= 2 and getattr(opt, "_hp_optimizer_states_linked", 0):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+
+
+def named_trainable(engine):
+    return [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+
+
+def reference(engine, kind):
+    """Full tensors of `kind` through DeepSpeed's own public accessors (collective)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    if kind == "param":
+        params = list(engine.module.named_parameters())
+        if engine.zero_optimization_stage() == 3:
+            with deepspeed.zero.GatheredParameters([p for _, p in params]):
+                for n, p in params:
+                    out[n] = p.data.detach().clone()
+        else:
+            for n, p in params:
+                out[n] = p.data.detach().clone()
+        return out
+    for n, p in named_trainable(engine):
+        if kind == "fp32":
+            out[n] = safe_get_full_fp32_param(p).detach().clone()
+        else:
+            out[n] = safe_get_full_optimizer_state(p, kind).detach().clone()
+    return out
+
+
+def assemble(layout, buffers, group=None):
+    """Brute force: every element of every tensor from the layout's pieces and the ranks'
+    buffers, all-gathered; replicas must agree and every element must be covered."""
+    import torch
+    import torch.distributed as dist
+
+    me = dist.get_rank(group)
+    out = {}
+    for name, tl in layout.tensors.items():
+        shape = tuple(tl.shape)
+        val = torch.full(shape, float("nan"), dtype=torch.float64)
+        hit = torch.zeros(shape, dtype=torch.int64)
+        for pc in tl.pieces:
+            if layout.storages[pc.location].rank != me:
+                continue
+            buf = buffers[pc.location]
+            idx = torch.full(pc.shape, pc.offset, dtype=torch.int64)
+            for k, (n, st) in enumerate(zip(pc.shape, pc.strides, strict=True)):
+                view = [1] * len(pc.shape)
+                view[k] = n
+                idx = idx + (torch.arange(n) * st).view(view)
+            box = tuple(slice(s, s + n) for s, n in zip(pc.start, pc.shape, strict=True))
+            vals = buf.detach().to("cpu").view(-1)[idx.view(-1)].to(torch.float64).view(pc.shape)
+            prev = val[box]
+            seen = hit[box] > 0
+            if seen.any():
+                assert _same(prev[seen], vals[seen]), f"{name}: local replicas disagree"
+            val[box] = vals
+            hit[box] += 1
+        world = dist.get_world_size(group)
+        vals = [torch.empty_like(val) for _ in range(world)]
+        hits = [torch.empty_like(hit) for _ in range(world)]
+        dist.all_gather(vals, val, group=group)
+        dist.all_gather(hits, hit, group=group)
+        full = torch.full(shape, float("nan"), dtype=torch.float64)
+        covered = torch.zeros(shape, dtype=torch.bool)
+        for v, h in zip(vals, hits, strict=True):
+            m = h > 0
+            both = m & covered
+            assert _same(full[both], v[both]), f"{name}: replicas on different ranks disagree"
+            full[m] = v[m]
+            covered |= m
+        assert bool(covered.all()), f"{name}: {int((~covered).sum())} elements in no piece"
+        out[name] = full
+    return out
+
+
+def _same(a, b):
+    import torch
+
+    return bool(torch.equal(a, b))
+
+
+def bits(t):
+    """Bit pattern of a float tensor for bitwise comparison; -0.0 folds into +0.0 because the
+    references are built by all-reduce sums (0 + -0 = +0), which cannot preserve it."""
+    import torch
+
+    t = t.detach().cpu()
+    t = t + 0.0  # -0.0 -> +0.0, NaN payloads kept
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise(got, want, what):
+    import torch
+
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    g = got.to(want.dtype) if got.dtype != want.dtype else got
+    # float64 assembly of a bf16/fp32 value is exact; casting back is exact too.
+    if not torch.equal(bits(g), bits(want)):
+        diff = (g.float() - want.float()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff})")
