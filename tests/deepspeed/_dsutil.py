@@ -74,7 +74,9 @@ def param_groups(model):
     return groups
 
 
-def make_engine(stage, offload, model="mlp", seed=0, dtype="bf16", zero_extra=None, config_extra=None):
+def make_engine(
+    stage, offload, model="mlp", seed=0, dtype="bf16", zero_extra=None, config_extra=None
+):
     import deepspeed
     import torch
 

@@ -8,7 +8,6 @@ configurations share one spawn so the suite stays within a few minutes on 2 core
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _dsutil.py
 
-from _spawn import run_ranks  # noqa: E402
+from _spawn import run_ranks
 
 pytest.importorskip("deepspeed")
 
@@ -105,7 +104,9 @@ def _check_padding(engine, live, kind, me):
             counts = torch.bincount(idx, minlength=numel)
         if kind != "param" or stage == 3:
             # a partition storage: every element referenced at most once
-            assert counts.numel() == 0 or int(counts.max()) <= 1, f"{kind} unit {u}: element referenced twice"
+            assert counts.numel() == 0 or int(counts.max()) <= 1, (
+                f"{kind} unit {u}: element referenced twice"
+            )
         assert int((counts > 0).sum()) == expected, (
             f"{kind} unit {u} rank {r}: {int((counts > 0).sum())} elements referenced, "
             f"{expected} are not padding"
@@ -162,7 +163,5 @@ def _geometry_worker(rank, world, configs):
 @pytest.mark.parametrize("world", [2, 3])
 def test_layouts_match_deepspeed_accessors(world, tmp_path):
     configs = [(s, o, m) for s in (1, 2, 3) for o in ("none", "cpu") for m in MODELS]
-    out = run_ranks(
-        _geometry_worker, world, tmp_path, args=(configs,), env=ENV, timeout=400
-    )
+    out = run_ranks(_geometry_worker, world, tmp_path, args=(configs,), env=ENV, timeout=400)
     assert len(out[0]) == len(configs)
