@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine: build reshard for sm_90, run tests/gpu, run the GPU
+# benchmarks, run the sanitizers on a subset while time is left, and write everything under
+# $OUT (build.log, pytest.log, gpu_bench.{json,md,png}, sanitizer.log, env.txt).
+#
+#   bash benchmarks/h200.sh            # from the repository root; OUT defaults to ./out
+#   BUDGET=400 BENCH_ARGS=--quick bash benchmarks/h200.sh
+#
+# BUDGET (seconds, default 400) bounds the whole script: later steps shrink or are skipped.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
+BUDGET=${BUDGET:-400}
+T0=$(date +%s)
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+PY=${PY:-python3}
+status_build=skipped status_tests=skipped status_bench=skipped status_san=skipped
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.version.cuda, "threads", torch.get_num_threads())'
+  nvcc --version | tail -1
+  nproc
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ---- build (editable install; fall back to an in-place build)
+echo "== build"
+if timeout 300 $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  status_build=ok
+elif timeout 300 $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
+  status_build=ok-inplace
+  export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+else
+  status_build=FAILED
+  tail -40 "$OUT/build.log"
+fi
+echo "build: $status_build ($(($(date +%s) - T0)) s)"
+
+if [[ $status_build != FAILED ]]; then
+  # ---- tests
+  echo "== tests"
+  t=$(( $(left) - 200 )); ((t > 240)) && t=240
+  if ((t > 30)); then
+    timeout "$t" $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout 120 -rs \
+      >"$OUT/pytest.log" 2>&1
+    rc=$?
+    status_tests=$([[ $rc == 0 ]] && echo passed || echo "FAILED(rc=$rc)")
+    tail -25 "$OUT/pytest.log"
+  fi
+  echo "tests: $status_tests ($(($(date +%s) - T0)) s)"
+
+  # ---- benchmarks
+  echo "== benchmarks"
+  t=$(( $(left) - 25 ))
+  if ((t > 40)); then
+    timeout "$t" $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
+    rc=$?
+    status_bench=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
+  fi
+  echo "bench: $status_bench ($(($(date +%s) - T0)) s)"
+
+  # ---- compute-sanitizer (memcheck + racecheck) on a subset, if time is left
+  t=$(( ($(left) - 10) / 2 ))
+  if ((t > 30)) && command -v compute-sanitizer >/dev/null; then
+    : >"$OUT/sanitizer.log"
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer $tool" | tee -a "$OUT/sanitizer.log"
+      timeout "$t" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 99 \
+        $PY -m pytest -q -p no:cacheprovider -x \
+        "tests/gpu/test_copy_runs_cuda.py::test_random_tables[0-float32-bfloat16]" \
+        "tests/gpu/test_copy_runs_cuda.py::test_misaligned[offsets1-int16-int16]" \
+        "tests/gpu/test_stage_cuda.py::test_random_tables_h2d_d2h[1000-float32-bfloat16]" \
+        "tests/gpu/test_stage_cuda.py::test_pinned_source_goes_direct[dtype0]" \
+        >>"$OUT/sanitizer.log" 2>&1
+      echo "$tool rc=$?" | tee -a "$OUT/sanitizer.log"
+    done
+    status_san=$(grep -c "rc=0" "$OUT/sanitizer.log")/2-clean
+    tail -6 "$OUT/sanitizer.log"
+  fi
+fi
+
+echo
+echo "== summary ($(($(date +%s) - T0)) s): build $status_build, tests $status_tests," \
+  "bench $status_bench, sanitizer $status_san"
+grep -E "passed|failed|error" "$OUT/pytest.log" 2>/dev/null | tail -1
+[[ -f $OUT/gpu_bench.md ]] && grep -vE "^(\{|\}| \")" "$OUT/gpu_bench.md" | head -60
