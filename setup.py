@@ -10,9 +10,8 @@ import glob
 import os
 import sys
 
-from setuptools import setup
-
 import torch
+from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -42,14 +41,24 @@ def use_cuda():
     return bool(torch.version.cuda) and cpp_extension.CUDA_HOME is not None
 
 
+def openmp_flags():
+    # at::parallel_for's OpenMP backend is inline in ATen's headers: without -fopenmp it
+    # silently runs on one thread. Linking -fopenmp records NEEDED libgomp.so.1, which the
+    # loader resolves to the libgomp torch already loaded (same soname): one OpenMP runtime.
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        return ["-fopenmp"]
+    return []
+
+
 def extension():
     define_macros = [("Py_LIMITED_API", LIMITED_API)]
-    cxx = ["-std=c++17", "-Wall", "-Wextra", *OPT]
+    cxx = ["-std=c++17", "-Wall", "-Wextra", *OPT, *openmp_flags()]
     kwargs = dict(
         name="reshard._C",
         sources=["csrc/ops.cpp"],
         include_dirs=[os.path.join(ROOT, "csrc")],
         libraries=["reshard_core"],
+        extra_link_args=openmp_flags(),
         py_limited_api=True,
     )
     if use_cuda():

@@ -40,9 +40,7 @@ def as_desc(desc) -> torch.Tensor:
     if t.dtype != torch.int64:
         raise TypeError(f"desc must be int64, got {t.dtype}")
     if t.dim() != 2 or t.shape[1] != 6:
-        raise ValueError(
-            f"desc must have shape [n, 6] {DESC_COLUMNS}, got {tuple(t.shape)}"
-        )
+        raise ValueError(f"desc must have shape [n, 6] {DESC_COLUMNS}, got {tuple(t.shape)}")
     return t.contiguous()
 
 
