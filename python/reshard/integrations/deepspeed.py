@@ -324,7 +324,7 @@ def _frozen_tensor(geo, index):
     t = p.ds_tensor if geo.stage == 3 else p.data
     if not t.is_contiguous():
         raise UnsupportedError(f"frozen parameter {geo.frozen[index][1]!r} is not contiguous")
-    return t.view(-1)
+    return t.detach().view(-1)
 
 
 def _identity(t):
@@ -463,13 +463,16 @@ class LiveState:
             live = self._resolve()
         except (NotReadyError, UnsupportedError) as exc:
             return reasons + [str(exc)]
-        for loc, ident in self._identity.items():
-            now = live.get(loc)
-            if now is None or _identity(now) != ident:
-                reasons.append(
-                    f"{self.kind} storage of location {loc} was replaced since describe() "
-                    "(load_checkpoint / offload_states / load_state_dict?): describe() again"
-                )
+        replaced = [
+            loc
+            for loc, ident in self._identity.items()
+            if loc not in live or _identity(live[loc]) != ident
+        ]
+        if replaced:
+            reasons.append(
+                f"{self.kind} storage replaced since describe() at locations {replaced} "
+                "(load_checkpoint / offload_states / load_state_dict?): describe() again"
+            )
         return reasons
 
     def check(self) -> None:
@@ -567,7 +570,9 @@ def _owner_ranks(dp_ranks, group):
 def _as_flat(t):
     if t.dim() != 1 or not t.is_contiguous():
         raise UnsupportedError(f"expected a contiguous 1-D storage, got shape {tuple(t.shape)}")
-    return t
+    # detach(): same storage, no autograd; masters have requires_grad=True and an in-place
+    # write into them through the tensor DeepSpeed holds would be refused by autograd.
+    return t.detach()
 
 
 # ---------------------------------------------------------------------------------------------
