@@ -292,8 +292,12 @@ def agree(reasons: list[str], fingerprint, group, rank: int, world_size: int, de
         gathered = [torch.empty_like(mine) for _ in range(world_size)]
         dist.all_gather(gathered, mine, group=group)
         rows = torch.stack(gathered).cpu().tolist()
-    ref = tuple(rows[0][1:])
-    fp_bad = [r for r, row in enumerate(rows) if tuple(row[1:]) != ref]
+    # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
+    # rank out is the one named.
+    fps = [tuple(row[1:]) for row in rows]
+    ref_fp = max(fps, key=lambda f: (fps.count(f), -fps.index(f)))
+    ref_rank = fps.index(ref_fp)
+    fp_bad = [r for r, f in enumerate(fps) if f != ref_fp]
     if all(row[0] for row in rows) and not fp_bad:
         return
     # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
@@ -310,7 +314,7 @@ def agree(reasons: list[str], fingerprint, group, rank: int, world_size: int, de
         rs = list(all_reasons[r])
         if r in fp_bad:
             rs.append(
-                f"plan fingerprint {all_fps[r]} differs from rank 0's {all_fps[0]} "
+                f"plan fingerprint {all_fps[r]} differs from rank {ref_rank}'s {all_fps[ref_rank]} "
                 "(the ranks planned different transfers)"
             )
         if rs:

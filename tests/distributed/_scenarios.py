@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 
-import reshard as rs
 import torch
+
+import reshard as rs
 
 POISON = -1234.5  # exactly representable in fp32, bf16 and fp16
 

@@ -1,0 +1,227 @@
+"""Worker functions for the distributed tests (module level: the spawn context re-imports them).
+
+Every worker returns plain data (lists of error strings, byte counts) and never asserts
+itself, so one run checks many cases and the parent reports all failures at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _refplan  # noqa: E402
+import _scenarios as S  # noqa: E402
+
+import reshard as rs  # noqa: E402
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_side(spec, shapes, dtype, loc0):
+    kind, ranks = spec
+    cls = {"zero3": S.Zero3, "zero12": S.Zero12, "tp": S.TensorParallel, "rep": S.Replicas}
+    return cls[kind](shapes, ranks, dtype=DT[dtype], loc0=loc0)
+
+
+def make_plan(planner, src, dst, budget, salt=""):
+    if planner == "ref":
+        return _refplan.RefPlan(src, dst, budget, salt=salt)
+    try:
+        return rs.plan(src, dst, budget_bytes_per_peer=budget)
+    except NotImplementedError as exc:  # the planner has not landed in this checkout
+        import pytest
+
+        pytest.skip(f"reshard.plan not available: {exc}")
+
+
+def build(case, shapes):
+    src_spec, dst_spec, sdt, ddt = case[:4]
+    src = make_side(src_spec, shapes, sdt, 0)
+    dst = make_side(dst_spec, shapes, ddt, 1000)
+    return src, dst
+
+
+def check_case(rank, planner, case, shapes, values, group=None, transfer=None):
+    """Run one transfer; return (errors, report)."""
+    src, dst = build(case, shapes)
+    budget = case[4]
+    plan = transfer.plan if transfer else make_plan(planner, src.layout(), dst.layout(), budget)
+    sb = S.source_buffers(src, values, rank)
+    sb_before = {k: t.clone() for k, t in sb.items()}
+    db = dst.empty(rank)
+    if transfer is not None:
+        rep = transfer(sb, db)
+    else:
+        rep = rs.execute(plan, sb, db, group=group)
+    # the source holds values rounded to its dtype; the reference casts those to the target's
+    held = {n: v.to(src.dtype).float() for n, v in values.items()}
+    errs = [f"{case}: {m}" for m in S.mismatches(db, dst.fill(held, rank))]
+    errs += [f"{case}: source modified: {m}" for m in S.mismatches(sb, sb_before)]
+    for k in rep.peak_staging_bytes:
+        if rep.peak_staging_bytes[k] > rep.staging_bound[k]:
+            errs.append(f"{case}: staging {k} {rep.peak_staging_bytes} > {rep.staging_bound}")
+    bound = plan.staging_bytes(rank, transport="gloo", host_ring_bytes=0)
+    if rep.staging_bound != {k: bound.get(k, 0) for k in rep.staging_bound}:
+        errs.append(f"{case}: report bound {rep.staging_bound} != plan bound {bound}")
+    return errs, rep
+
+
+def w_correct(rank, world, planner, cases, shapes_kw):
+    shapes = S.model_shapes(**shapes_kw)
+    values = S.model_values(shapes, seed=world)
+    out = []
+    for case in cases:
+        errs, rep = check_case(rank, planner, case, shapes, values)
+        out.append((errs, rep.bytes_sent, rep.bytes_received, rep.rounds))
+    return out
+
+
+def w_repeat(rank, world, planner, n):
+    """n calls of one Transfer: same results each time, RSS flat, no new staging after call 1."""
+    import psutil
+
+    shapes = S.model_shapes()
+    case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 256)
+    src, dst = build(case, shapes)
+    if planner == "ref":
+        t = rs.Transfer.__new__(rs.Transfer)
+        t.plan, t._plan_seconds, t.group, t.timeout, t._engine = (
+            _refplan.RefPlan(src.layout(), dst.layout(), 256),
+            0.0,
+            None,
+            60.0,
+            None,
+        )
+    else:
+        make_plan(planner, src.layout(), dst.layout(), 256)  # skips if the planner is missing
+        t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=256)
+    errs, rss, allocs, ptrs = [], [], [], []
+    proc = psutil.Process()
+    for i in range(n):
+        values = S.model_values(shapes, seed=i % 3)  # the state changes every step
+        e, rep = check_case(rank, planner, case, shapes, values, transfer=t)
+        errs += [f"call {i}: {x}" for x in e]
+        allocs.append(t.engine_allocations)
+        ptrs.append(tuple(a.data_ptr() for v in t._engine.arenas.values() for a in v))
+        if i in (9, n - 1):
+            rss.append(proc.memory_info().rss)
+    return errs, rss, allocs, len(set(ptrs)), rep.rounds
+
+
+PREFLIGHT_KINDS = ("dtype", "short", "foreign", "missing", "alias", "fingerprint", "notready")
+
+
+def w_preflight(rank, world, planner, kinds):
+    """For each kind and each failing rank: every rank must raise the same PreflightError
+    naming the failing rank, and no target byte may change anywhere."""
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
+    src, dst = build(case, shapes)
+    plan = make_plan(planner, src.layout(), dst.layout(), 64)
+    other = make_plan(planner, src.layout(), dst.layout(), 96, salt="other")
+    errs, msgs = [], []
+    for kind in kinds:
+        for bad in range(world):
+            sb = S.source_buffers(src, values, rank)
+            db = dst.empty(rank)
+            before = {k: t.clone() for k, t in db.items()}
+            p, checks = plan, ()
+            if rank == bad:
+                sloc = next(iter(sb))
+                if kind == "dtype":
+                    sb[sloc] = sb[sloc].to(torch.float16)
+                elif kind == "short":
+                    sb[sloc] = sb[sloc][:-1]
+                elif kind == "foreign":  # a location owned by the next rank
+                    peer = (rank + 1) % world
+                    loc = next(loc for loc, s in src.storages.items() if s.rank == peer)
+                    sb[loc] = torch.zeros(src.storages[loc].numel)
+                elif kind == "missing":
+                    del sb[sloc]
+                elif kind == "alias":  # the largest target is a view of a source's memory
+                    dloc = max(db, key=lambda k: db[k].numel())
+                    db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
+                    before[dloc] = db[dloc].clone()
+                elif kind == "fingerprint":
+                    p = other
+                elif kind == "notready":
+
+                    def not_ready():
+                        raise rs.NotReadyError("exp_avg does not exist before the first step")
+
+                    checks = (not_ready,)
+            try:
+                rs.execute(p, sb, db, checks=checks)
+                errs.append(f"{kind} on rank {bad}: no PreflightError on rank {rank}")
+            except rs.PreflightError as exc:
+                msg = str(exc)
+                if f"rank {bad}:" not in msg:
+                    errs.append(f"{kind} on rank {bad}: message does not name it: {msg}")
+                if kind != "fingerprint" and set(exc.failures) != {bad}:
+                    errs.append(f"{kind} on rank {bad}: failures {exc.failures}")
+                errs += [f"{kind}/{bad}: touched {m}" for m in S.mismatches(db, before)]
+                msgs.append((kind, bad, msg))
+    return errs, msgs
+
+
+def w_killed(rank, world, planner, victim, mode, timeout):
+    """`victim` dies (or stalls) in the middle of the rounds; the others must raise
+    TransferError within the timeout."""
+    import reshard.executor as ex
+    from tests._spawn import die
+
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "fp32", 16)
+    src, dst = build(case, shapes)
+    plan = make_plan(planner, src.layout(), dst.layout(), 16)
+    if rank == victim:
+        real = ex._copy_runs_op()
+        calls = [0]
+
+        def dying(s, d, o):
+            calls[0] += 1
+            if calls[0] == 5:
+                if mode == "die":
+                    die()
+                time.sleep(timeout * 2)
+            return real(s, d, o)
+
+        ex._copy_runs_op = lambda: dying
+    t0 = time.monotonic()
+    try:
+        rs.execute(plan, S.source_buffers(src, values, rank), dst.empty(rank), timeout=timeout)
+        return ("no error", time.monotonic() - t0, plan.schedule(rank).num_rounds)
+    except rs.TransferError as exc:
+        return ("TransferError", time.monotonic() - t0, str(exc))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as a wrong error type
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
+
+
+def w_subgroup(rank, world, planner):
+    """Two transfers on two disjoint subgroups of a 4-rank world at the same time: layout
+    ranks are group ranks (global ranks 1,3 are group ranks 0,1 of the first group)."""
+    groups = [dist.new_group([1, 3]), dist.new_group([0, 2])]
+    mine = 0 if rank in (1, 3) else 1
+    g = groups[mine]
+    shapes = S.model_shapes()
+    values = S.model_values(shapes, seed=mine)
+    case = (("zero12", [0, 1]), ("tp", [[1, 0]]), "fp32", "bf16", 200)
+    errs, rep = check_case(dist.get_rank(g), planner, case, shapes, values, group=g)
+    return errs, rep.rank, rep.world_size, rep.bytes_sent
+
+
+def w_balance(rank, world, planner):
+    """Replicas on ranks 0 and 1, TP targets on ranks 2 and 3: both replicas must send."""
+    shapes = S.model_shapes(hidden=16, ffn=24, vocab=40)
+    values = S.model_values(shapes)
+    case = (("rep", [0, 1]), ("tp", [[2, 3]]), "fp32", "bf16", 1 << 20)
+    errs, rep = check_case(rank, planner, case, shapes, values)
+    return errs, rep.bytes_sent

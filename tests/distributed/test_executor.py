@@ -1,0 +1,137 @@
+"""The executor on real spawned gloo ranks, against independent references.
+
+Each test spawns one set of ranks and checks many cases inside it (spawning costs ~3 s), for
+both planners: "real" (reshard.plan) and "ref" (tests/distributed/_refplan.py, a brute-force
+planner with one tiny message per round: the most rounds, the most double-buffer turns).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _workers as W  # noqa: E402
+
+from tests._spawn import run_ranks  # noqa: E402
+
+PLANNERS = ["real", "ref"]
+BUDGETS = [16, 1000, 64 << 20]
+
+
+def _cases(world):
+    r = list(range(world))
+    cases = [
+        (("zero3", r), ("tp", [r[:2]]), "fp32", "bf16"),  # rank 2.. of a bigger world idle
+        (("zero12", r), ("tp", [r]), "fp32", "bf16"),
+        (("tp", [r]), ("zero3", r), "bf16", "fp32"),  # back: rollout -> training
+        (("zero12", r), ("zero3", r[::-1]), "fp32", "fp32"),  # resize-like: reversed ranks
+        (("rep", r[:1]), ("zero12", r), "fp16", "bf16"),  # fp16 -> bf16 (wire: target dtype)
+    ]
+    if world == 4:
+        cases.append((("zero3", r), ("tp", [[0, 1], [2, 3]]), "fp32", "bf16"))  # DP replicas
+    return [c + (b,) for c in cases for b in BUDGETS]
+
+
+def _check_bytes(results, world, label):
+    """Rank r's bytes_sent[p] must equal rank p's bytes_received[r], case by case."""
+    for c in range(len(results[0])):
+        for r in range(world):
+            for p, nb in results[r][c][1].items():
+                got = results[p][c][2].get(r, 0)
+                assert got == nb, f"{label} case {c}: {r}->{p} sent {nb}, {p} received {got}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_layouts_dtypes_budgets(tmp_path, world, planner):
+    cases = _cases(world)
+    # keep the ref planner's element-by-element work small on big worlds
+    res = run_ranks(W.w_correct, world, tmp_path, args=(planner, cases, {}), timeout=240)
+    errs = [e for r in res for case in r for e in case[0]]
+    assert not errs, "\n".join(errs[:20])
+    _check_bytes(res, world, planner)
+    # budget 16 B must really have cut the transfer into many rounds
+    rounds_small = res[0][0][3]
+    assert rounds_small > 10, rounds_small
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_repeated_transfer(tmp_path, planner):
+    n = 100
+    res = run_ranks(W.w_repeat, 2, tmp_path, args=(planner, n), timeout=240)
+    for rank, (errs, rss, allocs, distinct_arenas, rounds) in enumerate(res):
+        assert not errs, errs[:5]
+        assert rounds > 1
+        assert len(set(allocs)) == 1 and allocs[0] > 0, allocs
+        assert distinct_arenas == 1, "arenas were reallocated between calls"
+        # RSS after call 10 vs after call 100: flat (generous slack for allocator noise)
+        assert rss[1] - rss[0] < 4 << 20, f"rank {rank} RSS grew {rss}"
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_preflight_failures_are_collective(tmp_path, planner):
+    world = 3
+    res = run_ranks(W.w_preflight, world, tmp_path, args=(planner, W.PREFLIGHT_KINDS))
+    for errs, _ in res:
+        assert not errs, "\n".join(map(str, errs[:10]))
+    # the same message on every rank, for every injected failure
+    per_rank = [{(k, b): m for k, b, m in msgs} for _, msgs in res]
+    assert len(per_rank[0]) == len(W.PREFLIGHT_KINDS) * world
+    for key, msg in per_rank[0].items():
+        for other in per_rank[1:]:
+            assert other[key] == msg, (key, msg, other[key])
+    msgs = {k: m for (k, b), m in per_rank[0].items() if b == 1}
+    assert "dtype torch.float16, storage declares torch.float32" in msgs["dtype"]
+    assert "elements, storage declares" in msgs["short"]
+    assert "is owned by rank 2, not 1" in msgs["foreign"]
+    assert "is missing" in msgs["missing"]
+    assert "aliases source location" in msgs["alias"]
+    assert "fingerprint" in msgs["fingerprint"]
+    assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
+
+
+@pytest.mark.parametrize("mode", ["die", "stall"])
+def test_dead_or_stalled_rank_raises_transfer_error(tmp_path, mode):
+    world, victim, timeout = 3, 1, 3.0
+    res = run_ranks(
+        W.w_killed,
+        world,
+        tmp_path,
+        args=("ref", victim, mode, timeout),
+        expect_killed=[victim] if mode == "die" else [],
+        group_timeout=30,
+        timeout=120,
+    )
+    for rank, r in enumerate(res):
+        if rank == victim and mode == "die":
+            assert r is None
+            continue
+        kind, seconds, msg = r
+        assert kind == "TransferError", (rank, r)
+        assert "targets may be partially written" in msg
+        assert seconds < 3 * timeout + 10, (rank, seconds)
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_subgroups(tmp_path, planner):
+    res = run_ranks(W.w_subgroup, 4, tmp_path, args=(planner,))
+    for gr, (errs, grank, gsize, _) in enumerate(res):
+        assert not errs, errs[:5]
+        assert gsize == 2
+        assert grank == {0: 0, 1: 0, 2: 1, 3: 1}[gr]
+    assert any(r[3] for r in res), "nothing crossed ranks: the test would not test p2p peers"
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_replicated_sources_balance_senders(tmp_path, planner):
+    res = run_ranks(W.w_balance, 4, tmp_path, args=(planner,))
+    for errs, _ in res:
+        assert not errs, errs[:5]
+    sent = [sum(r[1].values()) for r in res]
+    assert sent[2] == sent[3] == 0
+    assert min(sent[:2]) > 0 and max(sent[:2]) <= 1.5 * min(sent[:2]), sent
