@@ -98,7 +98,7 @@ def _merge(iv: np.ndarray) -> np.ndarray:
     iv = iv[np.argsort(iv[:, 0], kind="stable")]
     ends = np.maximum.accumulate(iv[:, 1])
     new = np.ones(iv.shape[0], bool)
-    new[1:] = iv[1:, 0] >= ends[:-1]
+    new[1:] = iv[1:, 0] > ends[:-1]  # touching intervals merge too
     idx = np.flatnonzero(new)
     return np.stack([iv[idx, 0], np.maximum.reduceat(iv[:, 1], idx)], axis=1)
 
