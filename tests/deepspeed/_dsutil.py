@@ -109,7 +109,7 @@ def batch(engine, model, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (2, 13) if model == "mlp" else (2, 5, 12)
     dtype = next(p for p in engine.module.parameters()).dtype
-    return torch.randn(shape, generator=g).to(dtype)
+    return torch.randn(shape, generator=g).to(device=engine.device, dtype=dtype)
 
 
 def train(engine, model, steps, seed, rank, first=0):
@@ -232,3 +232,86 @@ def assert_bitwise(got, want, what):
     if not torch.equal(bits(g), bits(want)):
         diff = (g.float() - want.float()).abs().max().item()
         raise AssertionError(f"{what}: not bitwise equal (max abs diff {diff})")
+
+
+# ------------------------------------------------------------------ target layouts
+
+
+def replicated_targets(live, owners, dtype=None, device="cpu"):
+    """A full copy of every tensor on each rank in `owners`: one storage per (tensor, rank)."""
+    import torch
+
+    import reshard as rs
+
+    tensors, storages, buffers, me = {}, {}, {}, _me()
+    for i, (name, tl) in enumerate(sorted(live.layout.tensors.items())):
+        dt = dtype or _src_dtype(live, tl)
+        locs = []
+        for j, r in enumerate(owners):
+            loc = i * len(owners) + j
+            n = tl.numel
+            storages[loc] = rs.Storage(r, dt, n)
+            locs.append(loc)
+            if r == me:
+                buffers[loc] = torch.full((n,), float("nan"), dtype=dt, device=device)  # poisoned
+        tensors[name] = rs.replicated(tl.shape, locs)
+    return rs.Layout(tensors, storages), buffers
+
+
+def tp_targets(live, owners, dtype=None, device="cpu"):
+    """Rollout-style TP shards: every tensor split along dim 0 over `owners` (uneven)."""
+    import torch
+
+    import reshard as rs
+
+    tp = len(owners)
+    tensors, storages, buffers, me = {}, {}, {}, _me()
+    for i, (name, tl) in enumerate(sorted(live.layout.tensors.items())):
+        dt = dtype or _src_dtype(live, tl)
+        n0 = tl.shape[0]
+        sizes = [n0 // tp + (1 if t < n0 % tp else 0) for t in range(tp)]
+        locs = []
+        for t, r in enumerate(owners):
+            loc = i * tp + t
+            numel = sizes[t] * (tl.numel // n0 if n0 else 0)
+            storages[loc] = rs.Storage(r, dt, numel)
+            locs.append(loc)
+            if r == me:
+                buffers[loc] = torch.full((numel,), float("nan"), dtype=dt, device=device)
+        tensors[name] = rs.split(tl.shape, 0, sizes, locs)
+    return rs.Layout(tensors, storages), buffers
+
+
+def _me():
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _src_dtype(live, tl):
+    return live.layout.storages[tl.pieces[0].location].dtype
+
+
+def _read_targets(layout, buffers):
+    """{name: tensor} of this rank's target pieces, as (box slices, values)."""
+    me = _me()
+    out = {}
+    for name, tl in layout.tensors.items():
+        for pc in tl.pieces:
+            if layout.storages[pc.location].rank != me:
+                continue
+            n = 1
+            for s in pc.shape:
+                n *= s
+            vals = buffers[pc.location][pc.offset : pc.offset + n].view(pc.shape).cpu()
+            box = tuple(slice(s, s + k) for s, k in zip(pc.start, pc.shape, strict=True))
+            out.setdefault(name, []).append((box, vals))
+    return out
+
+
+def check_targets(layout, buffers, want, tag):
+    got = _read_targets(layout, buffers)
+    for name, parts in got.items():
+        for box, vals in parts:
+            assert_bitwise(vals, want[name].cpu()[box].to(vals.dtype), f"{tag} {name}{box}")
+    return sum(len(p) for p in got.values())

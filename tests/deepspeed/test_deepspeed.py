@@ -170,86 +170,10 @@ def test_layouts_match_deepspeed_accessors(world, tmp_path):
 # ------------------------------------------------------------------------ target layouts
 
 
-def _replicated_targets(live, owners, dtype=None):
-    """A full copy of every tensor on each rank in `owners`: one storage per (tensor, rank)."""
-    import torch
-
-    import reshard as rs
-
-    tensors, storages, buffers, me = {}, {}, {}, _me()
-    for i, (name, tl) in enumerate(sorted(live.layout.tensors.items())):
-        dt = dtype or _src_dtype(live, tl)
-        locs = []
-        for j, r in enumerate(owners):
-            loc = i * len(owners) + j
-            n = tl.numel
-            storages[loc] = rs.Storage(r, dt, n)
-            locs.append(loc)
-            if r == me:
-                buffers[loc] = torch.full((n,), float("nan"), dtype=dt)  # poisoned
-        tensors[name] = rs.replicated(tl.shape, locs)
-    return rs.Layout(tensors, storages), buffers
-
-
-def _tp_targets(live, owners, dtype=None):
-    """Rollout-style TP shards: every tensor split along dim 0 over `owners` (uneven)."""
-    import torch
-
-    import reshard as rs
-
-    tp = len(owners)
-    tensors, storages, buffers, me = {}, {}, {}, _me()
-    for i, (name, tl) in enumerate(sorted(live.layout.tensors.items())):
-        dt = dtype or _src_dtype(live, tl)
-        n0 = tl.shape[0]
-        sizes = [n0 // tp + (1 if t < n0 % tp else 0) for t in range(tp)]
-        locs = []
-        for t, r in enumerate(owners):
-            loc = i * tp + t
-            numel = sizes[t] * (tl.numel // n0 if n0 else 0)
-            storages[loc] = rs.Storage(r, dt, numel)
-            locs.append(loc)
-            if r == me:
-                buffers[loc] = torch.full((numel,), float("nan"), dtype=dt)
-        tensors[name] = rs.split(tl.shape, 0, sizes, locs)
-    return rs.Layout(tensors, storages), buffers
-
-
 def _me():
     import torch.distributed as dist
 
     return dist.get_rank()
-
-
-def _src_dtype(live, tl):
-    return live.layout.storages[tl.pieces[0].location].dtype
-
-
-def _read_targets(layout, buffers):
-    """{name: tensor} of this rank's target pieces, as (box slices, values)."""
-    me = _me()
-    out = {}
-    for name, tl in layout.tensors.items():
-        for pc in tl.pieces:
-            if layout.storages[pc.location].rank != me:
-                continue
-            n = 1
-            for s in pc.shape:
-                n *= s
-            vals = buffers[pc.location][pc.offset : pc.offset + n].view(pc.shape)
-            box = tuple(slice(s, s + k) for s, k in zip(pc.start, pc.shape, strict=True))
-            out.setdefault(name, []).append((box, vals))
-    return out
-
-
-def _check_targets(layout, buffers, want, tag):
-    from _dsutil import assert_bitwise
-
-    got = _read_targets(layout, buffers)
-    for name, parts in got.items():
-        for box, vals in parts:
-            assert_bitwise(vals, want[name][box].to(vals.dtype), f"{tag} {name}{box}")
-    return sum(len(p) for p in got.values())
 
 
 def _poison_padding(live):
@@ -288,7 +212,15 @@ def _poison_padding(live):
 
 def _transfer_worker(rank, world, configs, budget):
     import torch.distributed as dist
-    from _dsutil import ds_env, make_engine, reference, train
+    from _dsutil import (
+        check_targets,
+        ds_env,
+        make_engine,
+        reference,
+        replicated_targets,
+        tp_targets,
+        train,
+    )
 
     ds_env(rank, world)
     import reshard as rs
@@ -306,20 +238,20 @@ def _transfer_worker(rank, world, configs, budget):
             undo, npad = _poison_padding(live)
             pad_total += npad
             try:
-                dst, bufs = _replicated_targets(live, list(range(world)))
+                dst, bufs = replicated_targets(live, list(range(world)))
                 report = rs.Transfer(live.layout, dst, budget_bytes_per_peer=budget)(live, bufs)
                 if kind == "param" and stage <= 2:
                     # every rank holds the whole bit16 flat: all reads are local
                     assert report.total_bytes_sent == 0 and report.local_bytes > 0
                 else:
                     assert report.rounds >= 1 and report.total_bytes_sent > 0
-                n = _check_targets(dst, bufs, want, f"{tag} {kind} snapshot")
+                n = check_targets(dst, bufs, want, f"{tag} {kind} snapshot")
                 assert n == len(want)
                 if kind == "param":
                     # weight sync into TP=2 rollout buffers on ranks 0 and 1
-                    dst, bufs = _tp_targets(live, [0, 1])
+                    dst, bufs = tp_targets(live, [0, 1])
                     rs.Transfer(live.layout, dst, budget_bytes_per_peer=budget)(live, bufs)
-                    _check_targets(dst, bufs, want, f"{tag} weight sync")
+                    check_targets(dst, bufs, want, f"{tag} weight sync")
             finally:
                 undo()
         done.append(tag)
@@ -331,9 +263,11 @@ def _transfer_worker(rank, world, configs, budget):
 
 def _snapshot(live, budget):
     """Engine state -> fp32/bf16 TP shards over every rank (a layout unlike ZeRO's)."""
+    from _dsutil import tp_targets
+
     import reshard as rs
 
-    dst, bufs = _tp_targets(live, list(range(len(live.dp_ranks))))
+    dst, bufs = tp_targets(live, list(range(len(live.dp_ranks))))
     rs.Transfer(live.layout, dst, budget_bytes_per_peer=budget)(live, bufs)
     return dst, bufs
 
@@ -396,7 +330,15 @@ def _restore_worker(rank, world, configs, budget):
 
 def _sync_worker(rank, world):
     import torch
-    from _dsutil import batch, ds_env, make_engine, reference
+    from _dsutil import (
+        batch,
+        check_targets,
+        ds_env,
+        make_engine,
+        reference,
+        replicated_targets,
+        tp_targets,
+    )
 
     ds_env(rank, world)
     from reshard.integrations import deepspeed as rsds
@@ -404,8 +346,8 @@ def _sync_worker(rank, world):
     out = []
     for stage in (2, 3):
         engine = make_engine(stage, "cpu", "block")
-        p_layout, p_bufs = _tp_targets(rsds.describe(engine, "param"), [0, 1])
-        m_layout, m_bufs = _replicated_targets(rsds.describe(engine, "fp32"), [world - 1])
+        p_layout, p_bufs = tp_targets(rsds.describe(engine, "param"), [0, 1])
+        m_layout, m_bufs = replicated_targets(rsds.describe(engine, "fp32"), [world - 1])
         sync = rsds.SyncAfterStep(
             engine,
             {"param": (p_layout, p_bufs), "fp32": (m_layout, lambda bufs=m_bufs: bufs)},
@@ -417,15 +359,16 @@ def _sync_worker(rank, world):
             engine.backward(loss)
             sync.step()
             if s == 3:  # the 4th applied step synced: targets hold this state
-                _check_targets(p_layout, p_bufs, reference(engine, "param"), "sync param")
-                _check_targets(m_layout, m_bufs, reference(engine, "fp32"), "sync fp32")
+                check_targets(p_layout, p_bufs, reference(engine, "param"), "sync param")
+                check_targets(m_layout, m_bufs, reference(engine, "fp32"), "sync fp32")
                 snap = {k: v.clone() for k, v in p_bufs.items()}
         assert sync.applied_steps == 5 and sync.syncs == 2, (sync.applied_steps, sync.syncs)
         # step 5 did not sync (every=2): targets still hold step 4's params
         for k, v in p_bufs.items():
             assert torch.equal(v, snap[k])
         rep = sync.reports["param"]
-        assert rep.rounds >= 1 and rep.seconds["total"] > 0
+        # ZeRO-2 reads every param locally (full bit16 flat on each rank); ZeRO-3 sends
+        assert rep.seconds["total"] > 0 and rep.local_bytes + rep.total_bytes_received > 0
         out.append((stage, rep.total_bytes_sent, rep.local_bytes))
         engine.destroy()
     return out
@@ -436,7 +379,15 @@ def _sync_worker(rank, world):
 
 def _errors_worker(rank, world, tmp):
     import torch.distributed as dist
-    from _dsutil import assemble, assert_bitwise, ds_env, make_engine, reference, train
+    from _dsutil import (
+        assemble,
+        assert_bitwise,
+        ds_env,
+        make_engine,
+        reference,
+        replicated_targets,
+        train,
+    )
 
     ds_env(rank, world)
     import reshard as rs
@@ -503,7 +454,7 @@ def _errors_worker(rank, world, tmp):
     stale = [k for k, lv in lives.items() if lv.reasons()]
     assert set(MOMENTS) <= set(stale), stale
     expect(NotReadyError, "replaced since describe", lives["exp_avg"].check)
-    dst, bufs = _replicated_targets(lives["exp_avg"], list(range(world)))
+    dst, bufs = replicated_targets(lives["exp_avg"], list(range(world)))
     # only rank 0 passes the stale state; the others pass fresh ones: all ranks still refuse
     src = lives["exp_avg"] if rank == 0 else rsds.describe(engine, "exp_avg")
     before = {k: v.clone() for k, v in bufs.items()}
@@ -572,9 +523,11 @@ def test_restore_then_step_matches_control(world, tmp_path):
     assert len(done) == len(configs)
 
 
-def test_sync_after_step(tmp_path):
+def test_sync_after_step_hook(tmp_path):
     out = run_ranks(_sync_worker, 2, tmp_path, env=ENV, timeout=300)
     assert [o[0] for o in out[0]] == [2, 3]
+    sent = {stage: sum(o[i][1] for o in out) for i, stage in enumerate((2, 3))}
+    assert sent[2] == 0 and sent[3] > 0, sent  # ZeRO-2: all reads local; ZeRO-3 sends
 
 
 def test_errors(tmp_path):
