@@ -30,7 +30,7 @@ cat "$OUT/env.txt"
 
 # ---- build (editable install; fall back to an in-place build)
 echo "== build"
-if timeout 300 $PY -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+if timeout 300 $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
   status_build=ok
 elif timeout 300 $PY setup.py build_ext --inplace >>"$OUT/build.log" 2>&1; then
   status_build=ok-inplace
@@ -42,11 +42,30 @@ fi
 echo "build: $status_build ($(($(date +%s) - T0)) s)"
 
 if [[ $status_build != FAILED ]]; then
-  # ---- tests
+  # ---- a native backtrace if an argument-error path crashes (seen once on torch 2.11)
+  if command -v cuda-gdb >/dev/null; then
+    timeout 60 cuda-gdb -batch -ex run -ex bt --args $PY -c 'import torch, reshard._ops
+ok = torch.tensor([[0, 0, 0, 0, 4, 1]])
+for dev in ("cpu", "cuda"):
+    s, d = torch.randn(10, device=dev), torch.zeros(10, device=dev)
+    for bad in (ok[:, :5], ok.view(-1)):
+        try:
+            torch.ops.reshard.copy_runs(s, bad, d)
+        except RuntimeError as e:
+            print(dev, "ok:", str(e)[:90])
+    try:
+        torch.ops.reshard.copy_runs(s.view(2, 5), ok, d)
+    except RuntimeError as e:
+        print(dev, "ok:", str(e)[:90])
+print("no crash")' >"$OUT/diag.log" 2>&1
+    grep -E "ok:|no crash|SIGSEGV|^#[0-9]" "$OUT/diag.log" | head -30
+  fi
+
+  # ---- tests (xdist: a crashing test loses its worker, not the run)
   echo "== tests"
   t=$(( $(left) - 200 )); ((t > 240)) && t=240
   if ((t > 30)); then
-    timeout "$t" $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout 120 -rs \
+    timeout "$t" $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout 120 -rs -n 4 \
       >"$OUT/pytest.log" 2>&1
     rc=$?
     status_tests=$([[ $rc == 0 ]] && echo passed || echo "FAILED(rc=$rc)")

@@ -191,7 +191,22 @@ struct DeviceTable {
   std::vector<int64_t> prefix;  // host, n + 1
   at::Tensor d_runs, d_prefix;  // device
   std::vector<rs_run> direct;   // stage split only: rows moved by direct copies
+  // src / dst hold work element k at index k (a packed arena segment): staging can DMA
+  // slots straight from/to it
+  bool dense_src = false, dense_dst = false;
 };
+
+// Whether one side of a table is its work order laid out densely.
+bool is_dense(const rs_run* runs, int64_t n, const int64_t* prefix, bool dst_side) {
+  for (int64_t i = 0; i < n; ++i) {
+    const rs_run& r = runs[i];
+    if (r.length == 0 || r.count == 0) continue;
+    const int64_t off = dst_side ? r.dst_offset : r.src_offset;
+    const int64_t stride = dst_side ? r.dst_stride : r.src_stride;
+    if (off != prefix[i] || (r.count > 1 && stride != r.length)) return false;
+  }
+  return true;
+}
 
 struct CacheEntry {
   const c10::StorageImpl* storage = nullptr;
@@ -228,6 +243,8 @@ std::shared_ptr<DeviceTable> make_table(const char* op, const rs_run* runs, int6
   rs_error err;
   TORCH_CHECK(rs_prefix(t->host_runs, n, t->prefix.data(), &t->total, &err) == RS_OK, op,
               ": bad desc: ", err.msg);
+  t->dense_src = is_dense(t->host_runs, n, t->prefix.data(), false);
+  t->dense_dst = is_dense(t->host_runs, n, t->prefix.data(), true);
   if (n > 0) upload(*t, device);
   return t;
 }
@@ -396,12 +413,16 @@ void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_
   const auto stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor staging;
   const int64_t ring_bytes = static_cast<int64_t>(ring.nbytes());
+  const rs_dtype wire = rs_stage_wire_dtype(dir, rs_dtype_of(src), rs_dtype_of(dst));
+  const bool device_dense = dir == RS_H2D ? (t->dense_dst && wire == rs_dtype_of(dst))
+                                          : (t->dense_src && wire == rs_dtype_of(src));
   if (t->total > 0) {
     rs_error err;
     int64_t slots = 0, slot_bytes = 0;
     TORCH_CHECK(rs_stage_slots(ring_bytes, &slots, &slot_bytes, &err) == RS_OK, op, ": ", err.msg);
-    staging = at::empty({rs_stage_device_bytes(ring_bytes)},
-                        at::TensorOptions().dtype(at::kByte).device(dev.device()));
+    if (!device_dense)
+      staging = at::empty({rs_stage_device_bytes(ring_bytes)},
+                          at::TensorOptions().dtype(at::kByte).device(dev.device()));
   }
   rs_stage_table table;
   table.runs = t->host_runs;
@@ -413,6 +434,7 @@ void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_
   table.d_prefix = t->n ? t->d_prefix.const_data_ptr<int64_t>() : nullptr;
   table.direct = t->direct.data();
   table.n_direct = static_cast<int64_t>(t->direct.size());
+  table.device_dense = device_dense ? 1 : 0;
   rs_stage_buffers buf;
   buf.src = src.const_data_ptr();
   buf.src_dtype = rs_dtype_of(src);

@@ -200,81 +200,186 @@ __device__ __forceinline__ rs_run load_row(const rs_run *runs, int64_t r) {
   return row;
 }
 
+/* Element-by-element copy of work [k, kend) starting in row r (groups that cross a run or a
+ * row, or are misaligned). */
 template <int SK, int DK>
-__global__ void __launch_bounds__(kThreads) copy_kernel(Params p) {
+__device__ __noinline__ void copy_scalar(const Params &p, int64_t r, int64_t k, int64_t kend) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  int64_t rstart = __ldg(p.prefix + r), rend = __ldg(p.prefix + r + 1);
+  rs_run cur = load_row(p.runs, r);
+  for (int64_t kk = k; kk < kend; ++kk) {
+    if (kk >= rend) {
+      do {
+        ++r;
+        rend = __ldg(p.prefix + r + 1);
+      } while (kk >= rend);
+      rstart = __ldg(p.prefix + r);
+      cur = load_row(p.runs, r);
+    }
+    int64_t s1, d1, l1;
+    locate(p, cur, rstart, kk, s1, d1, l1);
+    dst[d1] = Cast<SK, DK>::run(src[s1]);
+  }
+}
+
+/* Each warp owns a contiguous range of tiles, so the row of its next tile is found by
+ * stepping forward from the last one instead of a search over the whole table. Per tile:
+ *  - one run covers the tile (long runs): addresses are affine in the lane, no per-group
+ *    lookup, 16-byte accesses when both sides are aligned;
+ *  - the tile spans at most 32 rows (short runs): each lane holds one prefix entry and the
+ *    lanes find their groups' rows by a binary search over registers (shuffles);
+ *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows. */
+template <int SK, int DK>
+__global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int kMin = sizeof(S) < sizeof(D) ? (int)sizeof(S) : (int)sizeof(D);
   constexpr int V = 16 / kMin;                /* elements per group */
   constexpr int kSrcVec = V * sizeof(S) / 16; /* 16-byte words per group, each side */
   constexpr int kDstVec = V * sizeof(D) / 16;
-  constexpr int64_t kSpan = 32 * kUnroll * V; /* work elements per warp tile */
+  constexpr int kMaxVec = kSrcVec > kDstVec ? kSrcVec : kDstVec;
+  constexpr int U = kUnroll * 2 / kMaxVec; /* groups per lane per tile: 8 loads in flight */
+  constexpr int64_t kSpan = 32 * U * V;    /* work elements per warp tile */
 
   const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
   const int64_t warp = ((int64_t)blockIdx.x * kThreads + threadIdx.x) >> 5;
   const int64_t nwarps = ((int64_t)gridDim.x * kThreads) >> 5;
-  const int64_t work = p.end - p.begin;
+  const int64_t tiles = (p.end - p.begin + kSpan - 1) / kSpan;
+  const int64_t per_warp = (tiles + nwarps - 1) / nwarps;
+  const int64_t tile_begin = warp * per_warp;
+  const int64_t tile_end = min(tiles, tile_begin + per_warp);
 
-  for (int64_t tile = warp; tile * kSpan < work; tile += nwarps) {
+  int64_t rlo = -1;
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = p.begin + tile * kSpan;
     const int64_t t1 = min(t0 + kSpan, p.end);
-    /* warp-uniform: every lane reads the same prefix entries (broadcast) */
-    const int64_t rlo = find_row(p.prefix, 0, p.n, t0);
-    const int64_t rhi =
-        (__ldg(p.prefix + rlo + 1) >= t1) ? rlo : find_row(p.prefix, rlo, p.n, t1 - 1);
+    /* warp-uniform row range [rlo, rhi] of the tile */
+    if (rlo < 0) {
+      rlo = find_row(p.prefix, 0, p.n, t0);
+    } else {
+      while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
+    }
+    int64_t rhi = rlo;
+    /* lane i holds prefix[rlo + 1 + i] (INT64_MAX past the table) */
+    int64_t pre = INT64_MAX;
+    const int64_t rlo_end = __ldg(p.prefix + rlo + 1);
+    if (rlo_end < t1) {
+      pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
+      const unsigned below = __ballot_sync(0xFFFFFFFFu, pre <= t1 - 1);
+      rhi = below == 0xFFFFFFFFu ? find_row(p.prefix, rlo, p.n, t1 - 1) : rlo + __popc(below);
+    }
 
-    uint4 val[kUnroll][kSrcVec];
-    int64_t dvec[kUnroll];
+    if (rhi == rlo) {
+      const rs_run row = load_row(p.runs, rlo);
+      const int64_t rs = __ldg(p.prefix + rlo);
+      int64_t si0, di0, left0;
+      locate(p, row, rs, t0, si0, di0, left0);
+      if (left0 >= t1 - t0) { /* one run covers the tile: affine addresses */
+        const bool aligned = ((((uintptr_t)(src + si0)) | ((uintptr_t)(dst + di0))) & 15) == 0;
+        if (aligned) {
+          /* constant offsets from one base per side: no address registers per group */
+          const uint4 *sb = reinterpret_cast<const uint4 *>(src + si0) + lane * kSrcVec;
+          uint4 *db = reinterpret_cast<uint4 *>(dst + di0) + lane * kDstVec;
+          if (t1 - t0 == kSpan) {
+            uint4 val[U][kSrcVec];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      dvec[u] = -1;
-      const int64_t k = t0 + ((int64_t)u * 32 + lane) * V;
-      if (k >= t1) continue;
-      const int64_t r = rlo == rhi ? rlo : find_row(p.prefix, rlo, rhi + 1, k);
-      const rs_run row = load_row(p.runs, r);
-      const int64_t row_start = __ldg(p.prefix + r);
-      int64_t si, di, left;
-      locate(p, row, row_start, k, si, di, left);
-      const S *sp = src + si;
-      D *dp = dst + di;
-      if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int w = 0; w < kSrcVec; ++w) val[u][w] = reinterpret_cast<const uint4 *>(sp)[w];
-        dvec[u] = di;
+              for (int w = 0; w < kSrcVec; ++w) val[u][w] = sb[u * 32 * kSrcVec + w];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const S *sv = reinterpret_cast<const S *>(val[u]);
+              uint4 out[kDstVec];
+              D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+              for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+              for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+            }
+          } else { /* the last, partial tile */
+            for (int u = 0; u < U; ++u) {
+              const int64_t off = ((int64_t)u * 32 + lane) * V;
+              if (t0 + off + V <= t1) {
+                uint4 in[kSrcVec], out[kDstVec];
+#pragma unroll
+                for (int w = 0; w < kSrcVec; ++w) in[w] = sb[u * 32 * kSrcVec + w];
+                const S *sv = reinterpret_cast<const S *>(in);
+                D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+                for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+                for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+              } else if (t0 + off < t1) {
+                for (int64_t e = off; e < t1 - t0; ++e)
+                  dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+              }
+            }
+          }
+        } else { /* misaligned run: coalesced elements, U * V per lane */
+          for (int64_t e = lane; e < t1 - t0; e += 32)
+            dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+        }
         continue;
       }
-      /* element by element: the group crosses a run or a row, or is misaligned */
-      int64_t rr = r, rstart = row_start, rend = __ldg(p.prefix + r + 1);
-      rs_run cur = row;
-      const int64_t kend = min(k + V, t1);
-      for (int64_t kk = k; kk < kend; ++kk) {
-        if (kk >= rend) {
-          do {
-            ++rr;
-            rend = __ldg(p.prefix + rr + 1);
-          } while (kk >= rend);
-          rstart = __ldg(p.prefix + rr);
-          cur = load_row(p.runs, rr);
+    }
+
+    /* several runs in the tile: per-group lookup, four groups at a time (registers) */
+#pragma unroll 1
+    for (int h = 0; h < U; h += 4) {
+      uint4 val[4][kSrcVec];
+      int64_t dvec[4];
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        dvec[uu] = -1;
+        const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
+        int64_t r = rlo;
+        if (rhi != rlo) {
+          if (rhi - rlo < 32) { /* count of prefix[rlo+1..] <= k over the lanes' registers */
+            int c = 0;
+#pragma unroll
+            for (int step = 16; step >= 1; step >>= 1) {
+              const int64_t v = __shfl_sync(0xFFFFFFFFu, pre, c + step - 1);
+              if (v <= k) c += step;
+            }
+            r = rlo + c;
+          } else if (k < t1) {
+            r = find_row(p.prefix, rlo, rhi + 1, k);
+          }
         }
-        int64_t s1, d1, l1;
-        locate(p, cur, rstart, kk, s1, d1, l1);
-        dst[d1] = Cast<SK, DK>::run(src[s1]);
+        if (k >= t1) continue;
+        const rs_run row = load_row(p.runs, r);
+        const int64_t row_start = __ldg(p.prefix + r);
+        int64_t si, di, left;
+        locate(p, row, row_start, k, si, di, left);
+        const S *sp = src + si;
+        D *dp = dst + di;
+        if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+#pragma unroll
+          for (int w = 0; w < kSrcVec; ++w) val[uu][w] = reinterpret_cast<const uint4 *>(sp)[w];
+          dvec[uu] = di;
+          continue;
+        }
+        copy_scalar<SK, DK>(p, r, k, min(k + V, t1));
+      }
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        if (dvec[uu] < 0) continue;
+        const S *sv = reinterpret_cast<const S *>(val[uu]);
+        uint4 out[kDstVec];
+        D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+        for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+        uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[uu]);
+#pragma unroll
+        for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
       }
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (dvec[u] < 0) continue;
-      const S *sv = reinterpret_cast<const S *>(val[u]);
-      uint4 out[kDstVec];
-      D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-      for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-      uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[u]);
-#pragma unroll
-      for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
-    }
+    rlo = rhi; /* the next tile starts in rhi or later */
   }
 }
 
@@ -346,6 +451,28 @@ int sm_count(int device) {
   return cache[device];
 }
 
+/* Blocks of kThreads that fit on one multiprocessor, per kernel (read once; benign race). */
+int resident_blocks(kernel_fn fn) {
+  static kernel_fn fns[16];
+  static int counts[16];
+  for (int i = 0; i < 16; ++i) {
+    if (fns[i] == fn) return counts[i];
+  }
+  int c = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, fn, kThreads, 0) != cudaSuccess || c < 1) {
+    cudaGetLastError();
+    c = 2;
+  }
+  for (int i = 0; i < 16; ++i) {
+    if (fns[i] == nullptr) {
+      counts[i] = c;
+      fns[i] = fn;
+      break;
+    }
+  }
+  return c;
+}
+
 }  // namespace
 
 extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, void *dst,
@@ -366,14 +493,14 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
 
   int device = 0;
   RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
-  const int64_t span = (int64_t)32 * kUnroll * elems_per_group(src_dtype, dst_dtype);
-  const int64_t tiles = (end - begin + span - 1) / span;
+  const int v = elems_per_group(src_dtype, dst_dtype);
+  const int64_t tiles = (end - begin + (int64_t)32 * 8 * v - 1) / ((int64_t)32 * 8 * v);
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
-  /* A persistent-style grid: enough resident warps to keep many 16-byte accesses in flight;
-   * the warps stride over the remaining tiles. */
-  const int64_t cap = (int64_t)sm_count(device) * (2048 / kThreads) * 4;
+  /* One resident wave: each warp then walks a contiguous range of tiles. */
+  const int64_t cap = (int64_t)sm_count(device) * resident_blocks(fn);
   if (blocks > cap) blocks = cap;
+  if (blocks < 1) blocks = 1;
 
   Params p;
   p.src = static_cast<const char *>(src);

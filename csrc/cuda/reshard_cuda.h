@@ -61,6 +61,10 @@ typedef struct rs_stage_table {
   const int64_t *d_prefix;
   const rs_run *direct;
   int64_t n_direct;
+  /* 1 when the device side (H2D: dst, D2H: src) already holds work element k of the ring
+   * table at index k and in the wire dtype (a packed arena segment): the slot's DMA then goes
+   * straight to/from the device buffer, with no device staging and no scatter/gather kernel. */
+  int device_dense;
 } rs_stage_table;
 
 typedef struct rs_stage_buffers {
@@ -70,7 +74,8 @@ typedef struct rs_stage_buffers {
   rs_dtype dst_dtype;
   void *ring; /* pinned host memory, 16-byte aligned */
   int64_t ring_bytes;
-  void *staging; /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes) */
+  void *staging; /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes);
+                    NULL allowed when table->device_dense */
   void *stream;  /* cudaStream_t: every copy and kernel is ordered on it */
 } rs_stage_buffers;
 

@@ -129,7 +129,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
   if (t->total > 0) {
     rs_status s = rs_stage_slots(buf->ring_bytes, &slots, &slot_bytes, err);
     if (s != RS_OK) return s;
-    if (!buf->ring || !buf->staging)
+    if (!buf->ring || (!buf->staging && !t->device_dense))
       return rs_fail(err, RS_EINVAL, -1, "%s: ring or device staging is null", op);
     if ((((uintptr_t)buf->ring) | ((uintptr_t)buf->staging)) & 15)
       return rs_fail(err, RS_EINVAL, -1, "%s: ring and staging must be 16-byte aligned", op);
@@ -173,7 +173,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
     const int64_t e = (b + slot_elems < t->total) ? b + slot_elems : t->total;
     const size_t nbytes = (size_t)((e - b) * wes);
     char *ring_slot = ring + sl * slot_bytes;
-    char *dev_slot = staging + sl * slot_bytes;
+    char *dev_slot = staging ? staging + sl * slot_bytes : nullptr;
     if (dir == RS_H2D) {
       if (k >= slots) { /* the DMA that read this slot (chunk k - slots) must be done */
         RS_CUDA_TRY("stage_h2d: cudaEventSynchronize (ring slot)", cudaEventSynchronize(ev.ev[sl]),
@@ -185,13 +185,16 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
       if (s != RS_OK)
         return rs_fail(err, s, -1, "stage_h2d: host pack of a chunk failed (%s)",
                        rs_status_name(s));
-      RS_CUDA_TRY("stage_h2d: cudaMemcpyAsync (ring -> device staging)",
-                  cudaMemcpyAsync(dev_slot, ring_slot, nbytes, cudaMemcpyHostToDevice, stream),
-                  err);
+      /* a dense target takes the slot as is; otherwise staging + one scatter kernel */
+      char *to = t->device_dense ? static_cast<char *>(buf->dst) + b * wes : dev_slot;
+      RS_CUDA_TRY("stage_h2d: cudaMemcpyAsync (ring -> device)",
+                  cudaMemcpyAsync(to, ring_slot, nbytes, cudaMemcpyHostToDevice, stream), err);
       RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
-      s = rs_cuda_copy_slice(dev_slot, wire, buf->dst, buf->dst_dtype, t->d_runs, t->n, t->d_prefix,
-                             b, e, RS_MODE_UNPACK, buf->stream, err);
-      if (s != RS_OK) return s;
+      if (!t->device_dense) {
+        s = rs_cuda_copy_slice(dev_slot, wire, buf->dst, buf->dst_dtype, t->d_runs, t->n,
+                               t->d_prefix, b, e, RS_MODE_UNPACK, buf->stream, err);
+        if (s != RS_OK) return s;
+      }
     } else {
       if (pending[sl] >= 0) { /* slot s holds chunk k - slots: finish it on the host */
         const int64_t pb = pending[sl] * slot_elems;
@@ -206,12 +209,16 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
                          rs_status_name(s));
         pending[sl] = -1;
       }
-      s = rs_cuda_copy_slice(buf->src, buf->src_dtype, dev_slot, wire, t->d_runs, t->n, t->d_prefix,
-                             b, e, RS_MODE_PACK, buf->stream, err);
-      if (s != RS_OK) return s;
-      RS_CUDA_TRY("stage_d2h: cudaMemcpyAsync (device staging -> ring)",
-                  cudaMemcpyAsync(ring_slot, dev_slot, nbytes, cudaMemcpyDeviceToHost, stream),
-                  err);
+      const char *from = dev_slot;
+      if (t->device_dense) {
+        from = static_cast<const char *>(buf->src) + b * wes;
+      } else {
+        s = rs_cuda_copy_slice(buf->src, buf->src_dtype, dev_slot, wire, t->d_runs, t->n,
+                               t->d_prefix, b, e, RS_MODE_PACK, buf->stream, err);
+        if (s != RS_OK) return s;
+      }
+      RS_CUDA_TRY("stage_d2h: cudaMemcpyAsync (device -> ring)",
+                  cudaMemcpyAsync(ring_slot, from, nbytes, cudaMemcpyDeviceToHost, stream), err);
       RS_CUDA_TRY("stage_d2h: cudaEventRecord", cudaEventRecord(ev.ev[sl], stream), err);
       pending[sl] = k;
     }

@@ -251,3 +251,24 @@ def test_torch_compile_stage():
     ref = reference(src, desc_np, poison(dn, torch.bfloat16, "cpu"))
     assert_same(dst, ref)
     assert_same(out, ref.float().to(DEV) * 2)
+
+
+@pytest.mark.parametrize("pair", FLOAT_PAIRS, ids=_ids)
+@pytest.mark.parametrize("ring_bytes", [64, 1 << 16])
+def test_dense_device_side(pair, ring_bytes):
+    """Gather into / scatter out of a packed buffer (what executor arenas are): slots DMA
+    straight to/from the device buffer when the wire dtype is the device buffer's dtype."""
+    sdt, ddt = pair
+    rng = np.random.default_rng(ring_bytes + 1)
+    lens = rng.integers(1, 300, 200)
+    src_off = rng.permutation(200) * 400 + rng.integers(0, 50, 200)
+    dst_off = np.cumsum(lens) - lens
+    z = np.zeros(200, np.int64)
+    desc = np.stack([src_off, z, dst_off, z, lens, np.ones(200, np.int64)], 1)
+    src = random_values(rng, 200 * 400 + 400, sdt)
+    out, ref = h2d(src, desc, ddt, int(lens.sum()), ring_bytes)
+    assert_same(out, ref)
+    back = desc[:, [2, 3, 0, 1, 4, 5]].copy()  # dense source on the device
+    packed = random_values(rng, int(lens.sum()), sdt)
+    out, ref = d2h(packed, back, ddt, 200 * 400 + 400, ring_bytes)
+    assert_same(out, ref)

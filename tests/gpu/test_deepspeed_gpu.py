@@ -1,0 +1,82 @@
+"""DeepSpeed ZeRO-1/2/3 with CPU-offloaded optimizer on one GPU (world 1, NCCL).
+
+describe() the CPU masters and Adam moments (and the GPU bf16 params), transfer them into GPU
+targets, compare bitwise with DeepSpeed's safe_get_full_*; then write modified GPU values back
+into the engine's CPU storage and check DeepSpeed sees them, and that refresh_params() rebuilds
+the bf16 params from them. Skips when CUDA or DeepSpeed is missing (the H200 has no DeepSpeed:
+benchmarks/prepare_wheels.sh builds the wheels it needs).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))  # _dsutil.py
+
+from _spawn import run_ranks  # noqa: E402
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("deepspeed")
+
+ENV = {"DS_ACCELERATOR": "cuda", "NCCL_NVLS_ENABLE": "0"}
+
+
+def _worker(rank, world, stages):
+    from _dsutil import (
+        assert_bitwise,
+        check_targets,
+        ds_env,
+        make_engine,
+        reference,
+        replicated_targets,
+        train,
+    )
+
+    ds_env(rank, world)
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+
+    done = []
+    for stage in stages:
+        for model in ("mlp", "block"):
+            tag = f"gpu stage {stage} offload cpu {model}"
+            engine = make_engine(stage, "cpu", model)
+            train(engine, model, 2, seed=1, rank=rank)
+            for kind in ("param", "fp32", "exp_avg", "exp_avg_sq"):
+                live = rsds.describe(engine, kind)
+                devices = {b.device.type for b in live.buffers.values()}
+                assert devices == ({"cuda"} if kind == "param" else {"cpu"}), (tag, kind, devices)
+                want = reference(engine, kind)
+                dst, bufs = replicated_targets(live, [0], device="cuda")
+                rep = rs.Transfer(live.layout, dst)(live, bufs)
+                check_targets(dst, bufs, want, f"{tag} {kind} -> gpu")
+                if kind == "param":
+                    continue
+                # back: GPU values * 0.5 into the engine's CPU storage
+                for b in bufs.values():
+                    b.mul_(0.5)
+                rs.Transfer(dst, live.layout)(bufs, live)
+                got = reference(engine, kind)
+                for n in want:
+                    assert_bitwise(got[n], want[n] * 0.5, f"{tag} {kind} <- gpu {n}")
+                done.append((tag, kind, rep.seconds["total"]))
+            # masters were halved: refresh_params rebuilds bf16 params from them
+            rsds.refresh_params(engine)
+            masters = reference(engine, "fp32")
+            params = reference(engine, "param")
+            for n in masters:
+                assert_bitwise(params[n], masters[n].to(params[n].dtype), f"{tag} refresh {n}")
+            train(engine, model, 1, seed=2, rank=rank, first=2)  # still trains
+            engine.destroy()
+    return done
+
+
+def test_deepspeed_offload_gpu_roundtrip(tmp_path):
+    out = run_ranks(_worker, 1, tmp_path, backend="nccl", args=((1, 2, 3),), env=ENV, timeout=500)
+    assert len(out[0]) == 3 * 2 * 3
