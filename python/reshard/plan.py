@@ -1,8 +1,1042 @@
-"""Placeholder: the planner is being written (issue 3)."""
+"""Planning: intersect two layouts into copy runs, pick replicas, cut rounds. Pure data.
+
+Runs live in numpy arrays (one row per run), never in Python objects per run. The global
+part (intersection, replica choice, coalescing, rounds) is computed once in `plan()`; the
+per-rank `RankSchedule` the executor walks is derived lazily by `Plan.schedule(rank)`.
+See docs/planning.md for the algorithm and docs/internals.md for the schedule contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import torch
+
+from .errors import LayoutError
+from .layout import Layout
+
+__all__ = ["LocalCopy", "Message", "Plan", "RankSchedule", "Segment", "plan"]
+
+_I64 = np.int64
+_ALIGN = 16
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Jobs (piece intersections) are processed in batches of about this many source pieces so
+# that peak memory stays bounded on models with millions of pieces.
+_BATCH_PIECES = 1 << 17
+
+# Run table columns.
+SL, SO, SS, DL, DO, DS, LEN, CNT = range(8)
 
 
-def plan(*args, **kwargs):
-    raise NotImplementedError("reshard.plan is being written")
+def wire_dtype(src: torch.dtype, dst: torch.dtype) -> torch.dtype | None:
+    """The dtype a (source storage, target storage) pair travels in, or None if unsupported.
+
+    Equal dtypes travel as themselves; fp32 with bf16/fp16 travels as the 16-bit one (narrow
+    on the sender, widen on the receiver); fp16<->bf16 travels as the target dtype.
+    """
+    if src == dst:
+        return src
+    if src in _FLOATS and dst in _FLOATS:
+        if src == torch.float32:
+            return dst
+        if dst == torch.float32:
+            return src
+        return dst
+    return None
 
 
-Plan = plan
+@dataclasses.dataclass(frozen=True, eq=False)
+class LocalCopy:
+    """Runs whose source and target storages both belong to this rank: desc src -> dst."""
+
+    src_location: int
+    dst_location: int
+    desc: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """A 16-byte aligned piece of a message holding `numel` elements of `wire_dtype`.
+
+    Sender: desc maps src storage -> segment. Receiver: desc maps segment -> dst storage.
+    """
+
+    src_location: int
+    dst_location: int
+    wire_dtype: torch.dtype
+    byte_offset: int
+    numel: int
+    desc: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Message:
+    """One point-to-point message of a round at arena[arena_offset : arena_offset+nbytes]."""
+
+    peer: int
+    round: int
+    arena_offset: int
+    nbytes: int
+    segments: list
+
+
+@dataclasses.dataclass(eq=False)
+class RankSchedule:
+    rank: int
+    num_rounds: int
+    local: list
+    sends: list
+    recvs: list
+    send_arena_bytes: int
+    recv_arena_bytes: int
+
+
+def _expand(counts):
+    """For ranges of `counts`: (owner index, position within the range) of every element."""
+    counts = np.asarray(counts, _I64)
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts), dtype=_I64), counts)
+    first = np.cumsum(counts) - counts
+    return owner, np.arange(total, dtype=_I64) - first[owner]
+
+
+def _segments_of(flags):
+    """Start index of each maximal segment, given `flags[i]`: element i continues i-1."""
+    n = len(flags)
+    new = np.ones(n, bool)
+    if n > 1:
+        new[1:] = ~flags[1:]
+    return np.nonzero(new)[0]
+
+
+class Plan:
+    """A deterministic transfer plan: copy runs, replica choice and rounds.
+
+    Build it with `plan(src, dst, budget_bytes_per_peer)`. Every rank computes the same plan
+    and the same `fingerprint` from the same layouts.
+    """
+
+    def __init__(self, src, dst, budget, runs, tensors, stats):
+        self.src = src
+        self.dst = dst
+        self.budget_bytes_per_peer = budget
+        self._tensors = tensors
+        self._stats = stats
+        self._build_rounds(runs)
+        self._cache = {}
+        self.fingerprint = self._fingerprint()
+
+    # -- global structure ------------------------------------------------------------------
+    def _build_rounds(self, runs):
+        src, dst = self.src, self.dst
+        s_locs = np.array(sorted(src.storages), _I64)
+        d_locs = np.array(sorted(dst.storages), _I64)
+        s_rank = np.array([src.storages[int(x)].rank for x in s_locs], _I64)
+        d_rank = np.array([dst.storages[int(x)].rank for x in d_locs], _I64)
+        si = np.searchsorted(s_locs, runs[SL])
+        di = np.searchsorted(d_locs, runs[DL])
+        snd, rcv = s_rank[si], d_rank[di]
+        # Group by (sender, receiver, src storage, dst storage); a stable sort keeps the
+        # (deterministic) planning order inside a group, which is the stream order.
+        nr = int(max(s_rank.max(initial=0), d_rank.max(initial=0))) + 1
+        key = ((snd * nr + rcv) * len(s_locs) + si) * len(d_locs) + di
+        order = np.argsort(key, kind="stable")
+        runs = np.take(runs, order, axis=1)
+        snd, rcv = snd[order], rcv[order]
+        self._r = runs
+        self.sender = snd
+        self.receiver = rcv
+        numel = runs[LEN] * runs[CNT]
+        self._numel = numel
+        local = snd == rcv
+        self._local = local
+
+        # Groups: maximal blocks of remote runs with one (sender, receiver, src, dst) key.
+        ridx = np.nonzero(~local)[0]
+        key_same = np.zeros(len(ridx), bool)
+        if len(ridx) > 1:
+            a, b = ridx[:-1], ridx[1:]
+            key_same[1:] = (
+                (snd[a] == snd[b]) & (rcv[a] == rcv[b])
+                & (runs[SL, a] == runs[SL, b]) & (runs[DL, a] == runs[DL, b])
+            )
+        gstart = _segments_of(key_same)
+        gend = np.append(gstart[1:], len(ridx))
+        g_first = ridx[gstart] if len(ridx) else np.zeros(0, _I64)
+        g_numel = np.add.reduceat(numel[ridx], gstart) if len(ridx) else np.zeros(0, _I64)
+        g_sl = runs[SL, g_first]
+        g_dl = runs[DL, g_first]
+        g_snd, g_rcv = snd[g_first], rcv[g_first]
+        wires = {}
+        g_item = np.zeros(len(g_first), _I64)
+        for i in range(len(g_first)):
+            key = (int(g_sl[i]), int(g_dl[i]))
+            if key not in wires:
+                wires[key] = wire_dtype(
+                    src.storages[key[0]].dtype, dst.storages[key[1]].dtype
+                )
+            g_item[i] = wires[key].itemsize
+        self._wires = wires
+        # Stream position of each remote run inside the global concatenation of groups.
+        self._rpos = np.cumsum(numel[ridx]) - numel[ridx]
+        self._ridx = ridx
+        self._g = dict(
+            run_lo=gstart, run_hi=gend, sl=g_sl, dl=g_dl, snd=g_snd, rcv=g_rcv,
+            numel=g_numel, item=g_item,
+            pos0=self._rpos[gstart] if len(gstart) else np.zeros(0, _I64),
+        )
+
+        # Cut each (sender, receiver) stream into rounds of at most `cap` bytes; every
+        # segment starts 16-byte aligned inside its message.
+        cap = self.budget_bytes_per_peer - self.budget_bytes_per_peer % _ALIGN
+        segs = []  # (group, round, byte_offset, elem_lo, elem_hi)
+        msgs = []  # (sender, receiver, round, nbytes)
+        pair_new = np.ones(len(g_first), bool)
+        if len(g_first) > 1:
+            pair_new[1:] = (g_snd[1:] != g_snd[:-1]) | (g_rcv[1:] != g_rcv[:-1])
+        rnd = pos = 0
+        for g in range(len(g_first)):
+            if pair_new[g]:
+                if g:
+                    msgs.append((int(g_snd[g - 1]), int(g_rcv[g - 1]), rnd, _align(pos)))
+                rnd = pos = 0
+            n, w, e = int(g_numel[g]), int(g_item[g]), 0
+            while e < n:
+                start = _align(pos)
+                room = (cap - start) // w
+                if room <= 0:
+                    msgs.append((int(g_snd[g]), int(g_rcv[g]), rnd, _align(pos)))
+                    rnd, pos = rnd + 1, 0
+                    continue
+                take = min(n - e, room)
+                segs.append((g, rnd, start, e, e + take))
+                pos = start + take * w
+                e += take
+        if len(g_first):
+            msgs.append((int(g_snd[-1]), int(g_rcv[-1]), rnd, _align(pos)))
+        self._segs = np.array(segs, _I64).reshape(-1, 5)
+        m = np.array(msgs, _I64).reshape(-1, 4)
+        self.num_rounds = int(m[:, 2].max()) + 1 if len(m) else 0
+        # Arena offsets: within (rank, round), messages laid out by peer order.
+        send_off = np.zeros(len(m), _I64)
+        recv_off = np.zeros(len(m), _I64)
+        self._send_arena = {}
+        self._recv_arena = {}
+        for side, who, off, arena in ((0, 0, send_off, self._send_arena),
+                                      (1, 1, recv_off, self._recv_arena)):
+            peer = m[:, 1 - who]
+            o = np.lexsort((peer, m[:, 2], m[:, who]))
+            if not len(o):
+                continue
+            w, r, nb = m[o, who], m[o, 2], m[o, 3]
+            brk = np.ones(len(o), bool)
+            brk[1:] = (w[1:] != w[:-1]) | (r[1:] != r[:-1])
+            csum = np.cumsum(nb)
+            base = np.maximum.accumulate(np.where(brk, csum - nb, 0))
+            off[o] = csum - nb - base
+            tot = csum - base
+            for rank in np.unique(w).tolist():
+                arena[rank] = int(tot[w == rank].max())
+        self._msgs = np.column_stack([m, send_off, recv_off]) if len(m) else np.zeros((0, 6), _I64)
+
+    def _fingerprint(self) -> str:
+        h = hashlib.sha256(b"reshard-plan-v1\0")
+
+        def put(arr):
+            a = np.ascontiguousarray(arr, dtype="<i8")
+            h.update(np.array(a.shape, "<i8").tobytes())
+            h.update(a.tobytes())
+
+        put([self.budget_bytes_per_peer, self.num_rounds])
+        for layout in (self.src, self.dst):
+            locs = sorted(layout.storages)
+            put(locs)
+            put([[layout.storages[x].rank, layout.storages[x].numel] for x in locs])
+            h.update("\0".join(str(layout.storages[x].dtype) for x in locs).encode())
+        h.update("\0".join(self._tensors).encode())
+        put(self._r)
+        put(self.sender)
+        put(self.receiver)
+        put(self._segs)
+        put(self._msgs)
+        return h.hexdigest()
+
+    # -- public surface --------------------------------------------------------------------
+    def staging_bytes(self, rank, transport="nccl", host_ring_bytes=0) -> dict:
+        """The exact staging the executor holds on `rank`, in bytes.
+
+        Formula (double buffering): ``arenas = min(2, num_rounds) * (send_arena_bytes +
+        recv_arena_bytes)`` where ``send_arena_bytes`` is the max over rounds of the bytes
+        this rank sends in that round (sum over peers of each message's nbytes; each message
+        is a run of 16-byte aligned segments, so nbytes <= budget_bytes_per_peer rounded down
+        to 16) and ``recv_arena_bytes`` likewise for what it receives. The arenas live on the
+        transport's device: ``transport="nccl"`` -> ``{"device": arenas, "host_pinned":
+        host_ring_bytes, "host": 0}``; ``transport="gloo"`` -> ``{"device": 0, "host_pinned":
+        0, "host": arenas}``. Local copies stage nothing.
+        """
+        if transport not in ("nccl", "gloo"):
+            raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
+        arenas = min(2, self.num_rounds) * (
+            self._send_arena.get(rank, 0) + self._recv_arena.get(rank, 0)
+        )
+        if transport == "nccl":
+            return {"device": arenas, "host_pinned": int(host_ring_bytes), "host": 0}
+        return {"device": 0, "host_pinned": 0, "host": arenas}
+
+    @property
+    def runs(self) -> np.ndarray:
+        """All copy runs, int64 [n, 8]: (src_location, src_offset, src_stride, dst_location,
+        dst_offset, dst_stride, length, count), grouped by (sender, receiver)."""
+        return self._r.T
+
+    def ranks(self) -> list:
+        """Every rank that owns a source or target storage."""
+        return sorted(
+            {s.rank for s in self.src.storages.values()}
+            | {s.rank for s in self.dst.storages.values()}
+        )
+
+    def pair_bytes(self) -> dict:
+        """{(sender, receiver): wire bytes} over all rounds (remote pairs only)."""
+        g = self._g
+        out = {}
+        for s, r, n, w in zip(g["snd"].tolist(), g["rcv"].tolist(), g["numel"].tolist(),
+                              g["item"].tolist()):
+            out[(s, r)] = out.get((s, r), 0) + n * w
+        return out
+
+    def local_bytes(self) -> dict:
+        """{rank: bytes copied locally (target dtype)}."""
+        out = {}
+        idx = np.nonzero(self._local)[0]
+        for rank in np.unique(self.sender[idx]).tolist():
+            sel = idx[self.sender[idx] == rank]
+            total = 0
+            for dl in np.unique(self._r[DL, sel]).tolist():
+                item = self.dst.storages[dl].dtype.itemsize
+                total += int(self._numel[sel][self._r[DL, sel] == dl].sum()) * item
+            out[rank] = total
+        return out
+
+    def describe(self, max_pairs=16) -> str:
+        pairs = self.pair_bytes()
+        local = self.local_bytes()
+        sent, recv = {}, {}
+        for (s, r), b in pairs.items():
+            sent[s] = sent.get(s, 0) + b
+            recv[r] = recv.get(r, 0) + b
+        remote = sum(pairs.values())
+        lines = [
+            f"reshard plan {self.fingerprint[:16]}: {len(self._tensors)} tensors, "
+            f"{self._r.shape[1]} runs ({int(self._local.sum())} local, "
+            f"{int((~self._local).sum())} remote), budget {_fmt(self.budget_bytes_per_peer)}"
+            f"/peer, {self.num_rounds} rounds",
+            f"bytes: local {_fmt(sum(local.values()))}, remote {_fmt(remote)} on the wire "
+            f"over {len(pairs)} rank pairs",
+        ]
+        if sent:
+            busiest = max(sorted(sent), key=lambda r: sent[r])
+            lines.append(
+                f"busiest sender: rank {busiest} sends {_fmt(sent[busiest])} (mean over "
+                f"{len(sent)} senders {_fmt(remote // len(sent))})"
+            )
+        lines.append("rank   send        recv        local       staging(nccl device)")
+        for rank in self.ranks():
+            st = self.staging_bytes(rank)["device"]
+            lines.append(
+                f"{rank:<6} {_fmt(sent.get(rank, 0)):<11} {_fmt(recv.get(rank, 0)):<11} "
+                f"{_fmt(local.get(rank, 0)):<11} {_fmt(st)}"
+            )
+        if pairs:
+            rounds = {}
+            for s, r, k in self._msgs[:, :3].tolist():
+                rounds[(s, r)] = max(rounds.get((s, r), 0), k + 1)
+            top = sorted(pairs, key=lambda p: (-pairs[p], p))[:max_pairs]
+            lines.append(f"rank pairs (largest {len(top)} of {len(pairs)}):")
+            for p in top:
+                lines.append(f"  {p[0]} -> {p[1]}: {_fmt(pairs[p])} in {rounds[p]} rounds")
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return (
+            f"Plan({len(self._tensors)} tensors, {len(self.runs)} runs, "
+            f"{self.num_rounds} rounds, fingerprint={self.fingerprint[:16]})"
+        )
+
+    # -- per rank --------------------------------------------------------------------------
+    def schedule(self, rank) -> RankSchedule:
+        """What `rank` does: local copies, and per round the messages it sends/receives."""
+        rank = int(rank)
+        if rank in self._cache:
+            return self._cache[rank]
+        runs = self._r
+        local = []
+        idx = np.nonzero(self._local & (self.sender == rank))[0]
+        if len(idx):
+            keys = np.take(runs[[SL, DL]], idx, axis=1)
+            brk = np.ones(len(idx), bool)
+            brk[1:] = (keys[:, 1:] != keys[:, :-1]).any(axis=0)
+            starts = np.nonzero(brk)[0]
+            for a, b in zip(starts.tolist(), np.append(starts[1:], len(idx)).tolist()):
+                r = np.take(runs, idx[a:b], axis=1)
+                desc = np.ascontiguousarray(r[[SO, SS, DO, DS, LEN, CNT]].T)
+                local.append(LocalCopy(int(r[SL, 0]), int(r[DL, 0]), desc))
+        sends = self._messages(rank, sender_side=True)
+        recvs = self._messages(rank, sender_side=False)
+        sched = RankSchedule(
+            rank=rank,
+            num_rounds=self.num_rounds,
+            local=local,
+            sends=sends,
+            recvs=recvs,
+            send_arena_bytes=self._send_arena.get(rank, 0),
+            recv_arena_bytes=self._recv_arena.get(rank, 0),
+        )
+        self._cache[rank] = sched
+        return sched
+
+    def _messages(self, rank, sender_side):
+        out = [[] for _ in range(self.num_rounds)]
+        g = self._g
+        who = g["snd"] if sender_side else g["rcv"]
+        gsel = np.nonzero(who == rank)[0]
+        if not len(gsel):
+            return out
+        segs = self._segs[np.isin(self._segs[:, 0], gsel)]
+        descs = self._slice(segs, sender_side)
+        m = self._msgs
+        col = 0 if sender_side else 1
+        msel = np.nonzero(m[:, col] == rank)[0]
+        by_key = {}
+        for s, (grp, rnd, boff, lo, hi) in enumerate(segs.tolist()):
+            peer = int(g["rcv"][grp] if sender_side else g["snd"][grp])
+            seg = Segment(
+                int(g["sl"][grp]), int(g["dl"][grp]),
+                self._wires[(int(g["sl"][grp]), int(g["dl"][grp]))],
+                boff, hi - lo, descs[s],
+            )
+            by_key.setdefault((peer, rnd), []).append(seg)
+        for i in msel.tolist():
+            snd, rcv, rnd, nbytes, soff, roff = m[i].tolist()
+            peer = rcv if sender_side else snd
+            out[rnd].append(
+                Message(peer, rnd, soff if sender_side else roff, nbytes,
+                        by_key.get((peer, rnd), []))
+            )
+        for lst in out:
+            lst.sort(key=lambda msg: msg.peer)
+        return out
+
+    def _slice(self, segs, sender_side):
+        """Per segment, the desc of the run pieces falling in its element range."""
+        g = self._g
+        grp = segs[:, 0]
+        glo = g["pos0"][grp] + segs[:, 3]
+        ghi = g["pos0"][grp] + segs[:, 4]
+        rpos = self._rpos
+        rnum = self._numel[self._ridx]
+        first = np.searchsorted(rpos + rnum, glo, side="right")
+        last = np.searchsorted(rpos, ghi, side="left")
+        owner, k = _expand(last - first)
+        ri = first[owner] + k  # index into remote runs
+        run = np.take(self._r, self._ridx[ri], axis=1).T
+        p0 = rpos[ri]
+        lo = np.maximum(glo[owner], p0) - p0  # element range inside the run
+        hi = np.minimum(ghi[owner], p0 + rnum[ri]) - p0
+        L = run[:, LEN]
+        pieces = []
+        # head: partial first row
+        r0, c0 = lo // L, lo % L
+        m = c0 != 0
+        ln = np.minimum(L - c0, hi - lo)
+        pieces.append((m, r0, c0, ln, np.ones_like(L), lo))
+        # body: whole rows
+        ra = -(-lo // L)
+        rb = hi // L
+        m = rb > ra
+        pieces.append((m, ra, np.zeros_like(L), L, rb - ra, ra * L))
+        # tail: partial last row
+        m = (hi % L != 0) & (rb >= ra)
+        pieces.append((m, rb, np.zeros_like(L), hi % L, np.ones_like(L), rb * L))
+        rows = []
+        for m, row, col, ln, cnt, q in pieces:
+            i = np.nonzero(m)[0]
+            r = run[i]
+            so = r[:, SO] + row[i] * r[:, SS] + col[i]
+            do = r[:, DO] + row[i] * r[:, DS] + col[i]
+            spos = p0[i] + q[i] - glo[owner[i]]  # position inside the segment
+            one = cnt[i] == 1
+            if sender_side:
+                d = np.column_stack([so, np.where(one, ln[i], r[:, SS]), spos,
+                                     np.where(one, ln[i], L[i]), ln[i], cnt[i]])
+            else:
+                d = np.column_stack([spos, np.where(one, ln[i], L[i]), do,
+                                     np.where(one, ln[i], r[:, DS]), ln[i], cnt[i]])
+            rows.append((owner[i], spos, d))
+        own = np.concatenate([r[0] for r in rows])
+        pos = np.concatenate([r[1] for r in rows])
+        desc = np.concatenate([r[2] for r in rows]).astype(_I64)
+        o = np.lexsort((pos, own))
+        own, desc = own[o], desc[o]
+        bounds = np.searchsorted(own, np.arange(len(segs) + 1))
+        return [np.ascontiguousarray(desc[bounds[s]:bounds[s + 1]]) for s in range(len(segs))]
+
+
+def _align(x):
+    return -(-x // _ALIGN) * _ALIGN
+
+
+def _fmt(n):
+    n = int(n)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Plan:
+    """Plan moving every tensor of `dst` from its layout in `src` (a subset of src's tensors).
+
+    Each target element is read from exactly one source replica: one on the target's own
+    rank when there is one, otherwise the replica whose rank has sent the fewest bytes so far
+    (largest jobs first), so no single rank funnels the transfer. Every target replica is
+    written. Runs are coalesced; messages per (sender, receiver) and round hold at most
+    `budget_bytes_per_peer` bytes (16-byte aligned segments), a run larger than that is cut
+    across rounds.
+    """
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise LayoutError("plan(src, dst): both must be reshard.Layout")
+    if isinstance(budget_bytes_per_peer, bool) or not isinstance(budget_bytes_per_peer, int):
+        raise ValueError(f"budget_bytes_per_peer must be an int, got {budget_bytes_per_peer!r}")
+    if budget_bytes_per_peer < _ALIGN:
+        raise ValueError(
+            f"budget_bytes_per_peer must be >= {_ALIGN} (one aligned segment), "
+            f"got {budget_bytes_per_peer}"
+        )
+    names = sorted(dst.tensors)
+    for name in names:
+        if name not in src.tensors:
+            raise LayoutError(f"target tensor {name!r} has no source (not in the source layout)")
+        if src.tensors[name].shape != dst.tensors[name].shape:
+            raise LayoutError(
+                f"tensor {name!r}: source shape {src.tensors[name].shape} != target shape "
+                f"{dst.tensors[name].shape}"
+            )
+    dst._check_no_aliasing()
+    planner = _Planner(src, dst, names)
+    runs = planner.run()
+    return Plan(src, dst, budget_bytes_per_peer, runs, names, planner.stats)
+
+
+class _Planner:
+    def __init__(self, src, dst, names):
+        self.src, self.dst, self.names = src, dst, names
+        self.D = max([1] + [len(src.tensors[n].shape) for n in names])
+        s_locs = sorted(src.storages)
+        d_locs = sorted(dst.storages)
+        self.s_locs = np.array(s_locs, _I64)
+        self.d_locs = np.array(d_locs, _I64)
+        self.s_rank = np.array([src.storages[x].rank for x in s_locs], _I64)
+        self.d_rank = np.array([dst.storages[x].rank for x in d_locs], _I64)
+        self.d_item = np.array([dst.storages[x].dtype.itemsize for x in d_locs], _I64)
+        nr = int(max([0, *self.s_rank.tolist(), *self.d_rank.tolist()])) + 1
+        self.load = np.zeros(nr, _I64)  # bytes each rank sends, for replica balancing
+        self.stats = {"jobs": 0, "runs_before_coalesce": 0}
+
+    def run(self):
+        batches, cur, size = [], [], 0
+        for t, name in enumerate(self.names):
+            cur.append(t)
+            size += len(self.src.tensors[name]) + len(self.dst.tensors[name])
+            if size >= _BATCH_PIECES:
+                batches.append(cur)
+                cur, size = [], 0
+        if cur:
+            batches.append(cur)
+        out = [self._batch(b) for b in batches]
+        runs = np.concatenate(out, axis=1) if out else np.zeros((8, 0), _I64)
+        if len(batches) > 1:
+            runs = _coalesce(runs)
+        return runs
+
+    def _gather(self, layout, tids):
+        """Pieces of tensors `tids` stacked: (tid, loc, off, start, box, strides), dims padded
+        in front to D (extent 1, stride 0); empty pieces dropped. One concatenation per
+        ndim, so the cost per tensor is a list append, not numpy calls."""
+        by_d = {}
+        for t in tids:
+            tl = layout.tensors[self.names[t]]
+            by_d.setdefault(len(tl.shape), []).append((t, tl))
+        parts = []
+        for d, items in sorted(by_d.items()):
+            cols = [np.concatenate([tl._arrays()[k] for _, tl in items]) for k in range(5)]
+            counts = np.array([len(tl._loc) for _, tl in items], _I64)
+            tid = np.repeat(np.array([t for t, _ in items], _I64), counts)
+            loc, off, start, box, strides = cols
+            n = len(loc)
+            start, box, strides = (a.reshape(n, d) for a in (start, box, strides))
+            keep = (box > 0).all(axis=1)
+            pad = self.D - d
+
+            def p(a, fill, keep=keep, pad=pad):
+                a = a[keep]
+                if pad:
+                    a = np.concatenate([np.full((len(a), pad), fill, _I64), a], axis=1)
+                return a
+
+            parts.append((tid[keep], loc[keep], off[keep], p(start, 0), p(box, 1),
+                          p(strides, 0)))
+        return [np.concatenate([pt[k] for pt in parts]) for k in range(6)]
+
+    def _batch(self, tids):
+        D = self.D
+        shapes = []
+        for t in tids:
+            shp = self.src.tensors[self.names[t]].shape
+            shapes.append((1,) * (D - len(shp)) + tuple(shp))
+        shapes = np.array(shapes, _I64).reshape(len(tids), D)
+        tpos = np.zeros(max(tids) + 1, _I64)
+        tpos[tids] = np.arange(len(tids))
+        # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch
+        base = np.cumsum(shapes[:, 0]) - shapes[:, 0]
+        numel = shapes.prod(axis=1)
+
+        s_tid, s_loc, s_off, s_start, s_box, s_str = self._gather(self.src, tids)
+        d_tid, d_loc, d_off, d_start, d_box, d_str = self._gather(self.dst, tids)
+        s_ti, d_ti = tpos[s_tid], tpos[d_tid]
+
+        # -- source regions: distinct boxes, each with its replica holders ---------------
+        order = np.lexsort(tuple(s_box.T[::-1]) + tuple(s_start.T[::-1]) + (s_ti,))
+        rstart = _segments_of(_rows_equal(s_ti[order], s_start[order], s_box[order]))
+        r_cnt = np.diff(np.append(rstart, len(order)))
+        hold = order  # holders of region r: hold[rstart[r] : rstart[r] + r_cnt[r]]
+        r_ti = s_ti[order[rstart]]
+        r_lo = s_start[order[rstart]]
+        r_hi = r_lo + s_box[order[rstart]]
+        vol = np.bincount(r_ti, weights=(r_hi - r_lo).prod(axis=1).astype(np.float64),
+                          minlength=len(tids))
+        overlapping = np.nonzero(vol > numel)[0]
+        if len(overlapping):
+            r_ti, r_lo, r_hi, rstart, r_cnt = _disjoint_regions(
+                overlapping, r_ti, r_lo, r_hi, rstart, r_cnt
+            )
+
+        # -- target templates: distinct (box, strides), each with its replicas ------------
+        # Replicas of a target piece get the same runs up to the storage and base offset,
+        # so the runs are computed once per template and stamped out per replica.
+        dorder = np.lexsort(tuple(d_str.T[::-1]) + tuple(d_box.T[::-1])
+                            + tuple(d_start.T[::-1]) + (d_ti,))
+        tstart = _segments_of(_rows_equal(d_ti[dorder], d_start[dorder], d_box[dorder],
+                                          d_str[dorder]))
+        t_cnt = np.diff(np.append(tstart, len(dorder)))
+        first = dorder[tstart]
+        t_ti, t_lo, t_box, t_str = d_ti[first], d_start[first], d_box[first], d_str[first]
+
+        # -- intersect templates with source regions --------------------------------------
+        pr, pt, lo, hi = _intersect(base, r_ti, r_lo, r_hi, t_ti, t_lo, t_lo + t_box)
+        self.stats["jobs"] += int((t_cnt[pt]).sum())
+        fixed = r_cnt[pr] == 1
+        out = []
+
+        # fixed source (one holder): runs per template, stamped out per replica
+        f = np.nonzero(fixed)[0]
+        if len(f):
+            fr, ft, flo, fhi = pr[f], pt[f], lo[f], hi[f]
+            h = hold[rstart[fr]]
+            so = s_off[h] + (s_str[h] * (flo - s_start[h])).sum(axis=1)
+            dof = (t_str[ft] * (flo - t_lo[ft])).sum(axis=1)
+            tr = _box_runs(s_loc[h], so, s_str[h], ft, dof, t_str[ft], fhi - flo)
+            self.stats["runs_before_coalesce"] += tr.shape[1] * 1
+            tr = _coalesce(tr)
+            out.append(self._stamp(tr, tstart, t_cnt, dorder, d_loc, d_off))
+
+        # replicated source: choose a holder per (job, target replica)
+        c = np.nonzero(~fixed)[0]
+        if len(c):
+            owner, k = _expand(t_cnt[pt[c]])
+            jr, jt = pr[c][owner], pt[c][owner]
+            pj = dorder[tstart[jt] + k]
+            jlo, jhi = lo[c][owner], hi[c][owner]
+            h = self._choose(jr, pj, jlo, jhi, rstart, r_cnt, hold, s_loc, d_loc)
+            so = s_off[h] + (s_str[h] * (jlo - s_start[h])).sum(axis=1)
+            dof = d_off[pj] + (d_str[pj] * (jlo - d_start[pj])).sum(axis=1)
+            cr = _box_runs(s_loc[h], so, s_str[h], d_loc[pj], dof, d_str[pj], jhi - jlo)
+            self.stats["runs_before_coalesce"] += cr.shape[1]
+            out.append(_coalesce(cr))
+        runs = np.concatenate(out, axis=1) if out else np.zeros((8, 0), _I64)
+        self._check_dtypes(runs, tids)
+        return runs
+
+    def _stamp(self, tr, tstart, t_cnt, dorder, d_loc, d_off):
+        """Template runs (DL = template id, DO relative) -> one copy per target replica,
+        ordered template, replica, run; and account the remote bytes for balancing."""
+        tid = tr[DL]
+        brk = np.ones(tr.shape[1], bool)
+        brk[1:] = tid[1:] != tid[:-1]
+        bstart = np.nonzero(brk)[0]
+        nrun = np.diff(np.append(bstart, tr.shape[1]))
+        reps = t_cnt[tid[bstart]]
+        owner, k = _expand(nrun * reps)
+        rep = k // nrun[owner]
+        ri = bstart[owner] + k % nrun[owner]
+        piece = dorder[tstart[tid[bstart[owner]]] + rep]
+        out = np.take(tr, ri, axis=1)
+        out[DL] = d_loc[piece]
+        out[DO] += d_off[piece]
+        self._account(out)
+        return out
+
+    def _account(self, runs):
+        snd = self.s_rank[np.searchsorted(self.s_locs, runs[SL])]
+        di = np.searchsorted(self.d_locs, runs[DL])
+        remote = snd != self.d_rank[di]
+        nbytes = (runs[LEN] * runs[CNT] * self.d_item[di])[remote]
+        # float weights are exact below 2**53 bytes per rank
+        self.load += np.bincount(snd[remote], weights=nbytes, minlength=len(self.load)).astype(
+            _I64)
+
+    def _choose(self, pr, pj, lo, hi, rstart, r_cnt, hold, s_loc, d_loc):
+        """Pick one source piece (holder) per job: local first, then least-loaded sender."""
+        cnt = r_cnt[pr]
+        h = hold[rstart[pr]].copy()
+        srank = self.s_rank[np.searchsorted(self.s_locs, s_loc)]
+        drank = self.d_rank[np.searchsorted(self.d_locs, d_loc)]
+        jr = drank[pj]
+        nbytes = (hi - lo).prod(axis=1) * self.d_item[np.searchsorted(self.d_locs, d_loc[pj])]
+        single = cnt == 1
+        remote1 = single & (srank[h] != jr)
+        np.add.at(self.load, srank[h[remote1]], nbytes[remote1])
+        multi = np.nonzero(~single)[0]
+        if not len(multi):
+            return h
+        owner, k = _expand(cnt[multi])
+        cand = hold[rstart[pr[multi]][owner] + k]
+        is_local = srank[cand] == jr[multi][owner]
+        # first local holder per job, if any
+        first_local = np.full(len(multi), -1, _I64)
+        li = np.nonzero(is_local)[0]
+        uq, at = np.unique(owner[li], return_index=True)
+        first_local[uq] = cand[li[at]]
+        has = first_local >= 0
+        h[multi[has]] = first_local[has]
+        rem = multi[~has]
+        if not len(rem):
+            return h
+        # greedy: largest jobs first, each to the holder rank with the least load so far
+        o = np.lexsort((rem, -nbytes[rem]))
+        rem = rem[o]
+        load = self.load.tolist()
+        holders_start = rstart[pr[rem]].tolist()
+        holders_cnt = cnt[rem].tolist()
+        hold_l = hold
+        sr = srank
+        nb = nbytes[rem].tolist()
+        choice = np.empty(len(rem), _I64)
+        for i in range(len(rem)):
+            a = holders_start[i]
+            best, best_load = -1, None
+            for c in hold_l[a:a + holders_cnt[i]].tolist():
+                r = int(sr[c])
+                if best_load is None or load[r] < best_load:
+                    best, best_load, best_r = c, load[r], r
+            choice[i] = best
+            load[best_r] += nb[i]
+        self.load = np.array(load, _I64)
+        h[rem] = choice
+        return h
+
+    def _check_dtypes(self, runs, tids):
+        """Every (source, target) storage pair that exchanges data needs a wire dtype."""
+        if not runs.shape[1]:
+            return
+        sdt = sorted({s.dtype for s in self.src.storages.values()}, key=str)
+        ddt = sorted({s.dtype for s in self.dst.storages.values()}, key=str)
+        s_cls = np.array([sdt.index(self.src.storages[int(x)].dtype) for x in self.s_locs])
+        d_cls = np.array([ddt.index(self.dst.storages[int(x)].dtype) for x in self.d_locs])
+        bad_pair = np.array([[wire_dtype(a, b) is None for b in ddt] for a in sdt])
+        if not bad_pair.any():
+            return
+        si = np.searchsorted(self.s_locs, runs[SL])
+        di = np.searchsorted(self.d_locs, runs[DL])
+        bad = np.nonzero(bad_pair[s_cls[si], d_cls[di]])[0]
+        if not len(bad):
+            return
+        sl, dl = int(runs[SL, bad[0]]), int(runs[DL, bad[0]])
+        sd, dd = self.src.storages[sl].dtype, self.dst.storages[dl].dtype
+        name = next(
+            self.names[t] for t in tids
+            if (self.dst.tensors[self.names[t]]._loc == dl).any()
+            and (self.src.tensors[self.names[t]]._loc == sl).any()
+        )
+        raise LayoutError(
+            f"tensor {name!r}: unsupported dtype pair: source location {sl} is {sd}, "
+            f"target location {dl} is {dd} (casts exist only among float32, bfloat16, "
+            "float16; other dtypes must match)"
+        )
+
+
+def _rows_equal(*cols):
+    """flags[i]: row i equals row i-1 in every column (1-D or 2-D column blocks)."""
+    n = len(cols[0])
+    same = np.zeros(n, bool)
+    if n > 1:
+        same[1:] = True
+        for c in cols:
+            c = c.reshape(n, -1)
+            same[1:] &= (c[1:] == c[:-1]).all(axis=1)
+    return same
+
+
+def _intersect(base, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi):
+    """All pairs (i, j) of boxes a_i, b_j of the same tensor that intersect, with the
+    intersection. Output-sensitive: pairs are enumerated from dim-0 overlaps found by
+    binary search (one box's dim-0 start lies inside the other's range), then filtered."""
+    ak0 = base[a_ti] + a_lo[:, 0]
+    ak1 = base[a_ti] + a_hi[:, 0]
+    bk0 = base[b_ti] + b_lo[:, 0]
+    bk1 = base[b_ti] + b_hi[:, 0]
+    ao = np.argsort(ak0, kind="stable")
+    bo = np.argsort(bk0, kind="stable")
+    ak0s, bk0s = ak0[ao], bk0[bo]
+    # a starts inside [b0, b1)
+    x0 = np.searchsorted(ak0s, bk0, "left")
+    x1 = np.searchsorted(ak0s, bk1, "left")
+    oj, k = _expand(x1 - x0)
+    pa, pb = ao[x0[oj] + k], oj
+    # b starts strictly inside (a0, a1)
+    y0 = np.searchsorted(bk0s, ak0, "right")
+    y1 = np.searchsorted(bk0s, ak1, "left")
+    oi, k = _expand(y1 - y0)
+    pa = np.concatenate([pa, oi])
+    pb = np.concatenate([pb, bo[y0[oi] + k]])
+    lo = np.maximum(a_lo[pa], b_lo[pb])
+    hi = np.minimum(a_hi[pa], b_hi[pb])
+    ok = (hi > lo).all(axis=1)
+    pa, pb, lo, hi = pa[ok], pb[ok], lo[ok], hi[ok]
+    # group by b box (stable: within a box, a boxes in dim-0 order) so neighbouring jobs
+    # are neighbours in storage and coalesce
+    o = np.argsort(pb, kind="stable")
+    return pa[o], pb[o], lo[o], hi[o]
+
+
+def _disjoint_regions(tensors, r_ti, r_lo, r_hi, rstart, r_cnt):
+    """Make the distinct source boxes of `tensors` disjoint (partially overlapping replicas).
+
+    Each box keeps only what earlier boxes did not claim; the pieces it keeps are read from its
+    own holders. Quadratic in the boxes of such a tensor; only unusual layouts get here.
+    """
+    bad = np.isin(r_ti, tensors)
+    keep = np.nonzero(~bad)[0]
+    new_ti, new_lo, new_hi, new_rs, new_rc = [], [], [], [], []
+    claimed = {}
+    for r in np.nonzero(bad)[0].tolist():
+        t = int(r_ti[r])
+        prev = claimed.setdefault(t, [])
+        parts = [(r_lo[r].tolist(), r_hi[r].tolist())]
+        for clo, chi in prev:
+            nxt = []
+            for plo, phi in parts:
+                nxt.extend(_box_minus(plo, phi, clo, chi))
+            parts = nxt
+        prev.append((r_lo[r].tolist(), r_hi[r].tolist()))
+        for plo, phi in parts:
+            new_ti.append(t)
+            new_lo.append(plo)
+            new_hi.append(phi)
+            new_rs.append(int(rstart[r]))
+            new_rc.append(int(r_cnt[r]))
+    D = r_lo.shape[1]
+    return (
+        np.concatenate([r_ti[keep], np.array(new_ti, _I64)]),
+        np.concatenate([r_lo[keep], np.array(new_lo, _I64).reshape(-1, D)]),
+        np.concatenate([r_hi[keep], np.array(new_hi, _I64).reshape(-1, D)]),
+        np.concatenate([rstart[keep], np.array(new_rs, _I64)]),
+        np.concatenate([r_cnt[keep], np.array(new_rc, _I64)]),
+    )
+
+
+def _box_minus(plo, phi, clo, chi):
+    if any(ph <= cl or ch <= pl for pl, ph, cl, ch in zip(plo, phi, clo, chi)):
+        return [(plo, phi)]
+    out = []
+    plo, phi = list(plo), list(phi)
+    for k in range(len(plo)):
+        if plo[k] < clo[k]:
+            hi = list(phi)
+            hi[k] = clo[k]
+            out.append((list(plo), hi))
+            plo[k] = clo[k]
+        if phi[k] > chi[k]:
+            lo = list(plo)
+            lo[k] = chi[k]
+            out.append((lo, list(phi)))
+            phi[k] = chi[k]
+    return out
+
+
+def _box_runs(sl, so, Ss, dl, do, Sd, E):
+    """Strided copy of boxes -> runs, columnar int64 [8, n] (see SL..CNT).
+
+    Dims are ordered by source stride, dims contiguous in both storages merge into the run
+    length, the largest remaining dim becomes the count, any others are enumerated.
+    """
+    m, D = E.shape
+    if m == 0:
+        return np.zeros((8, 0), _I64)
+    if D >= 2:
+        # fast path: boxes that are at most 2-D in the last two dims, unit inner stride on
+        # both sides (ZeRO ranges, row/column splits): one run each, no reordering
+        fast = (Ss[:, -1] == 1) & (Sd[:, -1] == 1)
+        if D > 2:
+            fast &= (E[:, :-2] == 1).all(axis=1)
+        if fast.all():
+            return _box_runs_2d(sl, so, Ss[:, -2], dl, do, Sd[:, -2], E[:, -2], E[:, -1])
+        if fast.any():
+            f, g = np.nonzero(fast)[0], np.nonzero(~fast)[0]
+            a = _box_runs_2d(sl[f], so[f], Ss[f, -2], dl[f], do[f], Sd[f, -2], E[f, -2],
+                             E[f, -1])
+            b = _box_runs(sl[g], so[g], Ss[g], dl[g], do[g], Sd[g], E[g])
+            # keep planning order: interleave back by job index
+            src_idx = np.concatenate([np.repeat(f, 1), np.repeat(g, _runs_per_box(E[g], Ss[g],
+                                                                                  Sd[g]))])
+            o = np.argsort(src_idx, kind="stable")
+            return np.take(np.concatenate([a, b], axis=1), o, axis=1)
+    big = E > 1
+    key_s = np.where(big, Ss, -1)
+    if D > 1 and not (key_s[:, :-1] >= key_s[:, 1:]).all():
+        # two stable passes = a per-row lexsort by (src stride, dst stride), descending
+        key_d = np.where(big, Sd, -1)
+        o1 = np.argsort(-key_d, axis=1, kind="stable")
+        o2 = np.argsort(-np.take_along_axis(key_s, o1, axis=1), axis=1, kind="stable")
+        order = np.take_along_axis(o1, o2, axis=1)
+        E = np.take_along_axis(E, order, axis=1)
+        Ss = np.take_along_axis(Ss, order, axis=1)
+        Sd = np.take_along_axis(Sd, order, axis=1)
+    # virtual innermost dim D carries the run length
+    W = np.concatenate([E, np.ones((m, 1), _I64)], axis=1)
+    WS = np.concatenate([Ss, np.ones((m, 1), _I64)], axis=1)
+    WD = np.concatenate([Sd, np.ones((m, 1), _I64)], axis=1)
+    ar = np.arange(m)
+    tgt = np.full(m, D, _I64)
+    for k in range(D - 1, -1, -1):
+        e = W[:, k]
+        te, ts, td = W[ar, tgt], WS[ar, tgt], WD[ar, tgt]
+        can = (e > 1) & (WS[:, k] == ts * te) & (WD[:, k] == td * te)
+        ci = np.nonzero(can)[0]
+        W[ci, tgt[ci]] *= e[ci]
+        W[ci, k] = 1
+        mv = (e > 1) & ~can
+        tgt[mv] = k
+    length = W[:, D]
+    outer = W[:, :D]
+    cdim = np.argmax(outer, axis=1)  # largest remaining dim becomes the count
+    count = outer[ar, cdim]
+    css, csd = WS[ar, cdim], WD[ar, cdim]
+    rest = outer.copy()
+    rest[ar, cdim] = 1
+    nruns = rest.prod(axis=1)
+    if (nruns == 1).all():
+        own = ar
+        so2, do2 = so, do
+    else:
+        own, t = _expand(nruns)
+        so2, do2 = so[own].copy(), do[own].copy()
+        for k in range(D - 1, -1, -1):
+            ek = rest[own, k]
+            dig = t % ek
+            t = t // ek
+            so2 += dig * WS[own, k]
+            do2 += dig * WD[own, k]
+    L, C = length[own], count[own]
+    one = C == 1
+    out = np.empty((8, len(own)), _I64)
+    out[SL], out[SO], out[DL], out[DO], out[LEN], out[CNT] = sl[own], so2, dl[own], do2, L, C
+    out[SS] = np.where(one, L, css[own])
+    out[DS] = np.where(one, L, csd[own])
+    return out
+
+
+def _box_runs_2d(sl, so, ss0, dl, do, sd0, e0, e1):
+    """Boxes of e0 rows of e1 contiguous elements, row strides ss0 / sd0."""
+    contig = (e0 == 1) | ((ss0 == e1) & (sd0 == e1))
+    out = np.empty((8, len(sl)), _I64)
+    out[SL], out[SO], out[DL], out[DO] = sl, so, dl, do
+    out[LEN] = np.where(contig, e0 * e1, e1)
+    out[CNT] = np.where(contig, 1, e0)
+    out[SS] = np.where(contig, out[LEN], ss0)
+    out[DS] = np.where(contig, out[LEN], sd0)
+    return out
+
+
+def _runs_per_box(E, Ss, Sd):
+    """How many runs the general path of _box_runs emits per box (for re-interleaving)."""
+    r = _box_runs(np.arange(len(E), dtype=_I64), np.zeros(len(E), _I64), Ss,
+                  np.zeros(len(E), _I64), np.zeros(len(E), _I64), Sd, E)
+    return np.bincount(r[SL], minlength=len(E))
+
+
+def _normalize(runs):
+    """Runs whose rows are contiguous in both storages become one longer row (in place)."""
+    c = (runs[CNT] > 1) & (runs[SS] == runs[LEN]) & (runs[DS] == runs[LEN])
+    if c.any():
+        runs[LEN, c] *= runs[CNT, c]
+        runs[CNT, c] = 1
+        runs[SS, c] = runs[LEN, c]
+        runs[DS, c] = runs[LEN, c]
+    return runs
+
+
+def _coalesce(runs):
+    """Merge neighbouring runs (in planning order, which follows both storages): single rows
+    contiguous in both storages join; rows of one length at one constant pair of gaps chain
+    into a strided run. No sort: neighbours in planning order are where merges are."""
+    if runs.shape[1] < 2:
+        return runs
+    runs = _normalize(runs.copy())
+    # (a) contiguous single rows
+    a, b = runs[:, :-1], runs[:, 1:]
+    link = (
+        (a[CNT] == 1) & (b[CNT] == 1) & (a[SL] == b[SL]) & (a[DL] == b[DL])
+        & (b[SO] == a[SO] + a[LEN]) & (b[DO] == a[DO] + a[LEN])
+    )
+    if link.any():
+        st = _segments_of(np.concatenate([[False], link]))
+        merged = np.take(runs, st, axis=1)
+        merged[LEN] = np.add.reduceat(runs[LEN], st)
+        merged[SS] = merged[LEN]
+        merged[DS] = merged[LEN]
+        runs = merged
+    if runs.shape[1] < 2:
+        return runs
+    # (b) equal-length rows whose positions form one arithmetic progression in both
+    a, b = runs[:, :-1], runs[:, 1:]
+    gs = b[SO] - (a[SO] + (a[CNT] - 1) * a[SS])
+    gd = b[DO] - (a[DO] + (a[CNT] - 1) * a[DS])
+    basic = (
+        (a[SL] == b[SL]) & (a[DL] == b[DL]) & (a[LEN] == b[LEN]) & (gs > 0) & (gd > 0)
+        & ((a[CNT] == 1) | ((a[SS] == gs) & (a[DS] == gd)))
+        & ((b[CNT] == 1) | ((b[SS] == gs) & (b[DS] == gd)))
+    )
+    if not basic.any():
+        return runs
+    # a single row linked on both sides must see the same gap on both
+    prev_basic = np.concatenate([[False], basic[:-1]])
+    prev_gs = np.concatenate([[0], gs[:-1]])
+    prev_gd = np.concatenate([[0], gd[:-1]])
+    link = basic & ((a[CNT] > 1) | ~prev_basic | ((prev_gs == gs) & (prev_gd == gd)))
+    st = _segments_of(np.concatenate([[False], link]))
+    merged = np.take(runs, st, axis=1)
+    merged[CNT] = np.add.reduceat(runs[CNT], st)
+    multi = merged[CNT] > 1
+    nxt = np.minimum(st + 1, runs.shape[1] - 1)
+    first_multi = runs[CNT, st] > 1
+    merged[SS] = np.where(multi, np.where(first_multi, runs[SS, st], runs[SO, nxt] - runs[SO, st]),
+                          merged[SS])
+    merged[DS] = np.where(multi, np.where(first_multi, runs[DS, st], runs[DO, nxt] - runs[DO, st]),
+                          merged[DS])
+    return _normalize(merged)

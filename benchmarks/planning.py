@@ -1,0 +1,279 @@
+"""Planning benchmark: time and memory of `reshard.plan` on model-shaped layouts.
+
+    python benchmarks/planning.py            # full run: 70B dense, 1T MoE, scaling sweeps
+    python benchmarks/planning.py --quick    # small sweep only
+
+Writes benchmarks/results/cpu/planning.{json,md,png}. Memory is the peak of tracemalloc
+(numpy reports its buffers to it) during `plan()`, plus the process RSS for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import tracemalloc
+
+import numpy as np
+import psutil
+import torch
+
+import reshard as rs
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu")
+
+
+def zero3(shapes, world, dtype=torch.float32):
+    """DeepSpeed ZeRO-3 style: each tensor padded to a multiple of `world`, rank r holds
+    partition r of every tensor, back to back in one flat buffer per rank."""
+    tensors = {}
+    used = np.zeros(world, np.int64)
+    ranks = np.arange(world, dtype=np.int64)
+    for name, shp in shapes.items():
+        n = int(np.prod(shp))
+        part = -(-n // world)
+        lo = ranks * part
+        hi = np.minimum(n, lo + part)
+        keep = hi > lo
+        runs = np.stack([ranks, lo, hi, used], axis=1)[keep]
+        tensors[name] = rs.flat(shp, runs, name=name)
+        used += part
+    storages = {r: rs.Storage(r, dtype, int(used[r])) for r in range(world)}
+    return rs.Layout(tensors, storages)
+
+
+def tp_layout(shapes, spec, groups, tp, dtype=torch.bfloat16):
+    """Rollout engine: `groups` replicas (or EP groups) of TP=`tp`; rank = group*tp + t.
+
+    spec[name] = (dim or None, group list): split `dim` over the tp ranks of each listed
+    group (None: replicated on those ranks). One flat buffer per rank, shards back to back.
+    """
+    world = groups * tp
+    used = [0] * world
+    tensors = {}
+    for name, shp in shapes.items():
+        dim, gl = spec[name]
+        if dim is None:
+            locs = [g * tp + t for g in gl for t in range(tp)]
+            n = int(np.prod(shp))
+            pieces = [rs.Piece(r, used[r], (0,) * len(shp), shp) for r in locs]
+            for r in locs:
+                used[r] += n
+            tensors[name] = rs.TensorLayout(shp, pieces, name=name)
+            continue
+        base, rem = divmod(shp[dim], tp)
+        sizes = [base + (t < rem) for t in range(tp)]
+        locs, offs = [], []
+        for t in range(tp):
+            ranks = [g * tp + t for g in gl]
+            locs.append(ranks)
+            offs.append([used[r] for r in ranks])
+            numel = int(np.prod(shp)) // shp[dim] * sizes[t]
+            for r in ranks:
+                used[r] += numel
+        tensors[name] = rs.split(shp, dim, sizes, locs, offsets=offs, name=name)
+    storages = {r: rs.Storage(r, dtype, used[r]) for r in range(world)}
+    return rs.Layout(tensors, storages)
+
+
+def dense_shapes(layers=80, hidden=8192, ffn=28672, kv=1024, vocab=128256):
+    shapes = {"embed": (vocab, hidden)}
+    spec = {"embed": 0}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for n, s, d in (
+            ("q", (hidden, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
+            ("o", (hidden, hidden), 1), ("gate", (ffn, hidden), 0), ("up", (ffn, hidden), 0),
+            ("down", (hidden, ffn), 1), ("in_norm", (hidden,), None),
+            ("post_norm", (hidden,), None),
+        ):
+            shapes[p + n] = s
+            spec[p + n] = d
+    shapes["norm"] = (hidden,)
+    spec["norm"] = None
+    shapes["lm_head"] = (vocab, hidden)
+    spec["lm_head"] = 0
+    return shapes, spec
+
+
+def dense_case(layers=80, src_ranks=64, tp=8, dp=8):
+    shapes, spec = dense_shapes(layers)
+    t0 = time.perf_counter()
+    src = zero3(shapes, src_ranks)
+    dst = tp_layout(shapes, {k: (d, list(range(dp))) for k, d in spec.items()}, dp, tp)
+    return src, dst, time.perf_counter() - t0
+
+
+def moe_shapes(layers=61, experts=384, hidden=7168, moe_ffn=2048, dense_ffn=18432,
+               vocab=163840):
+    """Kimi-K2/DeepSeek-V3-like: MLA attention, 1 dense layer, then MoE layers."""
+    shapes, spec = {"embed": (vocab, hidden)}, {"embed": (0, "all")}
+    for i in range(layers):
+        p = f"layers.{i}."
+        attn = (("q_a", (1536, hidden), 0), ("q_b", (12288, 1536), 0),
+                ("kv_a", (576, hidden), None), ("kv_b", (16384, 512), 0),
+                ("o", (hidden, 8192), 1), ("in_norm", (hidden,), None),
+                ("post_norm", (hidden,), None), ("q_norm", (1536,), None),
+                ("kv_norm", (512,), None))
+        for n, s, d in attn:
+            shapes[p + n], spec[p + n] = s, (d, "all")
+        if i == 0:
+            for n, s, d in (("gate", (dense_ffn, hidden), 0), ("up", (dense_ffn, hidden), 0),
+                            ("down", (hidden, dense_ffn), 1)):
+                shapes[p + n], spec[p + n] = s, (d, "all")
+            continue
+        shapes[p + "router"], spec[p + "router"] = (experts, hidden), (None, "all")
+        for n, s, d in (("gate", (moe_ffn, hidden), 0), ("up", (moe_ffn, hidden), 0),
+                        ("down", (hidden, moe_ffn), 1)):
+            shapes[p + "shared." + n], spec[p + "shared." + n] = s, (d, "all")
+            for e in range(experts):
+                shapes[f"{p}experts.{e}.{n}"] = s
+                spec[f"{p}experts.{e}.{n}"] = (d, e)
+    shapes["norm"], spec["norm"] = (hidden,), (None, "all")
+    shapes["lm_head"], spec["lm_head"] = (vocab, hidden), (0, "all")
+    return shapes, spec
+
+
+def moe_case(layers=61, experts=384, src_ranks=256, ep=32, tp=8):
+    shapes, spec = moe_shapes(layers, experts)
+    per_group = -(-experts // ep)
+    full = {}
+    for k, (d, g) in spec.items():
+        full[k] = (d, list(range(ep)) if g == "all" else [g // per_group])
+    t0 = time.perf_counter()
+    src = zero3(shapes, src_ranks)
+    dst = tp_layout(shapes, full, ep, tp)
+    return src, dst, time.perf_counter() - t0
+
+
+def measure(src, dst, budget=64 << 20, schedule_rank=0):
+    gc.collect()
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    p = rs.plan(src, dst, budget_bytes_per_peer=budget)
+    t_plan = time.perf_counter() - t0
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    t0 = time.perf_counter()
+    p.schedule(schedule_rank)
+    t_sched = time.perf_counter() - t0
+    sent = {}
+    for (s, _r), b in p.pair_bytes().items():
+        sent[s] = sent.get(s, 0) + b
+    return p, {
+        "plan_s": round(t_plan, 3),
+        "plan_peak_tracemalloc_bytes": int(peak),
+        "schedule_rank0_s": round(t_sched, 3),
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "tensors": len(dst.tensors),
+        "src_pieces": sum(len(t) for t in src.tensors.values()),
+        "dst_pieces": sum(len(t) for t in dst.tensors.values()),
+        "runs": len(p.runs),
+        "jobs": p._stats["jobs"],
+        "runs_before_coalesce": p._stats["runs_before_coalesce"],
+        "rounds": p.num_rounds,
+        "remote_wire_bytes": sum(sent.values()),
+        "max_sender_bytes": max(sent.values()) if sent else 0,
+        "staging_rank0_nccl": p.staging_bytes(0),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-1t", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(OUT, exist_ok=True)
+    res = {"machine": {"python": sys.version.split()[0], "numpy": np.__version__,
+                       "torch": torch.__version__, "cpu": platform.processor() or
+                       platform.machine(), "cores": os.cpu_count()}}
+    if not args.quick:
+        src, dst, tb = dense_case()
+        _, m = measure(src, dst)
+        m["build_layouts_s"] = round(tb, 3)
+        res["dense70b_zero3x64_to_tp8x8"] = m
+        print("70B", m, flush=True)
+        del src, dst
+        if not args.skip_1t:
+            src, dst, tb = moe_case()
+            _, m = measure(src, dst)
+            m["build_layouts_s"] = round(tb, 3)
+            res["moe1t_zero3x256_to_ep32xtp8"] = m
+            print("1T", m, flush=True)
+            del src, dst
+    # growth with tensors (layers) at fixed ranks, and with ranks at fixed tensors
+    layers_sweep = [2, 5, 10, 20] if args.quick else [5, 10, 20, 40, 80]
+    res["sweep_layers"] = []
+    for n in layers_sweep:
+        src, dst, _ = dense_case(layers=n)
+        _, m = measure(src, dst)
+        res["sweep_layers"].append({"layers": n, **m})
+        print("layers", n, m["plan_s"], flush=True)
+    ranks_sweep = [(8, 2, 4), (16, 4, 4), (32, 8, 4), (64, 8, 8)]
+    if not args.quick:
+        ranks_sweep += [(128, 8, 16), (256, 8, 32)]
+    res["sweep_ranks"] = []
+    for world, tp, dp in ranks_sweep:
+        src, dst, _ = dense_case(layers=10, src_ranks=world, tp=tp, dp=dp)
+        _, m = measure(src, dst)
+        res["sweep_ranks"].append({"src_ranks": world, "tp": tp, "dp": dp, **m})
+        print("ranks", world, m["plan_s"], flush=True)
+    suffix = "_quick" if args.quick else ""
+    with open(os.path.join(OUT, f"planning{suffix}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    write_md(res, os.path.join(OUT, f"planning{suffix}.md"))
+    plot(res, os.path.join(OUT, f"planning{suffix}.png"))
+
+
+def write_md(res, path):
+    lines = ["# reshard planning benchmark (CPU)", "", f"machine: {res['machine']}", ""]
+    lines += ["| case | tensors | src pieces | runs | rounds | plan s | peak MiB | build s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key in ("dense70b_zero3x64_to_tp8x8", "moe1t_zero3x256_to_ep32xtp8"):
+        if key in res:
+            m = res[key]
+            lines.append(f"| {key} | {m['tensors']} | {m['src_pieces']} | {m['runs']} | "
+                         f"{m['rounds']} | {m['plan_s']} | "
+                         f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} | "
+                         f"{m['build_layouts_s']} |")
+    lines += ["", "| layers (64 ranks) | tensors | runs | plan s | peak MiB |",
+              "| --- | --- | --- | --- | --- |"]
+    for m in res["sweep_layers"]:
+        lines.append(f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
+                     f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |")
+    lines += ["", "| src ranks (10 layers) | tp x dp | runs | plan s | peak MiB |",
+              "| --- | --- | --- | --- | --- |"]
+    for m in res["sweep_ranks"]:
+        lines.append(f"| {m['src_ranks']} | {m['tp']}x{m['dp']} | {m['runs']} | {m['plan_s']} | "
+                     f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    sl = res["sweep_layers"]
+    ax[0].plot([m["tensors"] for m in sl], [m["plan_s"] for m in sl], "o-")
+    ax[0].set_xlabel("tensors (dense, ZeRO-3 x64 -> TP8 x DP8)")
+    ax[0].set_ylabel("plan time (s)")
+    sr = res["sweep_ranks"]
+    ax[1].plot([m["src_ranks"] for m in sr], [m["plan_s"] for m in sr], "o-")
+    ax[1].set_xlabel("ranks (10 dense layers)")
+    ax[1].set_ylabel("plan time (s)")
+    for a in ax:
+        a.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
