@@ -62,20 +62,37 @@ def resolve_group(group):
     return group, dist.get_rank(group), dist.get_world_size(group), transport
 
 
-class _Seg:
-    """One segment's cached state: numpy desc, desc tensors per device, arena views."""
+class _Desc:
+    """A descriptor table kept as a CPU int64 tensor, converted once.
 
-    __slots__ = ("desc_np", "desc_t", "host_view", "loc", "numel", "view")
+    Tables stay on the CPU: the CUDA copy_runs caches its device copy keyed by this tensor's
+    identity, so keeping the tensor alive keeps that cache hot across syncs."""
 
-    def __init__(self, loc, desc, view, numel):
+    __slots__ = ("desc_np", "desc_t", "loc")
+
+    def __init__(self, loc, desc):
         self.loc = loc
         self.desc_np = np.ascontiguousarray(desc, dtype=np.int64).reshape(-1, 6)
-        # Descriptor tables stay CPU tensors, converted once: the CUDA copy_runs caches its
-        # device copy keyed by this tensor's identity, so keeping it alive keeps that cache hot.
         self.desc_t = torch.from_numpy(self.desc_np)
-        self.view = view  # arena view (transport device), wire dtype
-        self.host_view = None  # NCCL stand-in: the same bytes in the pinned mirror
-        self.numel = numel
+
+
+class _Group(_Desc):
+    """All segments of one round that share a storage and a wire dtype, fused into one table
+    over the whole arena (viewed as the wire dtype): one copy_runs call per (round, storage,
+    dtype) instead of one per segment. Built once; the arenas never move."""
+
+    __slots__ = ("host_view", "ranges", "view")
+
+    def __init__(self, loc, desc, view, ranges):
+        super().__init__(loc, desc)
+        self.view = view  # the arena as the wire dtype (transport device)
+        self.host_view = None  # NCCL stand-in: the pinned mirror as the wire dtype
+        self.ranges = ranges  # arena byte ranges of its segments (for the stand-in copies)
+
+
+def _wire_view(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    isz = dtype.itemsize
+    return arena[: arena.numel() // isz * isz].view(dtype)
 
 
 class _Engine:
@@ -105,8 +122,7 @@ class _Engine:
                 for m in round_msgs:
                     acc[m.peer] = acc.get(m.peer, 0) + int(m.nbytes)
         self.local = [
-            (lc.src_location, lc.dst_location, _Seg(lc.src_location, lc.desc, None, 0))
-            for lc in s.local
+            (lc.src_location, lc.dst_location, _Desc(lc.src_location, lc.desc)) for lc in s.local
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
         self.pinned = None  # NCCL stand-in: pinned mirrors of the arenas
@@ -156,16 +172,16 @@ class _Engine:
                 "recv": [self._alloc(a.numel(), True) for a in self.arenas["recv"]],
             }
             for k, (sends, recvs, _) in enumerate(self.rounds):
-                for ops, key in ((sends, "send"), (recvs, "recv")):
-                    for seg, off in ops:
-                        mirror = self.pinned[key][k % 2][
-                            off : off + seg.view.numel() * seg.view.element_size()
-                        ]
-                        seg.host_view = mirror.view(seg.view.dtype)
+                for groups, key in ((sends, "send"), (recvs, "recv")):
+                    for g in groups:
+                        g.host_view = _wire_view(self.pinned[key][k % 2], g.view.dtype)
         held, bound = self.held(), self.bound(self.pinned is not None)
         over = {k: (held[k], bound[k]) for k in held if held[k] > bound[k]}
         if over:
             raise RuntimeError(f"staging held {held} exceeds the plan's bound {bound}")
+
+    def arenas_u8(self, k, key):
+        return self.arenas[key][k % 2]
 
     def _alloc(self, nbytes, pinned):
         if pinned:
@@ -173,15 +189,17 @@ class _Engine:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.arena_device)
 
     def _build_rounds(self):
-        """Arena views per segment and per message, built once (arenas never move)."""
+        """Per round: fused pack groups, fused unpack groups, and the p2p arena slices."""
         self.rounds = []
         for k in range(self.num_rounds):
-            send_ops, recv_ops, p2p = [], [], []
-            for msgs, ops, key in (
-                (self.sched.sends[k], send_ops, "send"),
-                (self.sched.recvs[k], recv_ops, "recv"),
-            ):
+            per_dir = []
+            p2p = []
+            for msgs, key in ((self.sched.sends[k], "send"), (self.sched.recvs[k], "recv")):
                 arena = self.arenas[key][k % 2]
+                # (location, wire dtype) -> ([desc rows shifted into the arena], [byte ranges])
+                fused: dict = {}
+                # the arena-side columns: pack writes the arena (dst), unpack reads it (src)
+                col = 2 if key == "send" else 0
                 for m in msgs:
                     mo, nb = int(m.arena_offset), int(m.nbytes)
                     if mo < 0 or mo + nb > arena.numel():
@@ -190,15 +208,28 @@ class _Engine:
                             f"arena bytes [{mo}, {mo + nb}) beyond the arena's {arena.numel()}"
                         )
                     for seg in m.segments:
+                        wire = seg.wire_dtype
                         off = mo + int(seg.byte_offset)
-                        isz = torch.empty((), dtype=seg.wire_dtype).element_size()
-                        n = int(seg.numel)
-                        view = arena[off : off + n * isz].view(seg.wire_dtype)
+                        if off % wire.itemsize:
+                            raise RuntimeError(
+                                f"plan bug: round {k} segment at arena byte {off} is not aligned "
+                                f"to its wire dtype {wire}"
+                            )
                         loc = seg.src_location if key == "send" else seg.dst_location
-                        ops.append((_Seg(loc, seg.desc, view, n), off))
+                        d = np.array(seg.desc, dtype=np.int64, copy=True).reshape(-1, 6)
+                        d[:, col] += off // wire.itemsize
+                        entry = fused.setdefault((loc, wire), ([], []))
+                        entry[0].append(d)
+                        entry[1].append((off, off + int(seg.numel) * wire.itemsize))
                     if nb:
                         p2p.append((m.peer, key == "send", arena[mo : mo + nb]))
-            self.rounds.append((send_ops, recv_ops, p2p))
+                per_dir.append(
+                    [
+                        _Group(loc, np.concatenate(descs), _wire_view(arena, wire), ranges)
+                        for (loc, wire), (descs, ranges) in fused.items()
+                    ]
+                )
+            self.rounds.append((per_dir[0], per_dir[1], p2p))
 
     # ------------------------------------------------------------ the rounds
 
@@ -211,14 +242,17 @@ class _Engine:
         def pack(k):
             t0 = time.perf_counter()
             h2d = 0.0
-            for seg, _ in self.rounds[k][0]:
-                buf = src[seg.loc]
+            for g in self.rounds[k][0]:
+                buf = src[g.loc]
                 if buf.device == self.arena_device:
-                    copy_runs(buf, seg.desc_t, seg.view)
+                    copy_runs(buf, g.desc_t, g.view)
                 else:  # STAND-IN: CPU source under NCCL, through the pinned mirror
-                    copy_runs(buf, seg.desc_t, seg.host_view)
+                    copy_runs(buf, g.desc_t, g.host_view)
                     t1 = time.perf_counter()
-                    seg.view.copy_(seg.host_view, non_blocking=True)
+                    for lo, hi in g.ranges:
+                        self.arenas_u8(k, "send")[lo:hi].copy_(
+                            self.pinned["send"][k % 2][lo:hi], non_blocking=True
+                        )
                     h2d += time.perf_counter() - t1
             sec["pack"] += time.perf_counter() - t0 - h2d
             sec["h2d"] += h2d
@@ -240,26 +274,28 @@ class _Engine:
             sec["transport"] += time.perf_counter() - t0
 
         def unpack(k):
-            recv_ops = self.rounds[k][1]
-            stand_in = [seg for seg, _ in recv_ops if dst[seg.loc].device != self.arena_device]
+            groups = self.rounds[k][1]
+            stand_in = [g for g in groups if dst[g.loc].device != self.arena_device]
             if stand_in:  # STAND-IN: CPU targets under NCCL: D2H into the pinned mirror
                 t0 = time.perf_counter()
-                for seg in stand_in:
-                    seg.host_view.copy_(seg.view, non_blocking=True)
+                for g in stand_in:
+                    for lo, hi in g.ranges:
+                        self.pinned["recv"][k % 2][lo:hi].copy_(
+                            self.arenas_u8(k, "recv")[lo:hi], non_blocking=True
+                        )
                 torch.cuda.current_stream().synchronize()
                 sec["d2h"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            for seg, _ in recv_ops:
-                buf = dst[seg.loc]
-                arena_view = seg.view if buf.device == self.arena_device else seg.host_view
-                copy_runs(arena_view, seg.desc_t, buf)
+            for g in groups:
+                buf = dst[g.loc]
+                arena_view = g.view if buf.device == self.arena_device else g.host_view
+                copy_runs(arena_view, g.desc_t, buf)
             sec["unpack"] += time.perf_counter() - t0
 
         def local():
             t0 = time.perf_counter()
-            for sloc, dloc, seg in self.local:
-                s, d = src[sloc], dst[dloc]
-                copy_runs(s, seg.desc_t, d)
+            for sloc, dloc, d in self.local:
+                copy_runs(src[sloc], d.desc_t, dst[dloc])
             sec["local"] += time.perf_counter() - t0
 
         R = self.num_rounds
