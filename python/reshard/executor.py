@@ -126,6 +126,7 @@ class _Engine:
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
         self.pinned = None  # NCCL stand-in: pinned mirrors of the arenas
+        self.ring = None  # pinned ring for CPU<->CUDA local copies (stage_h2d / stage_d2h)
         self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
         self._written = None
 
@@ -136,9 +137,18 @@ class _Engine:
             self._written = pf.written_elements(self.sched)
         return self._written
 
-    def bound(self, pinned: bool) -> dict:
-        transport = "nccl" if self.transport == "nccl" else "gloo"
-        ring = self._pinned_bytes() if pinned else 0
+    def ring_bytes(self) -> int:
+        """The local-copy ring: the per-peer budget, clamped to [4 KiB, 16 MiB]."""
+        budget = int(getattr(self.plan, "budget_bytes_per_peer", 16 << 20))
+        return max(4096, min(budget, 16 << 20)) // 16 * 16
+
+    def bound(self, pinned: bool, ring: bool = False) -> dict:
+        # The in-process ("local") transport has no arenas; its only staging is the ring,
+        # which the plan's formula counts as host_pinned under "nccl".
+        transport = (
+            "nccl" if self.transport == "nccl" or (ring and self.transport == "local") else "gloo"
+        )
+        ring = (self._pinned_bytes() if pinned else 0) + (self.ring_bytes() if ring else 0)
         b = self.plan.staging_bytes(self.rank, transport=transport, host_ring_bytes=ring)
         return {k: int(b.get(k, 0)) for k in ("device", "host_pinned", "host")}
 
@@ -152,9 +162,11 @@ class _Engine:
             held[kind] += sum(a.numel() for a in arenas)
         for arenas in (self.pinned or {}).values():
             held["host_pinned"] += sum(a.numel() for a in arenas)
+        if self.ring is not None:
+            held["host_pinned"] += self.ring.numel()
         return held
 
-    def allocate(self, need_pinned: bool):
+    def allocate(self, need_pinned: bool, need_ring: bool = False):
         """Allocate (once) and check against the plan's bound; raising here is a preflight
         reason on this rank, not a crash."""
         s = self.sched
@@ -175,7 +187,9 @@ class _Engine:
                 for groups, key in ((sends, "send"), (recvs, "recv")):
                     for g in groups:
                         g.host_view = _wire_view(self.pinned[key][k % 2], g.view.dtype)
-        held, bound = self.held(), self.bound(self.pinned is not None)
+        if need_ring and self.ring is None:
+            self.ring = self._alloc(self.ring_bytes(), True)
+        held, bound = self.held(), self.bound(self.pinned is not None, self.ring is not None)
         over = {k: (held[k], bound[k]) for k in held if held[k] > bound[k]}
         if over:
             raise RuntimeError(f"staging held {held} exceeds the plan's bound {bound}")
@@ -295,7 +309,13 @@ class _Engine:
         def local():
             t0 = time.perf_counter()
             for sloc, dloc, d in self.local:
-                copy_runs(src[sloc], d.desc_t, dst[dloc])
+                s, t = src[sloc], dst[dloc]
+                if s.device == t.device:
+                    copy_runs(s, d.desc_t, t)
+                elif s.device.type == "cpu":  # e.g. CPU-offloaded fp32 masters -> GPU buffers
+                    torch.ops.reshard.stage_h2d(s, d.desc_t, self.ring, t)
+                else:
+                    torch.ops.reshard.stage_d2h(s, d.desc_t, self.ring, t)
             sec["local"] += time.perf_counter() - t0
 
         R = self.num_rounds
@@ -343,16 +363,22 @@ def _needs_pinned(engine, src_ok, dst_ok) -> bool:
     return False
 
 
-def _local_device_reasons(engine, src_ok, dst_ok) -> list[str]:
-    reasons = []
+def _local_cross_device(engine, src_ok, dst_ok) -> tuple[bool, list[str]]:
+    """Local copies whose source and target live on different devices: CPU<->CUDA goes through
+    the stage ops and a pinned ring (returns need_ring); anything else is a reason."""
+    need_ring, reasons = False, []
     for sloc, dloc, _ in engine.local:
         s, d = src_ok.get(sloc), dst_ok.get(dloc)
-        if s is not None and d is not None and s.device != d.device:
+        if s is None or d is None or s.device == d.device:
+            continue
+        if {s.device.type, d.device.type} == {"cpu", "cuda"} and torch.cuda.is_available():
+            need_ring = True
+        else:
             reasons.append(
                 f"source location {sloc} ({s.device}) -> target location {dloc} ({d.device}): "
-                "local copies across devices need the stage_h2d/stage_d2h ops, not wired yet"
+                "local copies across devices are supported only between CPU and CUDA"
             )
-    return reasons
+    return need_ring, reasons
 
 
 def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds):
@@ -378,12 +404,13 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     reasons, src_ok, dst_ok = pf.local_checks(
         plan, rank, world, engine.transport, src, dst, checks, None, engine.written
     )
+    need_ring = False
     if not reasons:
-        reasons = _local_device_reasons(engine, src_ok, dst_ok)
+        need_ring, reasons = _local_cross_device(engine, src_ok, dst_ok)
     if not reasons:
         try:
             state["pinned"] = _needs_pinned(engine, src_ok, dst_ok)
-            engine.allocate(state["pinned"])
+            engine.allocate(state["pinned"], need_ring)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
             reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
     try:
@@ -406,7 +433,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     t_pre = time.perf_counter()
     report.seconds["preflight"] = t_pre - t_start
     report.staged_with_torch_fallback = bool(state.get("pinned"))
-    report.staging_bound = engine.bound(bool(state.get("pinned")))
+    report.staging_bound = engine.bound(bool(state.get("pinned")), engine.ring is not None)
     try:
         engine.run(src_ok, dst_ok, report, timeout_s)
     except Exception as exc:
