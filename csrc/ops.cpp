@@ -76,6 +76,16 @@ bool is_castable_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }
 
+// Integers in error messages are formatted with std::to_string, never streamed: an extension
+// built by a newer g++ than the libstdc++ loaded at run time crashed inside ostream's integer
+// insertion (the H200 image: /opt/gcc g++ vs the runtime libstdc++; the integer inserter is
+// instantiated in this .so and bound locally), while strings stream fine.
+std::string int_list(at::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
 // Checks shared by every impl of every op: `desc` is an int64 [n, 6] table, src and dst
 // are 1-D contiguous, the dtype pair is supported. Returns the contiguous table.
 at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor& desc,
@@ -85,11 +95,13 @@ at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor&
   TORCH_CHECK(desc.dim() == 2 && desc.size(1) == 6, op,
               ": desc must have shape [n, 6] (src_offset, src_stride, dst_offset, dst_stride, "
               "length, count), got ",
-              desc.sizes());
-  TORCH_CHECK(src.dim() == 1, op, ": src must be 1-D, got shape ", src.sizes());
-  TORCH_CHECK(dst.dim() == 1, op, ": dst must be 1-D, got shape ", dst.sizes());
-  TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous (stride ", src.stride(0), ")");
-  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ", dst.stride(0), ")");
+              int_list(desc.sizes()));
+  TORCH_CHECK(src.dim() == 1, op, ": src must be 1-D, got shape ", int_list(src.sizes()));
+  TORCH_CHECK(dst.dim() == 1, op, ": dst must be 1-D, got shape ", int_list(dst.sizes()));
+  TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous (stride ",
+              std::to_string(src.stride(0)), ")");
+  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ",
+              std::to_string(dst.stride(0)), ")");
   const auto st = src.scalar_type(), dt = dst.scalar_type();
   TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
               st, " to ", dt,
