@@ -228,15 +228,16 @@ def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
 
 
 def _any_overlap(src_ok, dst_ok) -> bool:
-    """Cheap test first: do any target buffers share memory with a source or each other?"""
-    exts = [(_extent(t), t.device, "d") for t in dst_ok.values()]
-    exts += [(_extent(t), t.device, "s") for t in src_ok.values()]
-    for i, ((lo1, hi1), d1, k1) in enumerate(exts):
-        if k1 != "d":
-            continue
-        for j, ((lo2, hi2), d2, _) in enumerate(exts):
-            if j != i and d1 == d2 and lo1 < hi2 and lo2 < hi1:
-                return True
+    """Cheap test first, O(n log n) per device: does any target buffer share memory with a
+    source buffer or another target? (Sources may alias each other: they are only read.)"""
+    for dev in {t.device for t in dst_ok.values()}:
+        tg = np.array([_extent(t) for t in dst_ok.values() if t.device == dev], np.int64)
+        tg = tg[np.argsort(tg[:, 0], kind="stable")]
+        if len(tg) > 1 and (tg[1:, 0] < np.maximum.accumulate(tg[:-1, 1])).any():
+            return True
+        sr = [_extent(t) for t in src_ok.values() if t.device == dev]
+        if sr and _intervals_overlap(tg, _merge(np.array(sr, np.int64))) is not None:
+            return True
     return False
 
 

@@ -181,3 +181,32 @@ def test_real_schedule_simulated_matches_reference(world, src_kind):
     want = {k: v for r in ranks for k, v in dst.fill(values, r).items()}
     bad = S.mismatches(tbuf, want)
     assert not bad, "reshard.plan's schedule is wrong:\n" + "\n".join(bad)
+
+
+views = st.lists(st.tuples(st.integers(0, 60), st.integers(1, 20), st.booleans()), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(views)
+def test_buffer_overlap_screen_matches_brute_force(spec):
+    base = torch.zeros(100)
+    src, dst, ext = {}, {}, []
+    for i, (off, n, is_dst) in enumerate(spec):
+        (dst if is_dst else src)[i] = base[off : off + n]
+        ext.append((off, off + n, is_dst))
+    brute = any(
+        a[2] or b[2]
+        for i, a in enumerate(ext)
+        for b in ext[i + 1 :]
+        if a[0] < b[1] and b[0] < a[1] and (a[2] or b[2])
+    )
+    assert pf._any_overlap(src, dst) == brute
+
+
+def test_one_info_line_per_transfer(caplog):
+    _, values, src, dst = _one_rank_case()
+    plan = rs.plan(src.layout(), dst.layout())
+    with caplog.at_level("DEBUG", logger="reshard"):
+        rs.execute(plan, S.source_buffers(src, values, 0), dst.empty(0))
+    infos = [r for r in caplog.records if r.levelname == "INFO" and r.name == "reshard"]
+    assert len(infos) == 1 and "GB/s" in infos[0].getMessage()
