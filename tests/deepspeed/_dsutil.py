@@ -75,13 +75,23 @@ def param_groups(model):
 
 
 def make_engine(
-    stage, offload, model="mlp", seed=0, dtype="bf16", zero_extra=None, config_extra=None
+    stage,
+    offload,
+    model="mlp",
+    seed=0,
+    dtype="bf16",
+    zero_extra=None,
+    config_extra=None,
+    optimizer="adamw",
 ):
     import deepspeed
     import torch
 
     net = make_model(model, seed)
-    opt = torch.optim.AdamW(param_groups(net), lr=1e-2, betas=(0.9, 0.99))
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(param_groups(net), lr=1e-2, betas=(0.9, 0.99))
+    else:
+        opt = torch.optim.SGD(param_groups(net), lr=1e-2, momentum=0.9)
     zero = {"stage": stage, "offload_optimizer": {"device": offload}}
     if stage == 3 and model == "block":
         # several sub-groups, and no persistent params: the plain ZeRO-3 path

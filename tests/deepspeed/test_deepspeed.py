@@ -129,9 +129,9 @@ def _geometry_worker(rank, world, configs):
     from reshard.integrations import deepspeed as rsds
 
     done = []
-    for stage, offload, model in configs:
-        tag = f"stage {stage} offload {offload} {model} dp {world}"
-        engine = make_engine(stage, offload, model)
+    for stage, offload, model, *extra in configs:
+        tag = f"stage {stage} offload {offload} {model} {extra} dp {world}"
+        engine = make_engine(stage, offload, model, zero_extra=extra[0] if extra else None)
         names_all = [n for n, _ in engine.module.named_parameters()]
         names_tr = [n for n, p in engine.module.named_parameters() if p.requires_grad]
         for kind in MOMENTS:
@@ -163,6 +163,8 @@ def _geometry_worker(rank, world, configs):
 @pytest.mark.parametrize("world", [2, 3])
 def test_layouts_match_deepspeed_accessors(world, tmp_path):
     configs = [(s, o, m) for s in (1, 2, 3) for o in ("none", "cpu") for m in MODELS]
+    # ZeRO-3 with params offloaded to CPU too (their shards live in pinned CPU flats)
+    configs.append((3, "cpu", "block", {"offload_param": {"device": "cpu"}}))
     out = run_ranks(_geometry_worker, world, tmp_path, args=(configs,), env=ENV, timeout=400)
     assert len(out[0]) == len(configs)
 
@@ -416,6 +418,14 @@ def _errors_worker(rank, world, tmp):
     expect(UnsupportedError, "zero_optimization.zero_hpz_partition_size", rsds.describe, hz, "fp32")
     hz.destroy()
 
+    # an optimizer without Adam moments
+    sgd = make_engine(
+        1, "none", optimizer="sgd", config_extra={"zero_allow_untested_optimizer": True}
+    )
+    train(sgd, "mlp", 1, seed=1, rank=rank)
+    expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsds.describe, sgd, "exp_avg")
+    sgd.destroy()
+
     engine = make_engine(3, "cpu")
     expect(ValueError, "kind must be one of", rsds.describe, engine, "grad")
     # Moments before the first step.
@@ -534,4 +544,4 @@ def test_errors(tmp_path):
     seen = run_ranks(
         _errors_worker, 2, tmp_path, args=(str(tmp_path / "ckpt"),), env=ENV, timeout=300
     )[0]
-    assert len(seen) >= 14
+    assert len(seen) >= 15
