@@ -8,6 +8,7 @@ TORCH_CUDA_ARCH_LIST (read by torch's build helper), MAX_JOBS (parallel nvcc/c++
 
 import glob
 import os
+import re
 import sys
 
 import torch
@@ -50,8 +51,23 @@ def openmp_flags():
     return []
 
 
+def build_macros(cuda):
+    """Facts about this build, compiled into the binary for `python -m reshard.info`. Values
+    are bare tokens (ops.cpp stringizes them): no spaces, quotes or shell characters."""
+
+    def token(text):
+        return re.sub(r"[^A-Za-z0-9.+_,-]", ",", text).strip(",") or "none"
+
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "default") if cuda else "none"
+    return [
+        ("RESHARD_BUILD_TORCH", token(torch.__version__)),
+        ("RESHARD_BUILD_CUDA_ARCHS", token(archs)),
+        ("RESHARD_BUILD_FLAGS", token(" ".join(OPT + openmp_flags()))),
+    ]
+
+
 def extension():
-    define_macros = [("Py_LIMITED_API", LIMITED_API)]
+    define_macros = [("Py_LIMITED_API", LIMITED_API), *build_macros(use_cuda())]
     cxx = ["-std=c++17", "-Wall", "-Wextra", *OPT, *openmp_flags()]
     kwargs = dict(
         name="reshard._C",

@@ -32,7 +32,45 @@
 #include "cuda/reshard_cuda.h"
 #endif
 
+// Build facts from setup.py as bare tokens (no quotes: they must survive both a direct
+// compiler call and ninja's shell), turned into strings here.
+#define RESHARD_STR2(...) #__VA_ARGS__
+#define RESHARD_STR(...) RESHARD_STR2(__VA_ARGS__)
+#ifdef RESHARD_BUILD_TORCH
+#define RESHARD_TORCH_STR RESHARD_STR(RESHARD_BUILD_TORCH)
+#else
+#define RESHARD_TORCH_STR "unknown"
+#endif
+#ifdef RESHARD_BUILD_CUDA_ARCHS
+#define RESHARD_ARCHS_STR RESHARD_STR(RESHARD_BUILD_CUDA_ARCHS)
+#else
+#define RESHARD_ARCHS_STR ""
+#endif
+#ifdef RESHARD_BUILD_FLAGS
+#define RESHARD_FLAGS_STR RESHARD_STR(RESHARD_BUILD_FLAGS)
+#else
+#define RESHARD_FLAGS_STR ""
+#endif
+#ifdef RESHARD_WITH_CUDA
+#define RESHARD_CUDA_JSON "true"
+#else
+#define RESHARD_CUDA_JSON "false"
+#endif
+#ifdef _OPENMP
+#define RESHARD_OPENMP_JSON "true"
+#else
+#define RESHARD_OPENMP_JSON "false"
+#endif
+
 extern "C" {
+// What this binary was built with, as JSON, for `python -m reshard.info` (read through
+// ctypes: a plain C symbol, no dispatcher op and no Python API).
+__attribute__((visibility("default"))) const char* reshard_build_info(void) {
+  return "{\"c_core\": \"" RS_VERSION_STRING "\", \"torch\": \"" RESHARD_TORCH_STR
+         "\", \"cuda\": " RESHARD_CUDA_JSON ", \"cuda_archs\": \"" RESHARD_ARCHS_STR
+         "\", \"flags\": \"" RESHARD_FLAGS_STR "\", \"openmp\": " RESHARD_OPENMP_JSON "}";
+}
+
 // An empty module: `import reshard._C` loads the shared library, which registers the ops.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT,

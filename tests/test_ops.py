@@ -510,3 +510,24 @@ def test_extension_links_torch_openmp():
         ["readelf", "-d", reshard._C.__file__], capture_output=True, text=True, check=True
     ).stdout
     assert "libgomp" in dyn, dyn
+
+
+def test_info_reports_the_build():
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "reshard.info", "--json"], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["build"]["c_core"] == "0.1.0"
+    assert info["build"]["torch"] == torch.__version__
+    assert info["torch_matches_build"] is True
+    assert "CPU" in info["kernels"]["copy_runs"]
+    assert info["build"]["cuda"] == ("CUDA" in info["kernels"]["copy_runs"])
+    text = subprocess.run(
+        [sys.executable, "-m", "reshard.info"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "C core          0.1.0" in text and "MISMATCH" not in text

@@ -1,0 +1,125 @@
+# reshard: `make test` installs what is missing, builds, runs the C tests (ASan+UBSan), a
+# short libFuzzer run and pytest. `make lint`, `make demo`, `make bench`, `make info`.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+TORCH_VERSION ?= 2.13.0
+# A local CPU wheel is used when present (no multi-GB CUDA download); else PyTorch's CPU index.
+TORCH_WHEEL ?= $(firstword $(wildcard .whl/torch-$(TORCH_VERSION)+cpu-*.whl /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl))
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+RUFF_VERSION ?= 0.17.6
+CLANG_FORMAT_VERSION ?= 23.1.5
+SAN_CC ?= $(shell command -v clang >/dev/null 2>&1 && echo clang || echo gcc)
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 25
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c  # a failing fuzzer is not hidden by `| tail`
+
+BIN := tests/c/bin
+CORE := csrc/copy_runs.c
+SAN_FLAGS := -std=c11 -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
+	-fno-sanitize-recover=all -Wall -Wextra -Werror -Icsrc
+C_FORMAT_FILES := $(wildcard csrc/*.c csrc/*.h csrc/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh \
+	csrc/cuda/*.h tests/c/*.c)
+
+.PHONY: all test deps deps-torch deps-test deps-deepspeed deps-lint build cstrict ctest fuzz \
+	pytest lint format demo bench info cuda-check clean
+
+all: build
+
+test: deps build ctest fuzz pytest
+
+# ---------------------------------------------------------------- dependencies
+deps: deps-torch deps-test deps-deepspeed
+
+deps-torch:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "torch $$($(PYTHON) -c 'import torch; print(torch.__version__)') present"; \
+	elif [ -n "$(TORCH_WHEEL)" ]; then \
+		$(PIP) install "$(TORCH_WHEEL)"; \
+	else \
+		$(PIP) install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
+	fi
+
+deps-test:
+	@$(PYTHON) -c "import numpy, hypothesis, pytest, pytest_timeout, setuptools, wheel" \
+		2>/dev/null || $(PIP) install numpy hypothesis pytest pytest-timeout setuptools wheel
+
+# DeepSpeed's tests (tests/deepspeed) run real engines on the CPU; its CUDA ops stay unbuilt.
+deps-deepspeed: deps-torch
+	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
+		DS_BUILD_OPS=0 $(PIP) install --no-build-isolation deepspeed
+
+deps-lint:
+	@$(PYTHON) -m ruff --version 2>/dev/null | grep -q "$(RUFF_VERSION)" || \
+		$(PIP) install "ruff==$(RUFF_VERSION)"
+	@clang-format --version 2>/dev/null | grep -q "$(CLANG_FORMAT_VERSION)" || \
+		$(PIP) install "clang-format==$(CLANG_FORMAT_VERSION)"
+
+# ---------------------------------------------------------------- build
+build: deps-torch deps-test
+	$(PIP) install --no-build-isolation -e .
+
+# ---------------------------------------------------------------- C tests
+# The core must be plain C11: compile it alone with warnings as errors, as C and as C++.
+cstrict:
+	@mkdir -p $(BIN)
+	cc -std=c11 -O2 -Wall -Wextra -Wpedantic -Wconversion -Wshadow -Werror -Icsrc \
+		-c $(CORE) -o $(BIN)/copy_runs_strict.o
+	printf '#include "reshard.h"\nint main(void){return 0;}\n' | \
+		c++ -std=c++17 -Wall -Wextra -Werror -Icsrc -x c++ - -o $(BIN)/header_cxx
+
+$(BIN)/test_core: tests/c/test_core.c $(CORE) csrc/reshard.h
+	@mkdir -p $(BIN)
+	$(SAN_CC) $(SAN_FLAGS) $(CORE) tests/c/test_core.c -lm -o $@
+
+$(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) csrc/reshard.h
+	@mkdir -p $(BIN)
+	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+		-Icsrc $(CORE) tests/c/fuzz_validate.c -o $@
+
+ctest: cstrict $(BIN)/test_core
+	$(BIN)/test_core
+
+# A short libFuzzer run over a scratch copy of the seed corpus (the repo copy stays clean).
+fuzz: $(BIN)/fuzz_validate
+	@rm -rf $(BIN)/corpus && mkdir -p $(BIN)/corpus && cp tests/c/corpus/* $(BIN)/corpus/
+	$(BIN)/fuzz_validate -max_total_time=$(FUZZ_SECONDS) -max_len=1024 -print_final_stats=1 \
+		-artifact_prefix=$(BIN)/ $(BIN)/corpus 2>&1 | tail -n 12
+
+# ---------------------------------------------------------------- Python tests
+pytest:
+	$(PYTHON) -m pytest -q tests
+
+# ---------------------------------------------------------------- lint / format
+lint: deps-lint
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	clang-format --dry-run -Werror $(C_FORMAT_FILES)
+
+format: deps-lint
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
+	clang-format -i $(C_FORMAT_FILES)
+
+# ---------------------------------------------------------------- run
+demo:
+	$(PYTHON) -m reshard.demo
+
+bench:
+	$(PYTHON) benchmarks/kernels.py
+
+info:
+	$(PYTHON) -m reshard.info
+
+# The CUDA sources compile here without a GPU: a syntax/type check of csrc/cuda.
+cuda-check:
+	@mkdir -p $(BIN)
+	for f in csrc/cuda/*.cu; do \
+		$(NVCC) -std=c++17 -arch=$(CUDA_ARCH) -Icsrc -c $$f -o $(BIN)/$$(basename $$f).o || exit 1; \
+	done
+
+clean:
+	rm -rf $(BIN) build dist python/reshard/*.so python/*.egg-info

@@ -1,0 +1,111 @@
+"""`python -m reshard.info`: what was built and what it runs on. Paste it into bug reports.
+
+`python -m reshard.info --json` prints the same as one JSON object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import sys
+
+OPS = ("copy_runs", "stage_h2d", "stage_d2h")
+
+
+def build_info() -> dict:
+    """The facts compiled into `reshard._C` (see csrc/ops.cpp `reshard_build_info`)."""
+    from . import _C
+
+    lib = ctypes.CDLL(_C.__file__)
+    fn = lib.reshard_build_info
+    fn.restype = ctypes.c_char_p
+    info = json.loads(fn().decode())
+    info["path"] = _C.__file__
+    return info
+
+
+def collect() -> dict:
+    import torch
+
+    import reshard
+
+    out: dict = {
+        "reshard": reshard.__version__,
+        "package": os.path.dirname(reshard.__file__),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "interop_threads": torch.get_num_interop_threads(),
+    }
+    try:
+        out["build"] = build_info()
+        from . import _ops  # noqa: F401  (registers fake impls; import errors surface here)
+    except (ImportError, OSError, AttributeError) as exc:
+        out["build"] = {"error": str(exc)}
+        return out
+    built = out["build"].get("torch")
+    out["torch_matches_build"] = built == torch.__version__
+    kernels = {}
+    for op in OPS:
+        name = f"reshard::{op}"
+        kernels[op] = [
+            key
+            for key in ("CPU", "CUDA")
+            if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+        ]
+    out["kernels"] = kernels
+    if torch.cuda.is_available():
+        out["gpus"] = [
+            f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())
+        ]
+    else:
+        out["gpus"] = []
+    return out
+
+
+def format_text(info: dict) -> str:
+    b = info.get("build", {})
+    lines = [
+        f"reshard         {info['reshard']}  ({info['package']})",
+        f"python          {info['python']}  {info['platform']}",
+        f"torch (runtime) {info['torch']}  cuda={info['torch_cuda']}  cpu={info['cpu_capability']}",
+    ]
+    if "error" in b:
+        lines.append(f"extension       NOT LOADED: {b['error']}")
+        lines.append("                build it: pip install --no-build-isolation -e .")
+        return "\n".join(lines)
+    match = "" if info["torch_matches_build"] else "   <-- MISMATCH: rebuild reshard"
+    lines += [
+        f"torch (built)   {b['torch']}{match}",
+        f"C core          {b['c_core']}",
+        f"CUDA            {'on, archs ' + b['cuda_archs'] if b['cuda'] else 'off (CPU-only build)'}",
+        f"threads         {info['threads']} intra-op (at::parallel_for, "
+        f"{'OpenMP' if b['openmp'] else 'NO OpenMP: single-threaded copies'}), "
+        f"{info['interop_threads']} inter-op",
+        f"build flags     {b['flags']}",
+        "kernels         "
+        + ", ".join(f"{op}: {'/'.join(keys) or 'none'}" for op, keys in info["kernels"].items()),
+        f"GPUs            {', '.join(info['gpus']) or 'none visible'}",
+        f"extension       {b['path']}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    info = collect()
+    if "--json" in argv:
+        print(json.dumps(info, indent=2, sort_keys=True))
+    else:
+        print(format_text(info))
+    return 0 if "error" not in info.get("build", {}) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
