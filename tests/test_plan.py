@@ -181,13 +181,18 @@ def check_plan(src, dst, budget=64 << 20):
     src_bufs = fill_sources(src, names)
     out, written = simulate(p, src, dst, src_bufs)
     exp = expected_targets(dst, names, src)
+    (sdt,) = {s.dtype for s in src.storages.values()} or {torch.float32}
     for loc, e in exp.items():
+        ddt = dst.storages[loc].dtype
         got = out[loc].to(torch.float64).numpy()
         cov = ~np.isnan(e)
         assert (written[loc][cov] == 1).all(), f"target {loc}: element not written exactly once"
         assert (written[loc][~cov] == 0).all(), f"target {loc}: padding written"
-        np.testing.assert_array_equal(got[cov], e[cov], err_msg=f"target storage {loc}")
-        assert (got[~cov] == POISON).all()
+        # what the value becomes: source dtype, then the wire dtype, then the target dtype
+        want = torch.from_numpy(e[cov]).to(sdt).to(wire_dtype(sdt, ddt)).to(ddt).double()
+        np.testing.assert_array_equal(got[cov], want.numpy(), err_msg=f"target storage {loc}")
+        poison = torch.tensor(POISON, dtype=torch.float64).to(ddt).double().item()
+        assert (got[~cov] == poison).all()
     return p
 
 
@@ -253,6 +258,30 @@ def build(draw, alloc, shapes, kind):
                 used[r] += part + draw(st.integers(0, 1))
                 alloc.grow(locs[r], used[r])
             out[name] = rs.flat(shp, runs, name=name)
+        return out
+    if kind == "fused":
+        # tensors with the same leading dims share one wider buffer as column blocks (a fused
+        # gate_up / qkv buffer): strided pieces whose rows interleave in storage
+        groups = {}
+        for name, shp in shapes.items():
+            if len(shp) and int(np.prod(shp)):
+                groups.setdefault(shp[:-1], []).append(name)
+            else:
+                out[name] = tensor_layout(draw, alloc, name, shp, "replicated")
+        for lead, names in groups.items():
+            widths = [shapes[n][-1] for n in names]
+            width = sum(widths) + draw(st.integers(0, 2))
+            strides = _rowmajor((*lead, width))
+            numel = int(np.prod(lead)) * width
+            locs = [alloc.new(draw(st.integers(0, W - 1)), numel)
+                    for _ in range(draw(st.integers(1, 2)))]
+            col = 0
+            for n, w in zip(names, widths):
+                shp = shapes[n]
+                out[n] = rs.TensorLayout(
+                    shp, [rs.Piece(loc, col, (0,) * len(shp), shp, strides) for loc in locs],
+                    name=n)
+                col += w
         return out
     for name, shp in shapes.items():
         out[name] = tensor_layout(draw, alloc, name, shp, kind)
@@ -322,19 +351,22 @@ def shapes_st(draw, max_tensors=3):
     out = {}
     for i in range(k):
         d = draw(st.integers(0, 3))
-        out[f"t{i}"] = tuple(draw(st.integers(0 if d else 1, 5)) for _ in range(d))
+        out[f"t{i}"] = tuple(draw(st.integers(0 if d else 1, 6)) for _ in range(d))
     return out
 
 
-KINDS = ["zero12", "zero3", "replicated", "split", "nested", "transposed"]
+KINDS = ["zero12", "zero3", "replicated", "split", "nested", "transposed", "fused"]
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @st.composite
 def layout_pair(draw):
     shapes = draw(shapes_st())
     layouts = []
-    for _ in range(2):
-        alloc = Alloc(draw(st.integers(1, 4)))
+    same = draw(st.booleans())
+    dtypes = [torch.float32] * 2 if same else [draw(st.sampled_from(FLOATS)) for _ in range(2)]
+    for i in range(2):
+        alloc = Alloc(draw(st.integers(1, 4)), dtypes[i])
         kind = draw(st.sampled_from(KINDS))
         tens = build(draw, alloc, shapes, kind)
         layouts.append(rs.Layout(tens, alloc.storages()))
@@ -350,3 +382,237 @@ def layout_pair(draw):
 def test_property_plan_executes_to_reference(case):
     src, dst, budget = case
     check_plan(src, dst, budget)
+
+
+# -- explicit cases -------------------------------------------------------------------------
+
+
+def S(rank, numel, dtype=torch.float32):
+    return rs.Storage(rank, dtype, numel)
+
+
+def test_tp_split_of_inner_dim_is_one_strided_run_per_piece():
+    shp = (64, 48)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 64 * 48)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [16, 16, 16], [1, 2, 3])},
+                    {1: S(1, 64 * 16), 2: S(2, 64 * 16), 3: S(3, 64 * 16)})
+    p = check_plan(src, dst)
+    assert len(p.runs) == 3
+    for sl, so, ss, dl, do, ds, ln, cnt in p.runs.tolist():
+        assert (ss, ds, ln, cnt) == (48, 16, 16, 64)
+
+
+def test_zero3_to_tp_column_split_chains_rows_across_partition_heads():
+    # partitions start mid-row; head/tail rows chain into the strided runs
+    shp = (10, 12)
+    runs = [(r, r * 40, min(120, (r + 1) * 40), 0) for r in range(3)]
+    src = rs.Layout({"w": rs.flat(shp, runs)}, {r: S(r, 40) for r in range(3)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [5, 7], [[10, 11], [12, 13]])},
+                    {10: S(0, 50), 11: S(1, 50), 12: S(0, 70), 13: S(2, 70)})
+    p = check_plan(src, dst, budget=32)
+    assert p.num_rounds > 1
+
+
+def test_single_process_transpose_and_fused_target():
+    shp = (6, 5)
+    src = rs.Layout({"a": rs.replicated(shp, [0]), "b": rs.replicated(shp, [1])},
+                    {0: S(0, 30), 1: S(0, 30)})
+    # target: a stored transposed, b stored as the right half of a fused (6, 10) buffer
+    dst = rs.Layout(
+        {"a": rs.TensorLayout(shp, [rs.Piece(5, 0, (0, 0), shp, (1, 6))]),
+         "b": rs.TensorLayout(shp, [rs.Piece(6, 5, (0, 0), shp, (10, 1))])},
+        {5: S(0, 30), 6: S(0, 60)})
+    p = check_plan(src, dst)
+    assert p.num_rounds == 0 and p.schedule(0).local
+
+
+def test_local_replica_is_read_first():
+    shp = (8, 8)
+    src = rs.Layout({"w": rs.replicated(shp, [0, 1, 2, 3])}, {i: S(i, 64) for i in range(4)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [2, 2, 2, 2], [10, 11, 12, 13])},
+                    {10 + i: S(i, 16) for i in range(4)})
+    p = check_plan(src, dst)
+    assert p.num_rounds == 0 and not p.pair_bytes()
+    assert all(len(p.schedule(r).local) == 1 for r in range(4))
+
+
+def test_replicas_spread_the_sending_load():
+    # 4 replicas of every tensor on ranks 0..3, every target on rank 4: no rank may funnel
+    R, T, shp = 4, 40, (16, 8)
+    names = {f"t{i}": shp for i in range(T)}
+    tens, st_ = {}, {r: S(r, T * 128) for r in range(R)}
+    for i, n in enumerate(names):
+        tens[n] = rs.TensorLayout(shp, [rs.Piece(r, i * 128, (0, 0), shp) for r in range(R)])
+    dtens = {n: rs.TensorLayout(shp, [rs.Piece(100, i * 128, (0, 0), shp)])
+             for i, n in enumerate(names)}
+    p = rs.plan(rs.Layout(tens, st_), rs.Layout(dtens, {100: S(4, T * 128)}))
+    sent = {}
+    for (s, _), b in p.pair_bytes().items():
+        sent[s] = sent.get(s, 0) + b
+    total = T * 128 * 4
+    assert sum(sent.values()) == total
+    assert max(sent.values()) <= total / R * 1.05, sent
+
+
+def test_replica_partial_overlap_regions():
+    # two source copies that overlap only partly, plus a third covering the rest
+    shp = (6, 6)
+    src = rs.Layout(
+        {"w": rs.TensorLayout(shp, [rs.Piece(0, 0, (0, 0), (4, 6)), rs.Piece(1, 0, (2, 0), (4, 6)),
+                                    rs.Piece(2, 0, (0, 0), (6, 3), (3, 1))])},
+        {0: S(0, 24), 1: S(1, 24), 2: S(2, 18)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [1, 5], [[7, 8], 9])},
+                    {7: S(3, 6), 8: S(1, 6), 9: S(0, 30)})
+    check_plan(src, dst, budget=16)
+
+
+def test_budget_16_cuts_a_large_run_across_rounds():
+    shp = (100,)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 100)})
+    dst = rs.Layout({"w": rs.replicated(shp, [1])}, {1: S(1, 100)})
+    p = check_plan(src, dst, budget=16)
+    assert len(p.runs) == 1 and p.num_rounds == 25  # 4 fp32 per 16-byte round
+    assert p.schedule(0).send_arena_bytes == 16
+    assert p.staging_bytes(0) == {"device": 32, "host_pinned": 0, "host": 0}
+    assert p.staging_bytes(1, transport="gloo", host_ring_bytes=64) == {
+        "device": 0, "host_pinned": 0, "host": 32}
+    assert p.staging_bytes(1, transport="nccl", host_ring_bytes=64)["host_pinned"] == 64
+    with pytest.raises(ValueError, match=">= 16"):
+        rs.plan(src, dst, budget_bytes_per_peer=15)
+    with pytest.raises(ValueError, match="int"):
+        rs.plan(src, dst, budget_bytes_per_peer=64.0)
+
+
+def test_staging_formula_counts_all_peers_of_a_round():
+    shp = (4, 32)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 128)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [1, 1, 2], [1, 2, 3])},
+                    {1: S(1, 32), 2: S(2, 32), 3: S(3, 64)})
+    p = check_plan(src, dst, budget=200)  # rank 3 needs 256 bytes: two rounds
+    sc = p.schedule(0)
+    assert p.num_rounds == 2
+    assert sc.send_arena_bytes == 128 + 128 + 192  # round 0: three peers, 192 = 200 floor 16
+    assert p.staging_bytes(0)["device"] == 2 * (sc.send_arena_bytes + sc.recv_arena_bytes)
+    assert p.schedule(3).recv_arena_bytes == 192
+
+
+def test_wire_dtype_narrows_on_the_sender():
+    shp = (8, 8)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 64, torch.float32)})
+    dst = rs.Layout({"w": rs.replicated(shp, [1])}, {1: S(1, 64, "bfloat16")})
+    p = check_plan(src, dst)
+    assert p.pair_bytes() == {(0, 1): 128}
+    (msg,) = p.schedule(0).sends[0]
+    assert msg.segments[0].wire_dtype == torch.bfloat16
+    assert wire_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
+    assert wire_dtype(torch.float16, torch.bfloat16) == torch.bfloat16
+    assert wire_dtype(torch.int32, torch.float32) is None
+
+
+def test_integer_storages_copy_raw():
+    shp = (3, 5)
+    src = rs.Layout({"i": rs.replicated(shp, [0])}, {0: S(0, 15, torch.int64)})
+    dst = rs.Layout({"i": rs.split(shp, 1, [2, 3], [1, 2])},
+                    {1: S(1, 6, torch.int64), 2: S(0, 9, torch.int64)})
+    check_plan(src, dst, budget=16)
+
+
+def test_plan_errors():
+    shp = (4, 4)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 16, torch.int32)})
+    dst = rs.Layout({"w": rs.replicated(shp, [1])}, {1: S(1, 16)})
+    with pytest.raises(rs.LayoutError, match=r"tensor 'w': unsupported dtype pair.*int32"):
+        rs.plan(src, dst)
+    other = rs.Layout({"v": rs.replicated(shp, [1])}, {1: S(1, 16)})
+    with pytest.raises(rs.LayoutError, match="target tensor 'v' has no source"):
+        rs.plan(src, other)
+    wrong = rs.Layout({"w": rs.replicated((16,), [1])}, {1: S(1, 16)})
+    with pytest.raises(rs.LayoutError, match=r"tensor 'w': source shape \(4, 4\)"):
+        rs.plan(src, wrong)
+    with pytest.raises(rs.LayoutError, match="both must be reshard.Layout"):
+        rs.plan(src, {"w": 1})
+
+
+def test_subset_of_source_tensors():
+    src = rs.Layout({"a": rs.replicated((3,), [0]), "b": rs.replicated((2,), [0])},
+                    {0: S(0, 5)})
+    dst = rs.Layout({"b": rs.replicated((2,), [1])}, {1: S(1, 2)})
+    check_plan(src, dst)
+
+
+def test_describe_and_fingerprint():
+    shp = (16, 16)
+    src = rs.Layout({"w": rs.flat(shp, [(0, 0, 128, 0), (1, 128, 256, 0)])},
+                    {0: S(0, 128), 1: S(1, 128)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [8, 8], [[2, 3], [4, 5]])},
+                    {2: S(0, 128), 3: S(1, 128), 4: S(0, 128), 5: S(1, 128)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=256)
+    text = p.describe()
+    for want in ("rounds", "busiest sender: rank", "local", "0 -> 1", "1 -> 0", "staging"):
+        assert want in text, text
+    assert len(p.fingerprint) == 64
+    again = rs.plan(pickle.loads(pickle.dumps(src)), pickle.loads(pickle.dumps(dst)), 256)
+    assert again.fingerprint == p.fingerprint
+    assert rs.plan(src, dst, 512).fingerprint != p.fingerprint
+    assert rs.plan(dst, src, 256).fingerprint != p.fingerprint
+
+
+_FP_SCRIPT = """
+import pickle, sys
+import reshard as rs
+src, dst = pickle.load(open(sys.argv[1], "rb"))
+print(rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint)
+"""
+
+
+def test_fingerprint_equal_across_processes_and_hash_seeds(tmp_path):
+    shp = (12, 10)
+    src = rs.Layout({"a": rs.flat(shp, [(r, r * 40, (r + 1) * 40, 3) for r in range(3)]),
+                     "b": rs.replicated((5,), [0, 1])},
+                    {0: S(0, 50), 1: S(1, 50), 2: S(2, 50)})
+    dst = rs.Layout({"a": rs.split(shp, 1, [3, 7], [[4, 5], 6]), "b": rs.split((5,), 0, [2, 3],
+                     [4, 6], offsets=[40, 84])},
+                    {4: S(0, 60), 5: S(1, 40), 6: S(2, 90, "bf16")})
+    path = tmp_path / "layouts.pkl"
+    path.write_bytes(pickle.dumps((src, dst)))
+    here = rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", _FP_SCRIPT, str(path)], env=env,
+                             capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == here
+
+
+def test_schedule_is_cached_and_covers_every_round():
+    shp = (40,)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 40)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [20, 20], [1, 2])}, {1: S(1, 20), 2: S(2, 20)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=32)
+    assert p.schedule(0) is p.schedule(0)
+    sc = p.schedule(0)
+    assert [len(x) for x in sc.sends] == [2] * p.num_rounds
+    assert p.schedule(7).sends == [[]] * p.num_rounds  # a rank with nothing to do
+
+
+def test_execute_single_process_with_the_real_op():
+    ops = pytest.importorskip("reshard._ops")
+    if not hasattr(ops, "copy_runs"):
+        pytest.skip("reshard._ops.copy_runs not built")
+    shp = (9, 7)
+    src = rs.Layout({"w": rs.flat(shp, [(0, 0, 30, 2), (1, 30, 63, 0)])},
+                    {0: S(0, 32), 1: S(0, 33)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [3, 4], [2, 3])},
+                    {2: S(0, 27, torch.bfloat16), 3: S(0, 36, torch.bfloat16)})
+    p = rs.plan(src, dst)
+    assert p.num_rounds == 0
+    full = torch.arange(63, dtype=torch.float32)
+    sb = {0: torch.full((32,), -1.0), 1: torch.full((33,), -1.0)}
+    sb[0][2:32] = full[:30]
+    sb[1][:33] = full[30:]
+    db = {2: torch.full((27,), float("nan"), dtype=torch.bfloat16),
+          3: torch.full((36,), float("nan"), dtype=torch.bfloat16)}
+    for lc in p.schedule(0).local:
+        ops.copy_runs(sb[lc.src_location], torch.from_numpy(lc.desc), db[lc.dst_location])
+    ref = full.reshape(shp).to(torch.bfloat16)
+    assert torch.equal(db[2].reshape(9, 3), ref[:, :3])
+    assert torch.equal(db[3].reshape(9, 4), ref[:, 3:])

@@ -1008,8 +1008,9 @@ def _coalesce(runs):
         st = _segments_of(np.concatenate([[False], link]))
         merged = np.take(runs, st, axis=1)
         merged[LEN] = np.add.reduceat(runs[LEN], st)
-        merged[SS] = merged[LEN]
-        merged[DS] = merged[LEN]
+        one = merged[CNT] == 1  # strided runs are never merged here; keep their strides
+        merged[SS, one] = merged[LEN, one]
+        merged[DS, one] = merged[LEN, one]
         runs = merged
     if runs.shape[1] < 2:
         return runs
