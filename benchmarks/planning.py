@@ -86,9 +86,14 @@ def dense_shapes(layers=80, hidden=8192, ffn=28672, kv=1024, vocab=128256):
     for i in range(layers):
         p = f"layers.{i}."
         for n, s, d in (
-            ("q", (hidden, hidden), 0), ("k", (kv, hidden), 0), ("v", (kv, hidden), 0),
-            ("o", (hidden, hidden), 1), ("gate", (ffn, hidden), 0), ("up", (ffn, hidden), 0),
-            ("down", (hidden, ffn), 1), ("in_norm", (hidden,), None),
+            ("q", (hidden, hidden), 0),
+            ("k", (kv, hidden), 0),
+            ("v", (kv, hidden), 0),
+            ("o", (hidden, hidden), 1),
+            ("gate", (ffn, hidden), 0),
+            ("up", (ffn, hidden), 0),
+            ("down", (hidden, ffn), 1),
+            ("in_norm", (hidden,), None),
             ("post_norm", (hidden,), None),
         ):
             shapes[p + n] = s
@@ -108,27 +113,38 @@ def dense_case(layers=80, src_ranks=64, tp=8, dp=8):
     return src, dst, time.perf_counter() - t0
 
 
-def moe_shapes(layers=61, experts=384, hidden=7168, moe_ffn=2048, dense_ffn=18432,
-               vocab=163840):
+def moe_shapes(layers=61, experts=384, hidden=7168, moe_ffn=2048, dense_ffn=18432, vocab=163840):
     """Kimi-K2/DeepSeek-V3-like: MLA attention, 1 dense layer, then MoE layers."""
     shapes, spec = {"embed": (vocab, hidden)}, {"embed": (0, "all")}
     for i in range(layers):
         p = f"layers.{i}."
-        attn = (("q_a", (1536, hidden), 0), ("q_b", (12288, 1536), 0),
-                ("kv_a", (576, hidden), None), ("kv_b", (16384, 512), 0),
-                ("o", (hidden, 8192), 1), ("in_norm", (hidden,), None),
-                ("post_norm", (hidden,), None), ("q_norm", (1536,), None),
-                ("kv_norm", (512,), None))
+        attn = (
+            ("q_a", (1536, hidden), 0),
+            ("q_b", (12288, 1536), 0),
+            ("kv_a", (576, hidden), None),
+            ("kv_b", (16384, 512), 0),
+            ("o", (hidden, 8192), 1),
+            ("in_norm", (hidden,), None),
+            ("post_norm", (hidden,), None),
+            ("q_norm", (1536,), None),
+            ("kv_norm", (512,), None),
+        )
         for n, s, d in attn:
             shapes[p + n], spec[p + n] = s, (d, "all")
         if i == 0:
-            for n, s, d in (("gate", (dense_ffn, hidden), 0), ("up", (dense_ffn, hidden), 0),
-                            ("down", (hidden, dense_ffn), 1)):
+            for n, s, d in (
+                ("gate", (dense_ffn, hidden), 0),
+                ("up", (dense_ffn, hidden), 0),
+                ("down", (hidden, dense_ffn), 1),
+            ):
                 shapes[p + n], spec[p + n] = s, (d, "all")
             continue
         shapes[p + "router"], spec[p + "router"] = (experts, hidden), (None, "all")
-        for n, s, d in (("gate", (moe_ffn, hidden), 0), ("up", (moe_ffn, hidden), 0),
-                        ("down", (hidden, moe_ffn), 1)):
+        for n, s, d in (
+            ("gate", (moe_ffn, hidden), 0),
+            ("up", (moe_ffn, hidden), 0),
+            ("down", (hidden, moe_ffn), 1),
+        ):
             shapes[p + "shared." + n], spec[p + "shared." + n] = s, (d, "all")
             for e in range(experts):
                 shapes[f"{p}experts.{e}.{n}"] = s
@@ -188,9 +204,15 @@ def main():
     ap.add_argument("--skip-1t", action="store_true")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
-    res = {"machine": {"python": sys.version.split()[0], "numpy": np.__version__,
-                       "torch": torch.__version__, "cpu": platform.processor() or
-                       platform.machine(), "cores": os.cpu_count()}}
+    res = {
+        "machine": {
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+        }
+    }
     if not args.quick:
         src, dst, tb = dense_case()
         _, m = measure(src, dst)
@@ -231,25 +253,39 @@ def main():
 
 def write_md(res, path):
     lines = ["# reshard planning benchmark (CPU)", "", f"machine: {res['machine']}", ""]
-    lines += ["| case | tensors | src pieces | runs | rounds | plan s | peak MiB | build s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "| case | tensors | src pieces | runs | rounds | plan s | peak MiB | build s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for key in ("dense70b_zero3x64_to_tp8x8", "moe1t_zero3x256_to_ep32xtp8"):
         if key in res:
             m = res[key]
-            lines.append(f"| {key} | {m['tensors']} | {m['src_pieces']} | {m['runs']} | "
-                         f"{m['rounds']} | {m['plan_s']} | "
-                         f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} | "
-                         f"{m['build_layouts_s']} |")
-    lines += ["", "| layers (64 ranks) | tensors | runs | plan s | peak MiB |",
-              "| --- | --- | --- | --- | --- |"]
+            lines.append(
+                f"| {key} | {m['tensors']} | {m['src_pieces']} | {m['runs']} | "
+                f"{m['rounds']} | {m['plan_s']} | "
+                f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} | "
+                f"{m['build_layouts_s']} |"
+            )
+    lines += [
+        "",
+        "| layers (64 ranks) | tensors | runs | plan s | peak MiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for m in res["sweep_layers"]:
-        lines.append(f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
-                     f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |")
-    lines += ["", "| src ranks (10 layers) | tp x dp | runs | plan s | peak MiB |",
-              "| --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
+            f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |"
+        )
+    lines += [
+        "",
+        "| src ranks (10 layers) | tp x dp | runs | plan s | peak MiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for m in res["sweep_ranks"]:
-        lines.append(f"| {m['src_ranks']} | {m['tp']}x{m['dp']} | {m['runs']} | {m['plan_s']} | "
-                     f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |")
+        lines.append(
+            f"| {m['src_ranks']} | {m['tp']}x{m['dp']} | {m['runs']} | {m['plan_s']} | "
+            f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |"
+        )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

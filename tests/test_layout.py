@@ -74,8 +74,9 @@ def test_split_uneven_with_replicas_and_offsets():
 def test_replicated_and_mixed_entries():
     a = rs.replicated((2, 2), [0, 1])
     assert element_map(a)[3] == [(0, 3), (1, 3)]
-    mixed = rs.TensorLayout((2, 2), [rs.split((2, 2), 1, [1, 1], [5, 6]), rs.Piece(7, 0, (0, 0),
-                                                                                  (1, 1))])
+    mixed = rs.TensorLayout(
+        (2, 2), [rs.split((2, 2), 1, [1, 1], [5, 6]), rs.Piece(7, 0, (0, 0), (1, 1))]
+    )
     assert element_map(mixed)[0] == [(5, 0), (7, 0)]
 
 
@@ -100,9 +101,12 @@ def test_nest_tp_shard_buffer_zero_partitioned_with_strides():
     # TP shards (column blocks) whose shard buffers are ZeRO-partitioned, one outer replica
     # left unnested (passes through), inner replicated over two locations
     outer = rs.split((4, 6), 1, [2, 4], [[10, 3], 11])
-    inner = {10: rs.flat((8,), [(0, 0, 3, 0), (1, 3, 8, 2)]),
-             11: rs.TensorLayout((16,), [rs.Piece(2, 0, (0,), (16,), (2,)),
-                                         rs.Piece(4, 1, (0,), (16,))])}
+    inner = {
+        10: rs.flat((8,), [(0, 0, 3, 0), (1, 3, 8, 2)]),
+        11: rs.TensorLayout(
+            (16,), [rs.Piece(2, 0, (0,), (16,), (2,)), rs.Piece(4, 1, (0,), (16,))]
+        ),
+    }
     tl = rs.nest(outer, inner)
     m = element_map(tl)
     for r in range(4):
@@ -129,9 +133,13 @@ def test_nest_transposed_outer_piece():
 
 
 def test_layout_pickle_and_equality():
-    lay = rs.Layout({"w": rs.flat((4, 4), [(0, 0, 16, 0)]), "b": rs.split((4,), 0, [1, 3], [0, 1],
-                                                                           offsets=[16, 0])},
-                    {0: S(0, 17, "bfloat16"), 1: S(1, 3, "torch.float32")})
+    lay = rs.Layout(
+        {
+            "w": rs.flat((4, 4), [(0, 0, 16, 0)]),
+            "b": rs.split((4,), 0, [1, 3], [0, 1], offsets=[16, 0]),
+        },
+        {0: S(0, 17, "bfloat16"), 1: S(1, 3, "torch.float32")},
+    )
     again = pickle.loads(pickle.dumps(lay))
     assert again == lay
     assert again.storages[0].dtype is torch.bfloat16
@@ -157,8 +165,9 @@ def test_storage_dtype_normalization():
 
 def test_error_gap_names_tensor_and_element():
     with pytest.raises(rs.LayoutError, match=r"tensor 'w': gap: element \(1, 1\)"):
-        rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (1, 2)), rs.Piece(0, 2, (1, 0), (1, 1))],
-                        name="w")
+        rs.TensorLayout(
+            (2, 2), [rs.Piece(0, 0, (0, 0), (1, 2)), rs.Piece(0, 2, (1, 0), (1, 1))], name="w"
+        )
     with pytest.raises(rs.LayoutError, match=r"gap: flat element 3 \(index \(1, 0\)\)"):
         rs.flat((2, 3), [(0, 0, 3, 0), (0, 4, 6, 3)], name="w")
     with pytest.raises(rs.LayoutError, match=r"gap: element \(\)"):
@@ -167,8 +176,9 @@ def test_error_gap_names_tensor_and_element():
 
 def test_error_piece_outside_tensor():
     with pytest.raises(rs.LayoutError, match=r"tensor 'x': piece 1 Piece\(.*\): outside the"):
-        rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2)), rs.Piece(0, 0, (1, 1), (2, 1))],
-                        name="x")
+        rs.TensorLayout(
+            (2, 2), [rs.Piece(0, 0, (0, 0), (2, 2)), rs.Piece(0, 0, (1, 1), (2, 1))], name="x"
+        )
     with pytest.raises(rs.LayoutError, match="negative start"):
         rs.TensorLayout((2,), [rs.Piece(0, 0, (-1,), (2,))])
     with pytest.raises(rs.LayoutError, match="has 1 dims, the tensor has 2"):
@@ -213,9 +223,11 @@ def test_error_unknown_location_and_storage_range():
     tl = rs.split((4, 4), 1, [2, 2], [0, 1])
     with pytest.raises(rs.LayoutError, match=r"tensor 'w': piece 1 .*unknown location 1"):
         rs.Layout({"w": tl}, {0: S(0, 8)})
-    with pytest.raises(rs.LayoutError,
-                       match=r"tensor 'w': piece 1 .*storage out of range: touches element 7 of "
-                             r"location 1, which has 6"):
+    with pytest.raises(
+        rs.LayoutError,
+        match=r"tensor 'w': piece 1 .*storage out of range: touches element 7 of "
+        r"location 1, which has 6",
+    ):
         rs.Layout({"w": tl}, {0: S(0, 8), 1: S(1, 6)})
     with pytest.raises(rs.LayoutError, match="expected Storage"):
         rs.Layout({"w": tl}, {0: (0, "fp32", 8)})
@@ -225,8 +237,9 @@ def test_error_unknown_location_and_storage_range():
 
 def test_error_nest():
     outer = rs.replicated((2, 3), [9])
-    with pytest.raises(rs.LayoutError, match="reaches element 5 of location 9, whose inner "
-                                             "layout has only 4"):
+    with pytest.raises(
+        rs.LayoutError, match="reaches element 5 of location 9, whose inner layout has only 4"
+    ):
         rs.nest(outer, {9: rs.flat((4,), [(0, 0, 4, 0)])})
     with pytest.raises(rs.LayoutError, match="must be a 1-D TensorLayout"):
         rs.nest(outer, {9: rs.replicated((2, 3), [0])})
@@ -234,30 +247,41 @@ def test_error_nest():
 
 def test_error_target_aliasing():
     # two tensors written to overlapping storage: caught when planning into them
-    dst = rs.Layout({"a": rs.replicated((4,), [0]),
-                     "b": rs.split((4,), 0, [2, 2], [0, 1], offsets=[3, 0])},
-                    {0: S(0, 8), 1: S(0, 2)})
-    src = rs.Layout({"a": rs.replicated((4,), [5]), "b": rs.replicated((4,), [5])},
-                    {5: S(0, 4)})
-    with pytest.raises(rs.LayoutError, match=r"target tensor 'b': piece 0 .*writes storage "
-                                             r"element 3 of location 0, also written by tensor 'a'"):
+    dst = rs.Layout(
+        {"a": rs.replicated((4,), [0]), "b": rs.split((4,), 0, [2, 2], [0, 1], offsets=[3, 0])},
+        {0: S(0, 8), 1: S(0, 2)},
+    )
+    src = rs.Layout({"a": rs.replicated((4,), [5]), "b": rs.replicated((4,), [5])}, {5: S(0, 4)})
+    with pytest.raises(
+        rs.LayoutError,
+        match=r"target tensor 'b': piece 0 .*writes storage "
+        r"element 3 of location 0, also written by tensor 'a'",
+    ):
         rs.plan(src, dst)
     # a piece whose strides map two logical elements onto one storage element
-    bad = rs.Layout({"a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (1, 1))])},
-                    {0: S(0, 4)})
+    bad = rs.Layout(
+        {"a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (1, 1))])}, {0: S(0, 4)}
+    )
     src22 = rs.Layout({"a": rs.replicated((2, 2), [5])}, {5: S(0, 4)})
-    with pytest.raises(rs.LayoutError, match="two logical elements written to the same storage "
-                                             "element 1"):
+    with pytest.raises(
+        rs.LayoutError, match="two logical elements written to the same storage element 1"
+    ):
         rs.plan(src22, bad)
     # the same layout is a fine *source* (a broadcast read)
     ok_dst = rs.Layout({"a": rs.replicated((2, 2), [3])}, {3: S(0, 4)})
-    src2 = rs.Layout({"a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (0, 1))])},
-                     {0: S(0, 2)})
+    src2 = rs.Layout(
+        {"a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (0, 1))])}, {0: S(0, 2)}
+    )
     assert rs.plan(src2, ok_dst).num_rounds == 0
     # interleaved (fused) target pieces that do not overlap are accepted
-    fused = rs.Layout({"a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (4, 1))]),
-                       "c": rs.TensorLayout((2, 2), [rs.Piece(0, 2, (0, 0), (2, 2), (4, 1))])},
-                      {0: S(0, 8)})
-    src3 = rs.Layout({"a": rs.replicated((2, 2), [1]), "c": rs.replicated((2, 2), [1])},
-                     {1: S(0, 4)})
+    fused = rs.Layout(
+        {
+            "a": rs.TensorLayout((2, 2), [rs.Piece(0, 0, (0, 0), (2, 2), (4, 1))]),
+            "c": rs.TensorLayout((2, 2), [rs.Piece(0, 2, (0, 0), (2, 2), (4, 1))]),
+        },
+        {0: S(0, 8)},
+    )
+    src3 = rs.Layout(
+        {"a": rs.replicated((2, 2), [1]), "c": rs.replicated((2, 2), [1])}, {1: S(0, 4)}
+    )
     rs.plan(src3, fused)

@@ -103,8 +103,12 @@ def simulate(plan, src_layout, dst_layout, src_bufs):
         for lc in sc.local:
             assert src_layout.storages[lc.src_location].rank == r
             assert dst_layout.storages[lc.dst_location].rank == r
-            apply_desc(src_bufs[lc.src_location], lc.desc, dst_bufs[lc.dst_location],
-                       written[lc.dst_location])
+            apply_desc(
+                src_bufs[lc.src_location],
+                lc.desc,
+                dst_bufs[lc.dst_location],
+                written[lc.dst_location],
+            )
         st = plan.staging_bytes(r, transport="gloo")
         assert st["host"] == min(2, plan.num_rounds) * (sc.send_arena_bytes + sc.recv_arena_bytes)
         assert plan.staging_bytes(r)["device"] == st["host"]
@@ -119,10 +123,10 @@ def simulate(plan, src_layout, dst_layout, src_bufs):
                     assert dst_layout.storages[seg.dst_location].rank == msg.peer
                     assert seg.wire_dtype == wire_dtype(
                         src_layout.storages[seg.src_location].dtype,
-                        dst_layout.storages[seg.dst_location].dtype)
+                        dst_layout.storages[seg.dst_location].dtype,
+                    )
                     lo = msg.arena_offset + seg.byte_offset
-                    view = arena[lo: lo + seg.numel * seg.wire_dtype.itemsize].view(
-                        seg.wire_dtype)
+                    view = arena[lo : lo + seg.numel * seg.wire_dtype.itemsize].view(seg.wire_dtype)
                     si, di = desc_index(seg.desc)
                     assert sorted(di.tolist()) == list(range(seg.numel)), "segment not filled"
                     apply_desc(src_bufs[seg.src_location], seg.desc, view)
@@ -134,24 +138,31 @@ def simulate(plan, src_layout, dst_layout, src_bufs):
                 peer = scheds[msg.peer]
                 (smsg,) = [m for m in peer.sends[k] if m.peer == r]
                 assert smsg.nbytes == msg.nbytes
-                assert [(s.src_location, s.dst_location, s.wire_dtype, s.byte_offset, s.numel)
-                        for s in smsg.segments] == [
+                assert [
                     (s.src_location, s.dst_location, s.wire_dtype, s.byte_offset, s.numel)
-                    for s in msg.segments]
-                rarena[msg.arena_offset: msg.arena_offset + msg.nbytes] = arenas[msg.peer][
-                    smsg.arena_offset: smsg.arena_offset + smsg.nbytes]
+                    for s in smsg.segments
+                ] == [
+                    (s.src_location, s.dst_location, s.wire_dtype, s.byte_offset, s.numel)
+                    for s in msg.segments
+                ]
+                rarena[msg.arena_offset : msg.arena_offset + msg.nbytes] = arenas[msg.peer][
+                    smsg.arena_offset : smsg.arena_offset + smsg.nbytes
+                ]
                 for seg in msg.segments:
                     lo = msg.arena_offset + seg.byte_offset
-                    view = rarena[lo: lo + seg.numel * seg.wire_dtype.itemsize].view(
-                        seg.wire_dtype)
+                    view = rarena[lo : lo + seg.numel * seg.wire_dtype.itemsize].view(
+                        seg.wire_dtype
+                    )
                     si, di = desc_index(seg.desc)
                     assert sorted(si.tolist()) == list(range(seg.numel))
-                    apply_desc(view, seg.desc, dst_bufs[seg.dst_location],
-                               written[seg.dst_location])
+                    apply_desc(
+                        view, seg.desc, dst_bufs[seg.dst_location], written[seg.dst_location]
+                    )
             # every message this rank receives was sent to it, and vice versa
             senders = sorted(m.peer for m in sc.recvs[k])
-            assert senders == sorted(p for p, s in scheds.items()
-                                     if any(m.peer == r for m in s.sends[k]))
+            assert senders == sorted(
+                p for p, s in scheds.items() if any(m.peer == r for m in s.sends[k])
+            )
     for loc, buf in src_bufs.items():
         assert torch.equal(buf, src_before[loc]), f"source storage {loc} was written"
     return dst_bufs, written
@@ -171,7 +182,7 @@ def check_messages(msgs, arena_bytes, budget, k):
             end = seg.byte_offset + seg.numel * seg.wire_dtype.itemsize
             assert seg.numel > 0 and end <= msg.nbytes
     spans.sort()
-    for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+    for (_, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0, "messages overlap in the arena"
 
 
@@ -273,14 +284,16 @@ def build(draw, alloc, shapes, kind):
             width = sum(widths) + draw(st.integers(0, 2))
             strides = _rowmajor((*lead, width))
             numel = int(np.prod(lead)) * width
-            locs = [alloc.new(draw(st.integers(0, W - 1)), numel)
-                    for _ in range(draw(st.integers(1, 2)))]
+            locs = [
+                alloc.new(draw(st.integers(0, W - 1)), numel)
+                for _ in range(draw(st.integers(1, 2)))
+            ]
             col = 0
             for n, w in zip(names, widths):
                 shp = shapes[n]
                 out[n] = rs.TensorLayout(
-                    shp, [rs.Piece(loc, col, (0,) * len(shp), shp, strides) for loc in locs],
-                    name=n)
+                    shp, [rs.Piece(loc, col, (0,) * len(shp), shp, strides) for loc in locs], name=n
+                )
                 col += w
         return out
     for name, shp in shapes.items():
@@ -311,7 +324,9 @@ def tensor_layout(draw, alloc, name, shp, kind):
         for s in sizes:
             pn = n // shp[dim] * s if shp[dim] else 0
             reps = draw(st.integers(1, 2))
-            groups.append([alloc.new(draw(rank), pn + draw(st.integers(0, 1))) for _ in range(reps)])
+            groups.append(
+                [alloc.new(draw(rank), pn + draw(st.integers(0, 1))) for _ in range(reps)]
+            )
         tl = rs.split(shp, dim, sizes, groups, name=name)
         if kind == "split":
             return tl
@@ -394,11 +409,13 @@ def S(rank, numel, dtype=torch.float32):
 def test_tp_split_of_inner_dim_is_one_strided_run_per_piece():
     shp = (64, 48)
     src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 64 * 48)})
-    dst = rs.Layout({"w": rs.split(shp, 1, [16, 16, 16], [1, 2, 3])},
-                    {1: S(1, 64 * 16), 2: S(2, 64 * 16), 3: S(3, 64 * 16)})
+    dst = rs.Layout(
+        {"w": rs.split(shp, 1, [16, 16, 16], [1, 2, 3])},
+        {1: S(1, 64 * 16), 2: S(2, 64 * 16), 3: S(3, 64 * 16)},
+    )
     p = check_plan(src, dst)
     assert len(p.runs) == 3
-    for sl, so, ss, dl, do, ds, ln, cnt in p.runs.tolist():
+    for _, _, ss, _, _, ds, ln, cnt in p.runs.tolist():
         assert (ss, ds, ln, cnt) == (48, 16, 16, 64)
 
 
@@ -407,21 +424,27 @@ def test_zero3_to_tp_column_split_chains_rows_across_partition_heads():
     shp = (10, 12)
     runs = [(r, r * 40, min(120, (r + 1) * 40), 0) for r in range(3)]
     src = rs.Layout({"w": rs.flat(shp, runs)}, {r: S(r, 40) for r in range(3)})
-    dst = rs.Layout({"w": rs.split(shp, 1, [5, 7], [[10, 11], [12, 13]])},
-                    {10: S(0, 50), 11: S(1, 50), 12: S(0, 70), 13: S(2, 70)})
+    dst = rs.Layout(
+        {"w": rs.split(shp, 1, [5, 7], [[10, 11], [12, 13]])},
+        {10: S(0, 50), 11: S(1, 50), 12: S(0, 70), 13: S(2, 70)},
+    )
     p = check_plan(src, dst, budget=32)
     assert p.num_rounds > 1
 
 
 def test_single_process_transpose_and_fused_target():
     shp = (6, 5)
-    src = rs.Layout({"a": rs.replicated(shp, [0]), "b": rs.replicated(shp, [1])},
-                    {0: S(0, 30), 1: S(0, 30)})
+    src = rs.Layout(
+        {"a": rs.replicated(shp, [0]), "b": rs.replicated(shp, [1])}, {0: S(0, 30), 1: S(0, 30)}
+    )
     # target: a stored transposed, b stored as the right half of a fused (6, 10) buffer
     dst = rs.Layout(
-        {"a": rs.TensorLayout(shp, [rs.Piece(5, 0, (0, 0), shp, (1, 6))]),
-         "b": rs.TensorLayout(shp, [rs.Piece(6, 5, (0, 0), shp, (10, 1))])},
-        {5: S(0, 30), 6: S(0, 60)})
+        {
+            "a": rs.TensorLayout(shp, [rs.Piece(5, 0, (0, 0), shp, (1, 6))]),
+            "b": rs.TensorLayout(shp, [rs.Piece(6, 5, (0, 0), shp, (10, 1))]),
+        },
+        {5: S(0, 30), 6: S(0, 60)},
+    )
     p = check_plan(src, dst)
     assert p.num_rounds == 0 and p.schedule(0).local
 
@@ -429,8 +452,10 @@ def test_single_process_transpose_and_fused_target():
 def test_local_replica_is_read_first():
     shp = (8, 8)
     src = rs.Layout({"w": rs.replicated(shp, [0, 1, 2, 3])}, {i: S(i, 64) for i in range(4)})
-    dst = rs.Layout({"w": rs.split(shp, 0, [2, 2, 2, 2], [10, 11, 12, 13])},
-                    {10 + i: S(i, 16) for i in range(4)})
+    dst = rs.Layout(
+        {"w": rs.split(shp, 0, [2, 2, 2, 2], [10, 11, 12, 13])},
+        {10 + i: S(i, 16) for i in range(4)},
+    )
     p = check_plan(src, dst)
     assert p.num_rounds == 0 and not p.pair_bytes()
     assert all(len(p.schedule(r).local) == 1 for r in range(4))
@@ -443,8 +468,9 @@ def test_replicas_spread_the_sending_load():
     tens, st_ = {}, {r: S(r, T * 128) for r in range(R)}
     for i, n in enumerate(names):
         tens[n] = rs.TensorLayout(shp, [rs.Piece(r, i * 128, (0, 0), shp) for r in range(R)])
-    dtens = {n: rs.TensorLayout(shp, [rs.Piece(100, i * 128, (0, 0), shp)])
-             for i, n in enumerate(names)}
+    dtens = {
+        n: rs.TensorLayout(shp, [rs.Piece(100, i * 128, (0, 0), shp)]) for i, n in enumerate(names)
+    }
     p = rs.plan(rs.Layout(tens, st_), rs.Layout(dtens, {100: S(4, T * 128)}))
     sent = {}
     for (s, _), b in p.pair_bytes().items():
@@ -458,11 +484,21 @@ def test_replica_partial_overlap_regions():
     # two source copies that overlap only partly, plus a third covering the rest
     shp = (6, 6)
     src = rs.Layout(
-        {"w": rs.TensorLayout(shp, [rs.Piece(0, 0, (0, 0), (4, 6)), rs.Piece(1, 0, (2, 0), (4, 6)),
-                                    rs.Piece(2, 0, (0, 0), (6, 3), (3, 1))])},
-        {0: S(0, 24), 1: S(1, 24), 2: S(2, 18)})
-    dst = rs.Layout({"w": rs.split(shp, 1, [1, 5], [[7, 8], 9])},
-                    {7: S(3, 6), 8: S(1, 6), 9: S(0, 30)})
+        {
+            "w": rs.TensorLayout(
+                shp,
+                [
+                    rs.Piece(0, 0, (0, 0), (4, 6)),
+                    rs.Piece(1, 0, (2, 0), (4, 6)),
+                    rs.Piece(2, 0, (0, 0), (6, 3), (3, 1)),
+                ],
+            )
+        },
+        {0: S(0, 24), 1: S(1, 24), 2: S(2, 18)},
+    )
+    dst = rs.Layout(
+        {"w": rs.split(shp, 1, [1, 5], [[7, 8], 9])}, {7: S(3, 6), 8: S(1, 6), 9: S(0, 30)}
+    )
     check_plan(src, dst, budget=16)
 
 
@@ -475,7 +511,10 @@ def test_budget_16_cuts_a_large_run_across_rounds():
     assert p.schedule(0).send_arena_bytes == 16
     assert p.staging_bytes(0) == {"device": 32, "host_pinned": 0, "host": 0}
     assert p.staging_bytes(1, transport="gloo", host_ring_bytes=64) == {
-        "device": 0, "host_pinned": 0, "host": 32}
+        "device": 0,
+        "host_pinned": 0,
+        "host": 32,
+    }
     assert p.staging_bytes(1, transport="nccl", host_ring_bytes=64)["host_pinned"] == 64
     with pytest.raises(ValueError, match=">= 16"):
         rs.plan(src, dst, budget_bytes_per_peer=15)
@@ -486,8 +525,9 @@ def test_budget_16_cuts_a_large_run_across_rounds():
 def test_staging_formula_counts_all_peers_of_a_round():
     shp = (4, 32)
     src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 128)})
-    dst = rs.Layout({"w": rs.split(shp, 0, [1, 1, 2], [1, 2, 3])},
-                    {1: S(1, 32), 2: S(2, 32), 3: S(3, 64)})
+    dst = rs.Layout(
+        {"w": rs.split(shp, 0, [1, 1, 2], [1, 2, 3])}, {1: S(1, 32), 2: S(2, 32), 3: S(3, 64)}
+    )
     p = check_plan(src, dst, budget=200)  # rank 3 needs 256 bytes: two rounds
     sc = p.schedule(0)
     assert p.num_rounds == 2
@@ -512,8 +552,9 @@ def test_wire_dtype_narrows_on_the_sender():
 def test_integer_storages_copy_raw():
     shp = (3, 5)
     src = rs.Layout({"i": rs.replicated(shp, [0])}, {0: S(0, 15, torch.int64)})
-    dst = rs.Layout({"i": rs.split(shp, 1, [2, 3], [1, 2])},
-                    {1: S(1, 6, torch.int64), 2: S(0, 9, torch.int64)})
+    dst = rs.Layout(
+        {"i": rs.split(shp, 1, [2, 3], [1, 2])}, {1: S(1, 6, torch.int64), 2: S(0, 9, torch.int64)}
+    )
     check_plan(src, dst, budget=16)
 
 
@@ -534,18 +575,20 @@ def test_plan_errors():
 
 
 def test_subset_of_source_tensors():
-    src = rs.Layout({"a": rs.replicated((3,), [0]), "b": rs.replicated((2,), [0])},
-                    {0: S(0, 5)})
+    src = rs.Layout({"a": rs.replicated((3,), [0]), "b": rs.replicated((2,), [0])}, {0: S(0, 5)})
     dst = rs.Layout({"b": rs.replicated((2,), [1])}, {1: S(1, 2)})
     check_plan(src, dst)
 
 
 def test_describe_and_fingerprint():
     shp = (16, 16)
-    src = rs.Layout({"w": rs.flat(shp, [(0, 0, 128, 0), (1, 128, 256, 0)])},
-                    {0: S(0, 128), 1: S(1, 128)})
-    dst = rs.Layout({"w": rs.split(shp, 1, [8, 8], [[2, 3], [4, 5]])},
-                    {2: S(0, 128), 3: S(1, 128), 4: S(0, 128), 5: S(1, 128)})
+    src = rs.Layout(
+        {"w": rs.flat(shp, [(0, 0, 128, 0), (1, 128, 256, 0)])}, {0: S(0, 128), 1: S(1, 128)}
+    )
+    dst = rs.Layout(
+        {"w": rs.split(shp, 1, [8, 8], [[2, 3], [4, 5]])},
+        {2: S(0, 128), 3: S(1, 128), 4: S(0, 128), 5: S(1, 128)},
+    )
     p = rs.plan(src, dst, budget_bytes_per_peer=256)
     text = p.describe()
     for want in ("rounds", "busiest sender: rank", "local", "0 -> 1", "1 -> 0", "staging"):
@@ -567,19 +610,32 @@ print(rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint)
 
 def test_fingerprint_equal_across_processes_and_hash_seeds(tmp_path):
     shp = (12, 10)
-    src = rs.Layout({"a": rs.flat(shp, [(r, r * 40, (r + 1) * 40, 3) for r in range(3)]),
-                     "b": rs.replicated((5,), [0, 1])},
-                    {0: S(0, 50), 1: S(1, 50), 2: S(2, 50)})
-    dst = rs.Layout({"a": rs.split(shp, 1, [3, 7], [[4, 5], 6]), "b": rs.split((5,), 0, [2, 3],
-                     [4, 6], offsets=[40, 84])},
-                    {4: S(0, 60), 5: S(1, 40), 6: S(2, 90, "bf16")})
+    src = rs.Layout(
+        {
+            "a": rs.flat(shp, [(r, r * 40, (r + 1) * 40, 3) for r in range(3)]),
+            "b": rs.replicated((5,), [0, 1]),
+        },
+        {0: S(0, 50), 1: S(1, 50), 2: S(2, 50)},
+    )
+    dst = rs.Layout(
+        {
+            "a": rs.split(shp, 1, [3, 7], [[4, 5], 6]),
+            "b": rs.split((5,), 0, [2, 3], [4, 6], offsets=[40, 84]),
+        },
+        {4: S(0, 60), 5: S(1, 40), 6: S(2, 90, "bf16")},
+    )
     path = tmp_path / "layouts.pkl"
     path.write_bytes(pickle.dumps((src, dst)))
     here = rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        out = subprocess.run([sys.executable, "-c", _FP_SCRIPT, str(path)], env=env,
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _FP_SCRIPT, str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         assert out.stdout.strip() == here
 
 
@@ -599,18 +655,23 @@ def test_execute_single_process_with_the_real_op():
     if not hasattr(ops, "copy_runs"):
         pytest.skip("reshard._ops.copy_runs not built")
     shp = (9, 7)
-    src = rs.Layout({"w": rs.flat(shp, [(0, 0, 30, 2), (1, 30, 63, 0)])},
-                    {0: S(0, 32), 1: S(0, 33)})
-    dst = rs.Layout({"w": rs.split(shp, 1, [3, 4], [2, 3])},
-                    {2: S(0, 27, torch.bfloat16), 3: S(0, 36, torch.bfloat16)})
+    src = rs.Layout(
+        {"w": rs.flat(shp, [(0, 0, 30, 2), (1, 30, 63, 0)])}, {0: S(0, 32), 1: S(0, 33)}
+    )
+    dst = rs.Layout(
+        {"w": rs.split(shp, 1, [3, 4], [2, 3])},
+        {2: S(0, 27, torch.bfloat16), 3: S(0, 36, torch.bfloat16)},
+    )
     p = rs.plan(src, dst)
     assert p.num_rounds == 0
     full = torch.arange(63, dtype=torch.float32)
     sb = {0: torch.full((32,), -1.0), 1: torch.full((33,), -1.0)}
     sb[0][2:32] = full[:30]
     sb[1][:33] = full[30:]
-    db = {2: torch.full((27,), float("nan"), dtype=torch.bfloat16),
-          3: torch.full((36,), float("nan"), dtype=torch.bfloat16)}
+    db = {
+        2: torch.full((27,), float("nan"), dtype=torch.bfloat16),
+        3: torch.full((36,), float("nan"), dtype=torch.bfloat16),
+    }
     for lc in p.schedule(0).local:
         ops.copy_runs(sb[lc.src_location], torch.from_numpy(lc.desc), db[lc.dst_location])
     ref = full.reshape(shp).to(torch.bfloat16)

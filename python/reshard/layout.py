@@ -403,9 +403,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
     sizes = _ints(sizes, "split sizes")
     locations = list(locations)
     if len(sizes) != len(locations):
-        raise LayoutError(
-            f"{tn}: split has {len(sizes)} sizes but {len(locations)} locations"
-        )
+        raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(locations)} locations")
     if any(s < 0 for s in sizes):
         raise LayoutError(f"{tn}: split sizes {sizes} has a negative size")
     if sum(sizes) != shape[dim]:
@@ -638,7 +636,10 @@ def _preimage(off, strides, shape, a, b):
         sub[k] = i1 - i0 + 1
         out.append((tuple(rel), tuple(sub)))
     partial = set()
-    for lo_i, hi_i in (((a - sub_ext - off) // sk, (a - off) // sk + 1), ((b - sub_ext - off) // sk, (b - off) // sk + 1)):
+    for lo_i, hi_i in (
+        ((a - sub_ext - off) // sk, (a - off) // sk + 1),
+        ((b - sub_ext - off) // sk, (b - off) // sk + 1),
+    ):
         for i in range(max(0, lo_i), min(shape[k], hi_i + 1)):
             if not i0 <= i <= i1:
                 partial.add(i)
@@ -673,7 +674,9 @@ class Layout:
             if not isinstance(name, str):
                 raise LayoutError(f"tensor names must be str, got {name!r}")
             if not isinstance(tl, TensorLayout):
-                raise LayoutError(f"tensor {name!r}: expected TensorLayout, got {type(tl).__name__}")
+                raise LayoutError(
+                    f"tensor {name!r}: expected TensorLayout, got {type(tl).__name__}"
+                )
             ts[name] = tl
         self.tensors = ts
         self.storages = st
@@ -849,7 +852,9 @@ def _rows(tl: TensorLayout, i: int):
         )
     starts = np.array([off], _I64)
     for k in dims:
-        starts = (starts[:, None] + np.arange(int(box[k]), dtype=_I64)[None, :] * strides[k]).ravel()
+        starts = (
+            starts[:, None] + np.arange(int(box[k]), dtype=_I64)[None, :] * strides[k]
+        ).ravel()
     return starts, np.full(len(starts), length, _I64)
 
 

@@ -159,8 +159,10 @@ class Plan:
         if len(ridx) > 1:
             a, b = ridx[:-1], ridx[1:]
             key_same[1:] = (
-                (snd[a] == snd[b]) & (rcv[a] == rcv[b])
-                & (runs[SL, a] == runs[SL, b]) & (runs[DL, a] == runs[DL, b])
+                (snd[a] == snd[b])
+                & (rcv[a] == rcv[b])
+                & (runs[SL, a] == runs[SL, b])
+                & (runs[DL, a] == runs[DL, b])
             )
         gstart = _segments_of(key_same)
         gend = np.append(gstart[1:], len(ridx))
@@ -174,17 +176,21 @@ class Plan:
         for i in range(len(g_first)):
             key = (int(g_sl[i]), int(g_dl[i]))
             if key not in wires:
-                wires[key] = wire_dtype(
-                    src.storages[key[0]].dtype, dst.storages[key[1]].dtype
-                )
+                wires[key] = wire_dtype(src.storages[key[0]].dtype, dst.storages[key[1]].dtype)
             g_item[i] = wires[key].itemsize
         self._wires = wires
         # Stream position of each remote run inside the global concatenation of groups.
         self._rpos = np.cumsum(numel[ridx]) - numel[ridx]
         self._ridx = ridx
         self._g = dict(
-            run_lo=gstart, run_hi=gend, sl=g_sl, dl=g_dl, snd=g_snd, rcv=g_rcv,
-            numel=g_numel, item=g_item,
+            run_lo=gstart,
+            run_hi=gend,
+            sl=g_sl,
+            dl=g_dl,
+            snd=g_snd,
+            rcv=g_rcv,
+            numel=g_numel,
+            item=g_item,
             pos0=self._rpos[gstart] if len(gstart) else np.zeros(0, _I64),
         )
 
@@ -224,8 +230,7 @@ class Plan:
         recv_off = np.zeros(len(m), _I64)
         self._send_arena = {}
         self._recv_arena = {}
-        for side, who, off, arena in ((0, 0, send_off, self._send_arena),
-                                      (1, 1, recv_off, self._recv_arena)):
+        for who, off, arena in ((0, send_off, self._send_arena), (1, recv_off, self._recv_arena)):
             peer = m[:, 1 - who]
             o = np.lexsort((peer, m[:, 2], m[:, who]))
             if not len(o):
@@ -302,8 +307,9 @@ class Plan:
         """{(sender, receiver): wire bytes} over all rounds (remote pairs only)."""
         g = self._g
         out = {}
-        for s, r, n, w in zip(g["snd"].tolist(), g["rcv"].tolist(), g["numel"].tolist(),
-                              g["item"].tolist()):
+        for s, r, n, w in zip(
+            g["snd"].tolist(), g["rcv"].tolist(), g["numel"].tolist(), g["item"].tolist()
+        ):
             out[(s, r)] = out.get((s, r), 0) + n * w
         return out
 
@@ -413,17 +419,21 @@ class Plan:
         for s, (grp, rnd, boff, lo, hi) in enumerate(segs.tolist()):
             peer = int(g["rcv"][grp] if sender_side else g["snd"][grp])
             seg = Segment(
-                int(g["sl"][grp]), int(g["dl"][grp]),
+                int(g["sl"][grp]),
+                int(g["dl"][grp]),
                 self._wires[(int(g["sl"][grp]), int(g["dl"][grp]))],
-                boff, hi - lo, descs[s],
+                boff,
+                hi - lo,
+                descs[s],
             )
             by_key.setdefault((peer, rnd), []).append(seg)
         for i in msel.tolist():
             snd, rcv, rnd, nbytes, soff, roff = m[i].tolist()
             peer = rcv if sender_side else snd
             out[rnd].append(
-                Message(peer, rnd, soff if sender_side else roff, nbytes,
-                        by_key.get((peer, rnd), []))
+                Message(
+                    peer, rnd, soff if sender_side else roff, nbytes, by_key.get((peer, rnd), [])
+                )
             )
         for lst in out:
             lst.sort(key=lambda msg: msg.peer)
@@ -469,11 +479,27 @@ class Plan:
             spos = p0[i] + q[i] - glo[owner[i]]  # position inside the segment
             one = cnt[i] == 1
             if sender_side:
-                d = np.column_stack([so, np.where(one, ln[i], r[:, SS]), spos,
-                                     np.where(one, ln[i], L[i]), ln[i], cnt[i]])
+                d = np.column_stack(
+                    [
+                        so,
+                        np.where(one, ln[i], r[:, SS]),
+                        spos,
+                        np.where(one, ln[i], L[i]),
+                        ln[i],
+                        cnt[i],
+                    ]
+                )
             else:
-                d = np.column_stack([spos, np.where(one, ln[i], L[i]), do,
-                                     np.where(one, ln[i], r[:, DS]), ln[i], cnt[i]])
+                d = np.column_stack(
+                    [
+                        spos,
+                        np.where(one, ln[i], L[i]),
+                        do,
+                        np.where(one, ln[i], r[:, DS]),
+                        ln[i],
+                        cnt[i],
+                    ]
+                )
             rows.append((owner[i], spos, d))
         own = np.concatenate([r[0] for r in rows])
         pos = np.concatenate([r[1] for r in rows])
@@ -481,7 +507,7 @@ class Plan:
         o = np.lexsort((pos, own))
         own, desc = own[o], desc[o]
         bounds = np.searchsorted(own, np.arange(len(segs) + 1))
-        return [np.ascontiguousarray(desc[bounds[s]:bounds[s + 1]]) for s in range(len(segs))]
+        return [np.ascontiguousarray(desc[bounds[s] : bounds[s + 1]]) for s in range(len(segs))]
 
 
 def _align(x):
@@ -589,8 +615,7 @@ class _Planner:
                     a = np.concatenate([np.full((len(a), pad), fill, _I64), a], axis=1)
                 return a
 
-            parts.append((tid[keep], loc[keep], off[keep], p(start, 0), p(box, 1),
-                          p(strides, 0)))
+            parts.append((tid[keep], loc[keep], off[keep], p(start, 0), p(box, 1), p(strides, 0)))
         return [np.concatenate([pt[k] for pt in parts]) for k in range(6)]
 
     def _batch(self, tids):
@@ -618,8 +643,9 @@ class _Planner:
         r_ti = s_ti[order[rstart]]
         r_lo = s_start[order[rstart]]
         r_hi = r_lo + s_box[order[rstart]]
-        vol = np.bincount(r_ti, weights=(r_hi - r_lo).prod(axis=1).astype(np.float64),
-                          minlength=len(tids))
+        vol = np.bincount(
+            r_ti, weights=(r_hi - r_lo).prod(axis=1).astype(np.float64), minlength=len(tids)
+        )
         overlapping = np.nonzero(vol > numel)[0]
         if len(overlapping):
             r_ti, r_lo, r_hi, rstart, r_cnt = _disjoint_regions(
@@ -629,10 +655,12 @@ class _Planner:
         # -- target templates: distinct (box, strides), each with its replicas ------------
         # Replicas of a target piece get the same runs up to the storage and base offset,
         # so the runs are computed once per template and stamped out per replica.
-        dorder = np.lexsort(tuple(d_str.T[::-1]) + tuple(d_box.T[::-1])
-                            + tuple(d_start.T[::-1]) + (d_ti,))
-        tstart = _segments_of(_rows_equal(d_ti[dorder], d_start[dorder], d_box[dorder],
-                                          d_str[dorder]))
+        dorder = np.lexsort(
+            tuple(d_str.T[::-1]) + tuple(d_box.T[::-1]) + tuple(d_start.T[::-1]) + (d_ti,)
+        )
+        tstart = _segments_of(
+            _rows_equal(d_ti[dorder], d_start[dorder], d_box[dorder], d_str[dorder])
+        )
         t_cnt = np.diff(np.append(tstart, len(dorder)))
         first = dorder[tstart]
         t_ti, t_lo, t_box, t_str = d_ti[first], d_start[first], d_box[first], d_str[first]
@@ -697,8 +725,7 @@ class _Planner:
         remote = snd != self.d_rank[di]
         nbytes = (runs[LEN] * runs[CNT] * self.d_item[di])[remote]
         # float weights are exact below 2**53 bytes per rank
-        self.load += np.bincount(snd[remote], weights=nbytes, minlength=len(self.load)).astype(
-            _I64)
+        self.load += np.bincount(snd[remote], weights=nbytes, minlength=len(self.load)).astype(_I64)
 
     def _choose(self, pr, pj, lo, hi, rstart, r_cnt, hold, s_loc, d_loc):
         """Pick one source piece (holder) per job: local first, then least-loaded sender."""
@@ -740,7 +767,7 @@ class _Planner:
         for i in range(len(rem)):
             a = holders_start[i]
             best, best_load = -1, None
-            for c in hold_l[a:a + holders_cnt[i]].tolist():
+            for c in hold_l[a : a + holders_cnt[i]].tolist():
                 r = int(sr[c])
                 if best_load is None or load[r] < best_load:
                     best, best_load, best_r = c, load[r], r
@@ -769,7 +796,8 @@ class _Planner:
         sl, dl = int(runs[SL, bad[0]]), int(runs[DL, bad[0]])
         sd, dd = self.src.storages[sl].dtype, self.dst.storages[dl].dtype
         name = next(
-            self.names[t] for t in tids
+            self.names[t]
+            for t in tids
             if (self.dst.tensors[self.names[t]]._loc == dl).any()
             and (self.src.tensors[self.names[t]]._loc == sl).any()
         )
@@ -898,12 +926,12 @@ def _box_runs(sl, so, Ss, dl, do, Sd, E):
             return _box_runs_2d(sl, so, Ss[:, -2], dl, do, Sd[:, -2], E[:, -2], E[:, -1])
         if fast.any():
             f, g = np.nonzero(fast)[0], np.nonzero(~fast)[0]
-            a = _box_runs_2d(sl[f], so[f], Ss[f, -2], dl[f], do[f], Sd[f, -2], E[f, -2],
-                             E[f, -1])
+            a = _box_runs_2d(sl[f], so[f], Ss[f, -2], dl[f], do[f], Sd[f, -2], E[f, -2], E[f, -1])
             b = _box_runs(sl[g], so[g], Ss[g], dl[g], do[g], Sd[g], E[g])
             # keep planning order: interleave back by job index
-            src_idx = np.concatenate([np.repeat(f, 1), np.repeat(g, _runs_per_box(E[g], Ss[g],
-                                                                                  Sd[g]))])
+            src_idx = np.concatenate(
+                [np.repeat(f, 1), np.repeat(g, _runs_per_box(E[g], Ss[g], Sd[g]))]
+            )
             o = np.argsort(src_idx, kind="stable")
             return np.take(np.concatenate([a, b], axis=1), o, axis=1)
     big = E > 1
@@ -975,8 +1003,15 @@ def _box_runs_2d(sl, so, ss0, dl, do, sd0, e0, e1):
 
 def _runs_per_box(E, Ss, Sd):
     """How many runs the general path of _box_runs emits per box (for re-interleaving)."""
-    r = _box_runs(np.arange(len(E), dtype=_I64), np.zeros(len(E), _I64), Ss,
-                  np.zeros(len(E), _I64), np.zeros(len(E), _I64), Sd, E)
+    r = _box_runs(
+        np.arange(len(E), dtype=_I64),
+        np.zeros(len(E), _I64),
+        Ss,
+        np.zeros(len(E), _I64),
+        np.zeros(len(E), _I64),
+        Sd,
+        E,
+    )
     return np.bincount(r[SL], minlength=len(E))
 
 
@@ -1001,8 +1036,12 @@ def _coalesce(runs):
     # (a) contiguous single rows
     a, b = runs[:, :-1], runs[:, 1:]
     link = (
-        (a[CNT] == 1) & (b[CNT] == 1) & (a[SL] == b[SL]) & (a[DL] == b[DL])
-        & (b[SO] == a[SO] + a[LEN]) & (b[DO] == a[DO] + a[LEN])
+        (a[CNT] == 1)
+        & (b[CNT] == 1)
+        & (a[SL] == b[SL])
+        & (a[DL] == b[DL])
+        & (b[SO] == a[SO] + a[LEN])
+        & (b[DO] == a[DO] + a[LEN])
     )
     if link.any():
         st = _segments_of(np.concatenate([[False], link]))
@@ -1019,7 +1058,11 @@ def _coalesce(runs):
     gs = b[SO] - (a[SO] + (a[CNT] - 1) * a[SS])
     gd = b[DO] - (a[DO] + (a[CNT] - 1) * a[DS])
     basic = (
-        (a[SL] == b[SL]) & (a[DL] == b[DL]) & (a[LEN] == b[LEN]) & (gs > 0) & (gd > 0)
+        (a[SL] == b[SL])
+        & (a[DL] == b[DL])
+        & (a[LEN] == b[LEN])
+        & (gs > 0)
+        & (gd > 0)
         & ((a[CNT] == 1) | ((a[SS] == gs) & (a[DS] == gd)))
         & ((b[CNT] == 1) | ((b[SS] == gs) & (b[DS] == gd)))
     )
@@ -1036,8 +1079,10 @@ def _coalesce(runs):
     multi = merged[CNT] > 1
     nxt = np.minimum(st + 1, runs.shape[1] - 1)
     first_multi = runs[CNT, st] > 1
-    merged[SS] = np.where(multi, np.where(first_multi, runs[SS, st], runs[SO, nxt] - runs[SO, st]),
-                          merged[SS])
-    merged[DS] = np.where(multi, np.where(first_multi, runs[DS, st], runs[DO, nxt] - runs[DO, st]),
-                          merged[DS])
+    merged[SS] = np.where(
+        multi, np.where(first_multi, runs[SS, st], runs[SO, nxt] - runs[SO, st]), merged[SS]
+    )
+    merged[DS] = np.where(
+        multi, np.where(first_multi, runs[DS, st], runs[DO, nxt] - runs[DO, st]), merged[DS]
+    )
     return _normalize(merged)
