@@ -10,8 +10,8 @@ Per round k (global order, the same on every rank): pack this rank's messages of
 direction: round k+1 is packed while round k is in flight. Local runs skip transport and arenas.
 
 Transports: gloo (CPU buffers, host arenas), NCCL (arenas in device memory; CUDA buffers are
-packed on the device; CPU buffers go through pinned host mirrors of the arenas with plain torch
-copies: a STAND-IN marked below, to be replaced by the stage_h2d/stage_d2h ops), and "local"
+packed on the device; CPU buffers are packed/scattered on the host and moved through one bounded
+pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: preflight failures are collective `PreflightError`s with nothing written. Any
@@ -86,8 +86,8 @@ class _Group(_Desc):
     def __init__(self, loc, desc, view, ranges):
         super().__init__(loc, desc)
         self.view = view  # the arena as the wire dtype (transport device)
-        self.host_view = None  # NCCL stand-in: the pinned mirror as the wire dtype
-        self.ranges = ranges  # arena byte ranges of its segments (for the stand-in copies)
+        self.host_view = None  # unused since CPU buffers under NCCL go through stage ops
+        self.ranges = ranges  # arena byte ranges of its segments
 
 
 def _wire_view(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,6 +124,9 @@ class _Engine:
         self.local = [
             (lc.src_location, lc.dst_location, _Desc(lc.src_location, lc.desc)) for lc in s.local
         ]
+        self.local_elems = [
+            (dloc, int((d.desc_np[:, 4] * d.desc_np[:, 5]).sum())) for _, dloc, d in self.local
+        ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
         self.pinned = None  # NCCL stand-in: pinned mirrors of the arenas
         self.ring = None  # pinned ring for CPU<->CUDA local copies (stage_h2d / stage_d2h)
@@ -150,7 +153,9 @@ class _Engine:
         )
         ring = (self._pinned_bytes() if pinned else 0) + (self.ring_bytes() if ring else 0)
         b = self.plan.staging_bytes(self.rank, transport=transport, host_ring_bytes=ring)
-        return {k: int(b.get(k, 0)) for k in ("device", "host_pinned", "host")}
+        out = {k: int(b.get(k, 0)) for k in ("device", "host_pinned", "host")}
+        out["device"] += self.stage_device_bytes()
+        return out
 
     def _pinned_bytes(self) -> int:
         return self.nbuf * (int(self.sched.send_arena_bytes) + int(self.sched.recv_arena_bytes))
@@ -164,7 +169,16 @@ class _Engine:
             held["host_pinned"] += sum(a.numel() for a in arenas)
         if self.ring is not None:
             held["host_pinned"] += self.ring.numel()
+            held["device"] += self.stage_device_bytes()
         return held
+
+    def stage_device_bytes(self) -> int:
+        """Device staging one stage_h2d/stage_d2h call may take with this ring (the ring's
+        slots mirrored on the device; none when the device side is a packed arena segment).
+        Counted in both the bound and the held bytes while the ring exists."""
+        if self.ring is None or not torch.cuda.is_available():
+            return 0
+        return int(torch.ops.reshard.stage_device_bytes(self.ring.numel()))
 
     def allocate(self, need_pinned: bool, need_ring: bool = False):
         """Allocate (once) and check against the plan's bound; raising here is a preflight
@@ -176,17 +190,8 @@ class _Engine:
                 "recv": [self._alloc(int(s.recv_arena_bytes), False) for _ in range(self.nbuf)],
             }
             self._build_rounds()
-        if need_pinned and self.pinned is None:
-            # STAND-IN (NCCL with CPU buffers): pinned mirrors of the arenas, plain torch
-            # copies. The CUDA issue replaces this with stage_h2d/stage_d2h and a bounded ring.
-            self.pinned = {
-                "send": [self._alloc(a.numel(), True) for a in self.arenas["send"]],
-                "recv": [self._alloc(a.numel(), True) for a in self.arenas["recv"]],
-            }
-            for k, (sends, recvs, _) in enumerate(self.rounds):
-                for groups, key in ((sends, "send"), (recvs, "recv")):
-                    for g in groups:
-                        g.host_view = _wire_view(self.pinned[key][k % 2], g.view.dtype)
+        if need_pinned:  # CPU buffers under NCCL: stage_h2d/stage_d2h through the ring
+            need_ring = True
         if need_ring and self.ring is None:
             self.ring = self._alloc(self.ring_bytes(), True)
         held, bound = self.held(), self.bound(self.pinned is not None, self.ring is not None)
@@ -260,13 +265,9 @@ class _Engine:
                 buf = src[g.loc]
                 if buf.device == self.arena_device:
                     copy_runs(buf, g.desc_t, g.view)
-                else:  # STAND-IN: CPU source under NCCL, through the pinned mirror
-                    copy_runs(buf, g.desc_t, g.host_view)
+                else:  # CPU source under NCCL: packed on the host, DMA'd through the ring
                     t1 = time.perf_counter()
-                    for lo, hi in g.ranges:
-                        self.arenas_u8(k, "send")[lo:hi].copy_(
-                            self.pinned["send"][k % 2][lo:hi], non_blocking=True
-                        )
+                    torch.ops.reshard.stage_h2d(buf, g.desc_t, self.ring, g.view)
                     h2d += time.perf_counter() - t1
             sec["pack"] += time.perf_counter() - t0 - h2d
             sec["h2d"] += h2d
@@ -289,22 +290,18 @@ class _Engine:
 
         def unpack(k):
             groups = self.rounds[k][1]
-            stand_in = [g for g in groups if dst[g.loc].device != self.arena_device]
-            if stand_in:  # STAND-IN: CPU targets under NCCL: D2H into the pinned mirror
-                t0 = time.perf_counter()
-                for g in stand_in:
-                    for lo, hi in g.ranges:
-                        self.pinned["recv"][k % 2][lo:hi].copy_(
-                            self.arenas_u8(k, "recv")[lo:hi], non_blocking=True
-                        )
-                torch.cuda.current_stream().synchronize()
-                sec["d2h"] += time.perf_counter() - t0
             t0 = time.perf_counter()
+            d2h = 0.0
             for g in groups:
                 buf = dst[g.loc]
-                arena_view = g.view if buf.device == self.arena_device else g.host_view
-                copy_runs(arena_view, g.desc_t, buf)
-            sec["unpack"] += time.perf_counter() - t0
+                if buf.device == self.arena_device:
+                    copy_runs(g.view, g.desc_t, buf)
+                else:  # CPU target under NCCL: DMA'd through the ring, scattered on the host
+                    t1 = time.perf_counter()
+                    torch.ops.reshard.stage_d2h(g.view, g.desc_t, self.ring, buf)
+                    d2h += time.perf_counter() - t1
+            sec["unpack"] += time.perf_counter() - t0 - d2h
+            sec["d2h"] += d2h
 
         def local():
             t0 = time.perf_counter()
@@ -328,10 +325,6 @@ class _Engine:
             if k == 0:
                 local()  # overlaps round 0's transport
             if k + 1 < R:
-                if cuda and self.pinned is not None:
-                    # STAND-IN: the pinned send mirror of round k+1 was last read by round k-1's
-                    # H2D copies; make sure they finished before the host overwrites it.
-                    torch.cuda.current_stream().synchronize()
                 pack(k + 1)  # overlaps round k's transport
             wait(works)
             unpack(k)
@@ -432,7 +425,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
         ) from exc
     t_pre = time.perf_counter()
     report.seconds["preflight"] = t_pre - t_start
-    report.staged_with_torch_fallback = bool(state.get("pinned"))
+    report.staged_with_torch_fallback = False  # CPU buffers under NCCL use the stage ops
     report.staging_bound = engine.bound(bool(state.get("pinned")), engine.ring is not None)
     try:
         engine.run(src_ok, dst_ok, report, timeout_s)
@@ -442,10 +435,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
             "targets may be partially written"
         ) from exc
     report.peak_staging_bytes = engine.held()
-    report.local_bytes = sum(
-        int((seg.desc_np[:, 4] * seg.desc_np[:, 5]).sum()) * dst_ok[dloc].element_size()
-        for _, dloc, seg in engine.local
-    )
+    report.local_bytes = sum(n * dst_ok[dloc].element_size() for dloc, n in engine.local_elems)
     report.seconds["total"] = time.perf_counter() - t_start + plan_seconds
     log.info(
         "reshard rank %d/%d [%s]: %d rounds, sent %d B, received %d B, local %d B, "

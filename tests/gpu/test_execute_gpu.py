@@ -1,0 +1,103 @@
+"""`execute` / `Transfer` with every residency pair (CPU->GPU, GPU->CPU, GPU->GPU, CPU->CPU) in
+one process: world 1 under NCCL (a real process group, spawned through tests/_spawn.py) and
+without a group. The source is a ZeRO-style flat fp32 buffer holding several tensors; the
+targets are a 2-way row split per tensor, in fp32 or bf16. The expected targets are computed
+with plain torch slicing and `.to()`. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _spawn import run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SHAPES = [(37, 19), (64,), (5, 7, 3), (1024, 300)]
+COMBOS = [("cpu", "cuda"), ("cuda", "cpu"), ("cuda", "cuda"), ("cpu", "cpu")]
+
+
+def _layouts(dst_dtype):
+    import reshard as rs
+
+    src_tensors, off = {}, 0
+    dst_tensors, storages = {}, {}
+    for i, shp in enumerate(SHAPES):
+        n = math.prod(shp)
+        src_tensors[f"t{i}"] = rs.flat(shp, [(0, 0, n, off)])
+        off += n + 5  # gaps between tensors, as in padded ZeRO partitions
+        a = shp[0] // 2 + 1
+        b = shp[0] - a
+        rest = n // shp[0]
+        locs = [100 + 2 * i, 101 + 2 * i]
+        dst_tensors[f"t{i}"] = rs.split(shp, 0, [a, b], locs)
+        storages[locs[0]] = rs.Storage(0, dst_dtype, a * rest)
+        storages[locs[1]] = rs.Storage(0, dst_dtype, b * rest)
+    src = rs.Layout(src_tensors, {0: rs.Storage(0, torch.float32, off)})
+    return src, rs.Layout(dst_tensors, storages), off
+
+
+def _expected(flat, dst_dtype):
+    out, off = {}, 0
+    for i, shp in enumerate(SHAPES):
+        n = math.prod(shp)
+        t = flat[off : off + n].reshape(shp)
+        off += n + 5
+        a = shp[0] // 2 + 1
+        out[100 + 2 * i] = t[:a].reshape(-1).to(dst_dtype)
+        out[101 + 2 * i] = t[a:].reshape(-1).to(dst_dtype)
+    return out
+
+
+def _check_all(dst_dtype, use_group):
+    import reshard as rs
+
+    src_l, dst_l, numel = _layouts(dst_dtype)
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(numel, generator=g) * 10
+    expected = _expected(flat, dst_dtype)
+    results = []
+    for sdev, ddev in COMBOS:
+        src = {0: flat.to(sdev)}
+        dst = {k: torch.full_like(v, -777.0, device=ddev) for k, v in expected.items()}
+        sync = rs.Transfer(src_l, dst_l, budget_bytes_per_peer=1 << 16)
+        for _ in range(2):  # the second call reuses the plan, tables and ring
+            for v in dst.values():
+                v.fill_(-777.0)
+            rep = sync(src, dst)
+            if ddev == "cuda":
+                torch.cuda.synchronize()
+            for k, v in expected.items():
+                got = dst[k].cpu()
+                assert torch.equal(
+                    got.view(torch.int16 if got.element_size() == 2 else torch.int32),
+                    v.view(torch.int16 if v.element_size() == 2 else torch.int32),
+                ), f"{sdev}->{ddev} {dst_dtype} location {k} differs"
+        for side, bound in rep.peak_staging_bytes.items():
+            assert bound <= rep.staging_bound[side], (sdev, ddev, rep.peak_staging_bytes)
+        results.append((sdev, ddev, rep.transport))
+    return results
+
+
+def _worker(rank, world_size, dst_dtype):
+    torch.cuda.set_device(0)
+    return _check_all(dst_dtype, True)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_execute_residency_world1_nccl(tmp_path, dst_dtype):
+    (res,) = run_ranks(_worker, 1, tmp_path, backend="nccl", timeout=240, args=(dst_dtype,))
+    assert [r[:2] for r in res] == COMBOS
+    assert all(r[2] == "nccl" for r in res)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16])
+def test_execute_residency_without_group(dst_dtype):
+    res = _check_all(dst_dtype, False)
+    assert all(r[2] == "local" for r in res)
