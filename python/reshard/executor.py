@@ -475,9 +475,23 @@ class Transfer:
     """
 
     def __init__(
-        self, src, dst, budget_bytes_per_peer=64 << 20, group=None, *, timeout=DEFAULT_TIMEOUT_S
+        self,
+        src,
+        dst,
+        budget_bytes_per_peer=64 << 20,
+        group=None,
+        *,
+        timeout=DEFAULT_TIMEOUT_S,
+        register_host_sources=False,
     ):
+        """register_host_sources: page-lock the CPU source buffers in place (cudaHostRegister)
+        on the first call, so every sync DMAs straight from them (reshard.hostreg). Undone by
+        `close()`, on context exit, when a location's storage changes, or on collection; each
+        Report says what was done in `host_registration`."""
+        from .hostreg import HostRegistry
         from .plan import plan as make_plan
+
+        self._hostreg = HostRegistry() if register_host_sources else None
 
         t0 = time.perf_counter()
         self.plan = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
@@ -502,4 +516,28 @@ class Transfer:
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
-        return _run(self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s)
+        reg = None
+        if self._hostreg is not None:
+            bufs = getattr(src_buffers, "buffers", src_buffers)
+            try:
+                reg = self._hostreg.sync(bufs if isinstance(bufs, dict) else {})
+            except RuntimeError as exc:  # an optimization only: the sync still runs, bounced
+                reg = {"error": str(exc)}
+        report = _run(
+            self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s
+        )
+        if reg is not None:
+            report.host_registration = reg
+        return report
+
+    def close(self) -> None:
+        """Undo host registrations (if any). The Transfer stays usable (it re-registers)."""
+        if self._hostreg is not None:
+            self._hostreg.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
