@@ -101,3 +101,32 @@ def test_execute_residency_world1_nccl(tmp_path, dst_dtype):
 def test_execute_residency_without_group(dst_dtype):
     res = _check_all(dst_dtype, False)
     assert all(r[2] == "local" for r in res)
+
+
+def test_transfer_registers_host_sources_in_place():
+    import reshard as rs
+    from reshard.hostreg import HostRegistry
+
+    src_l, dst_l, numel = _layouts(torch.float32)
+    flat = torch.randn(numel)
+    expected = _expected(flat, torch.float32)
+    dst = {k: torch.full_like(v, -777.0, device="cuda") for k, v in expected.items()}
+    with rs.Transfer(src_l, dst_l, register_host_sources=True) as sync:
+        rep = sync({0: flat}, dst)
+        assert rep.host_registration["registered"] == [0] and flat.is_pinned()
+        # the big tensor's target rows (>= 256 KiB) went straight from the registered source
+        assert torch.ops.reshard.last_stage_stats()[5] > 0
+        rep = sync({0: flat}, dst)
+        assert rep.host_registration["registered"] == [] and flat.is_pinned()
+        torch.cuda.synchronize()
+        for k, v in expected.items():
+            assert torch.equal(dst[k].cpu(), v)
+        other = flat.clone()  # a new storage for location 0: the old one is released
+        rep = sync({0: other}, dst)
+        assert rep.host_registration["unregistered"] == [0]
+        assert not flat.is_pinned() and other.is_pinned()
+    assert not other.is_pinned()  # context exit undid it
+    with HostRegistry() as reg:  # memory from the pinned allocator is left alone
+        p = torch.zeros(100).pin_memory()
+        assert reg.sync({1: p})["already_pinned"] == [1]
+    assert p.is_pinned()
