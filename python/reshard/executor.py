@@ -81,13 +81,11 @@ class _Group(_Desc):
     over the whole arena (viewed as the wire dtype): one copy_runs call per (round, storage,
     dtype) instead of one per segment. Built once; the arenas never move."""
 
-    __slots__ = ("host_view", "ranges", "view")
+    __slots__ = ("view",)
 
-    def __init__(self, loc, desc, view, ranges):
+    def __init__(self, loc, desc, view):
         super().__init__(loc, desc)
         self.view = view  # the arena as the wire dtype (transport device)
-        self.host_view = None  # unused since CPU buffers under NCCL go through stage ops
-        self.ranges = ranges  # arena byte ranges of its segments
 
 
 def _wire_view(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,7 +126,6 @@ class _Engine:
             (dloc, int((d.desc_np[:, 4] * d.desc_np[:, 5]).sum())) for _, dloc, d in self.local
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
-        self.pinned = None  # NCCL stand-in: pinned mirrors of the arenas
         self.ring = None  # pinned ring for CPU<->CUDA local copies (stage_h2d / stage_d2h)
         self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
         self._written = None
@@ -145,28 +142,23 @@ class _Engine:
         budget = int(getattr(self.plan, "budget_bytes_per_peer", 16 << 20))
         return max(4096, min(budget, 16 << 20)) // 16 * 16
 
-    def bound(self, pinned: bool, ring: bool = False) -> dict:
+    def bound(self, ring: bool) -> dict:
         # The in-process ("local") transport has no arenas; its only staging is the ring,
         # which the plan's formula counts as host_pinned under "nccl".
         transport = (
             "nccl" if self.transport == "nccl" or (ring and self.transport == "local") else "gloo"
         )
-        ring = (self._pinned_bytes() if pinned else 0) + (self.ring_bytes() if ring else 0)
-        b = self.plan.staging_bytes(self.rank, transport=transport, host_ring_bytes=ring)
+        ring_bytes = self.ring_bytes() if ring else 0
+        b = self.plan.staging_bytes(self.rank, transport=transport, host_ring_bytes=ring_bytes)
         out = {k: int(b.get(k, 0)) for k in ("device", "host_pinned", "host")}
         out["device"] += self.stage_device_bytes()
         return out
-
-    def _pinned_bytes(self) -> int:
-        return self.nbuf * (int(self.sched.send_arena_bytes) + int(self.sched.recv_arena_bytes))
 
     def held(self) -> dict:
         held = {"device": 0, "host_pinned": 0, "host": 0}
         kind = "device" if self.arena_device.type == "cuda" else "host"
         for arenas in (self.arenas or {}).values():
             held[kind] += sum(a.numel() for a in arenas)
-        for arenas in (self.pinned or {}).values():
-            held["host_pinned"] += sum(a.numel() for a in arenas)
         if self.ring is not None:
             held["host_pinned"] += self.ring.numel()
             held["device"] += self.stage_device_bytes()
@@ -180,7 +172,7 @@ class _Engine:
             return 0
         return int(torch.ops.reshard.stage_device_bytes(self.ring.numel()))
 
-    def allocate(self, need_pinned: bool, need_ring: bool = False):
+    def allocate(self, need_ring: bool):
         """Allocate (once) and check against the plan's bound; raising here is a preflight
         reason on this rank, not a crash."""
         s = self.sched
@@ -190,17 +182,12 @@ class _Engine:
                 "recv": [self._alloc(int(s.recv_arena_bytes), False) for _ in range(self.nbuf)],
             }
             self._build_rounds()
-        if need_pinned:  # CPU buffers under NCCL: stage_h2d/stage_d2h through the ring
-            need_ring = True
         if need_ring and self.ring is None:
             self.ring = self._alloc(self.ring_bytes(), True)
-        held, bound = self.held(), self.bound(self.pinned is not None, self.ring is not None)
+        held, bound = self.held(), self.bound(self.ring is not None)
         over = {k: (held[k], bound[k]) for k in held if held[k] > bound[k]}
         if over:
             raise RuntimeError(f"staging held {held} exceeds the plan's bound {bound}")
-
-    def arenas_u8(self, k, key):
-        return self.arenas[key][k % 2]
 
     def _alloc(self, nbytes, pinned):
         if pinned:
@@ -215,7 +202,7 @@ class _Engine:
             p2p = []
             for msgs, key in ((self.sched.sends[k], "send"), (self.sched.recvs[k], "recv")):
                 arena = self.arenas[key][k % 2]
-                # (location, wire dtype) -> ([desc rows shifted into the arena], [byte ranges])
+                # (location, wire dtype) -> [desc rows shifted into the arena]
                 fused: dict = {}
                 # the arena-side columns: pack writes the arena (dst), unpack reads it (src)
                 col = 2 if key == "send" else 0
@@ -237,15 +224,13 @@ class _Engine:
                         loc = seg.src_location if key == "send" else seg.dst_location
                         d = np.array(seg.desc, dtype=np.int64, copy=True).reshape(-1, 6)
                         d[:, col] += off // wire.itemsize
-                        entry = fused.setdefault((loc, wire), ([], []))
-                        entry[0].append(d)
-                        entry[1].append((off, off + int(seg.numel) * wire.itemsize))
+                        fused.setdefault((loc, wire), []).append(d)
                     if nb:
                         p2p.append((m.peer, key == "send", arena[mo : mo + nb]))
                 per_dir.append(
                     [
-                        _Group(loc, np.concatenate(descs), _wire_view(arena, wire), ranges)
-                        for (loc, wire), (descs, ranges) in fused.items()
+                        _Group(loc, np.concatenate(descs), _wire_view(arena, wire))
+                        for (loc, wire), descs in fused.items()
                     ]
                 )
             self.rounds.append((per_dir[0], per_dir[1], p2p))
@@ -340,7 +325,8 @@ class _Engine:
             torch.cuda.current_stream().synchronize()
 
 
-def _needs_pinned(engine, src_ok, dst_ok) -> bool:
+def _needs_ring(engine, src_ok, dst_ok) -> bool:
+    """CPU buffers in messages under NCCL go through stage_h2d/stage_d2h and the ring."""
     if engine.transport != "nccl":
         return False
     for msgs, bufs, attr in (
@@ -390,10 +376,8 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     src = pf.as_buffer_set(src_buffers, "src")
     dst = pf.as_buffer_set(dst_buffers, "dst")
 
-    state = {}
-
     # Staging is allocated after every other local check passed (it needs validated buffers
-    # to know whether the NCCL stand-in's pinned mirrors are needed).
+    # to know whether the pinned ring is needed).
     reasons, src_ok, dst_ok = pf.local_checks(
         plan, rank, world, engine.transport, src, dst, checks, None, engine.written
     )
@@ -402,8 +386,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
         need_ring, reasons = _local_cross_device(engine, src_ok, dst_ok)
     if not reasons:
         try:
-            state["pinned"] = _needs_pinned(engine, src_ok, dst_ok)
-            engine.allocate(state["pinned"], need_ring)
+            engine.allocate(need_ring or _needs_ring(engine, src_ok, dst_ok))
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
             reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
     try:
@@ -425,8 +408,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
         ) from exc
     t_pre = time.perf_counter()
     report.seconds["preflight"] = t_pre - t_start
-    report.staged_with_torch_fallback = False  # CPU buffers under NCCL use the stage ops
-    report.staging_bound = engine.bound(bool(state.get("pinned")), engine.ring is not None)
+    report.staging_bound = engine.bound(engine.ring is not None)
     try:
         engine.run(src_ok, dst_ok, report, timeout_s)
     except Exception as exc:
@@ -505,9 +487,7 @@ class Transfer:
         e = self._engine
         if e is None:
             return 0
-        return sum(len(v) for v in (e.arenas or {}).values()) + sum(
-            len(v) for v in (e.pinned or {}).values()
-        )
+        return sum(len(v) for v in (e.arenas or {}).values()) + (e.ring is not None)
 
     def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
         if self._engine is None:

@@ -42,9 +42,6 @@ class Report:
     seconds: dict[str, float] = field(default_factory=_zero_phases)
     peak_staging_bytes: dict[str, int] = field(default_factory=_zero_staging)
     staging_bound: dict[str, int] = field(default_factory=_zero_staging)
-    # True when CPU buffers rode an NCCL transport through the plain-torch pinned stand-in
-    # (to be replaced by the stage_h2d/stage_d2h ops).
-    staged_with_torch_fallback: bool = False
 
     @property
     def total_bytes_sent(self) -> int:
