@@ -1,5 +1,10 @@
 """`python -m reshard.demo` (`make demo`): a trainer -> rollout weight sync, end to end.
 
+Default (`--mode deepspeed`, when DeepSpeed is importable): a real DeepSpeed ZeRO-3 engine with
+CPU-offloaded optimizer trains a few steps, syncing bf16 params into TP=2 rollout buffers after
+each step and fp32 masters + Adam moments into a snapshot; see integrations/deepspeed_demo.py.
+`--mode synthetic`, described below, needs no DeepSpeed.
+
 Spawns ranks (gloo on CPU, 2 by default; NCCL when there are >= 2 GPUs), builds a ZeRO-3 style
 sharded fp32 state of a small transformer-shaped model (every parameter's flat form cut evenly
 across ranks, padded; shards deliberately uneven), and syncs it into TP=2 rollout buffers in
@@ -170,7 +175,12 @@ def _rank_main(rank, world, backend, store_path, cfg, out_path):
             timeout=datetime.timedelta(seconds=120),
         )
         try:
-            result = _sync(rank, world, backend, cfg)
+            if cfg.get("mode") == "deepspeed":
+                from .integrations import deepspeed_demo
+
+                result = deepspeed_demo.run_rank(rank, world, backend, cfg)
+            else:
+                result = _sync(rank, world, backend, cfg)
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
@@ -225,7 +235,22 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--budget", type=int, default=1 << 20, help="bytes per peer per round")
     ap.add_argument("--steps", type=int, default=3, help="syncs (the weights change each time)")
+    ap.add_argument(
+        "--mode",
+        choices=["deepspeed", "synthetic"],
+        default=None,
+        help="deepspeed (default when importable): a real ZeRO-3 engine with CPU-offloaded "
+        "optimizer; synthetic: a hand-built ZeRO-3 style fp32 state",
+    )
     args = ap.parse_args(argv)
+    if args.mode is None:
+        try:
+            import deepspeed  # noqa: F401
+
+            args.mode = "deepspeed"
+        except ImportError:
+            print("DeepSpeed is not installed: running the synthetic demo", file=sys.stderr)
+            args.mode = "synthetic"
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend
     if backend == "auto":
@@ -234,7 +259,8 @@ def main(argv=None) -> int:
     if backend == "nccl" and world > gpus:
         print(f"--backend nccl needs {world} GPUs, found {gpus}", file=sys.stderr)
         return 2
-    cfg = {k: getattr(args, k) for k in ("hidden", "ffn", "vocab", "layers", "budget", "steps")}
+    keys = ("hidden", "ffn", "vocab", "layers", "budget", "steps", "mode")
+    cfg = {k: getattr(args, k) for k in keys}
     ctx = torch.multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="reshard-demo-") as tmp:
         outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
@@ -265,6 +291,10 @@ def main(argv=None) -> int:
         print(f"rank {r} failed:\n{tb}", file=sys.stderr)
     if errors:
         return 1
+    if cfg["mode"] == "deepspeed":
+        from .integrations import deepspeed_demo
+
+        return deepspeed_demo.print_report(results, world, backend, cfg, wall)
     return _print_report(results, world, backend, cfg, wall)
 
 

@@ -1,0 +1,221 @@
+"""The DeepSpeed half of `python -m reshard.demo` (its default mode).
+
+Per rank: a real DeepSpeed ZeRO-3 engine with its optimizer offloaded to CPU (bf16 params,
+torch AdamW) trains a few steps; after every step `SyncAfterStep` syncs the bf16 params into TP=2
+rollout buffers (each TP group of 2 ranks gets a full copy); after the last step the fp32
+masters and both Adam moments go into a CPU snapshot split over all ranks. Every target element
+is compared bitwise with DeepSpeed's own accessors (`GatheredParameters`,
+`safe_get_full_fp32_param`, `safe_get_full_optimizer_state`), which gather and are used only to
+check. Runs inside a process group the demo set up (gloo on CPU, NCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import torch
+
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def _model(hidden, ffn, vocab, layers):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, hidden)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(
+                    hidden, nhead=2, dim_feedforward=ffn, dropout=0.0, batch_first=True
+                )
+                for _ in range(layers)
+            )
+            self.head = torch.nn.Linear(hidden, vocab)
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _split_targets(rs, layout, groups, dtype, device):
+    """Each tensor split along dim 0 over the ranks of a group; every group holds a copy."""
+    me = torch.distributed.get_rank()
+    tp = len(groups[0])
+    tensors, storages, buffers = {}, {}, {}
+    for i, (name, tl) in enumerate(sorted(layout.tensors.items())):
+        n0 = tl.shape[0]
+        sizes = [n0 // tp + (1 if t < n0 % tp else 0) for t in range(tp)]
+        row = math.prod(tl.shape[1:])
+        locs = []
+        for t in range(tp):
+            replicas = []
+            for g, ranks in enumerate(groups):
+                loc = (i * len(groups) + g) * tp + t
+                storages[loc] = rs.Storage(ranks[t], dtype, sizes[t] * row)
+                replicas.append(loc)
+                if ranks[t] == me:
+                    buffers[loc] = torch.full(
+                        (sizes[t] * row,), float("nan"), dtype=dtype, device=device
+                    )
+            locs.append(replicas)
+        tensors[name] = rs.split(tl.shape, 0, sizes, locs)
+    return rs.Layout(tensors, storages), buffers
+
+
+def _compare(layout, buffers, want, tag):
+    """Bitwise comparison of this rank's target pieces with full reference tensors."""
+    me = torch.distributed.get_rank()
+    bad, checked = [], 0
+    for name, tl in layout.tensors.items():
+        for pc in tl.pieces:
+            if layout.storages[pc.location].rank != me:
+                continue
+            n = math.prod(pc.shape)
+            got = buffers[pc.location][pc.offset : pc.offset + n].view(pc.shape).cpu()
+            box = tuple(slice(s, s + k) for s, k in zip(pc.start, pc.shape, strict=True))
+            ref = want[name].cpu()[box].to(got.dtype)
+            ints = {2: torch.int16, 4: torch.int32}[got.element_size()]
+            same = (got + 0.0).view(ints) == (ref + 0.0).view(ints)  # +0.0: -0 == +0
+            checked += n
+            if not bool(same.all()):
+                bad.append(f"{tag} {name}{list(pc.start)}: {int((~same).sum())} elements differ")
+    return bad, checked
+
+
+def run_rank(rank, world, backend, cfg):
+    """One rank of the demo (process group already initialized); a JSON-able result."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
+    os.environ.update(
+        LOCAL_RANK=str(rank if backend != "nccl" else torch.cuda.current_device()),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_SIZE=str(world),
+    )
+    import deepspeed
+    from deepspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+
+    logger.setLevel(logging.ERROR)
+    hidden, ffn, vocab, layers = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"]
+    net = _model(hidden, ffn, vocab, layers)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+    }
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+    device = engine.device
+    tp = 2 if world % 2 == 0 else world
+    groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
+
+    live = rsds.describe(engine, "param")
+    roll_layout, roll_bufs = _split_targets(rs, live.layout, groups, torch.bfloat16, device)
+    sync = rsds.SyncAfterStep(
+        engine, {"param": (roll_layout, roll_bufs)}, every=1, budget_bytes_per_peer=cfg["budget"]
+    )
+    g = torch.Generator().manual_seed(1000 + rank)
+    first_report = None
+    for _ in range(cfg["steps"]):
+        tokens = torch.randint(0, vocab, (2, 16), generator=g).to(device)
+        loss = engine(tokens).float().logsumexp(-1).mean()
+        engine.backward(loss)
+        sync.step()
+        first_report = first_report or sync.reports["param"]
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        full = {n: p.data.detach().clone() for n, p in params}
+    bad, checked = _compare(roll_layout, roll_bufs, full, "rollout")
+
+    # fp32 masters and moments (CPU-offloaded) into a CPU snapshot split over all ranks
+    reports = {"param": sync.reports["param"]}
+    for kind in KINDS:
+        live = rsds.describe(engine, kind)
+        snap_layout, snap_bufs = _split_targets(
+            rs, live.layout, [list(range(world))], torch.float32, "cpu"
+        )
+        reports[kind] = rs.Transfer(live.layout, snap_layout, budget_bytes_per_peer=cfg["budget"])(
+            live, snap_bufs
+        )
+        want = {
+            n: (
+                safe_get_full_fp32_param(p)
+                if kind == "fp32"
+                else safe_get_full_optimizer_state(p, kind)
+            )
+            for n, p in params
+        }
+        b, c = _compare(snap_layout, snap_bufs, want, kind)
+        bad += b
+        checked += c
+    engine.destroy()
+    return {
+        "bad": bad,
+        "params": sum(math.prod(getattr(p, "ds_shape", p.shape)) for _, p in params),
+        "elements_checked": checked,
+        "loss": float(loss.detach()),
+        "first_sync_s": first_report.seconds["total"],
+        "reports": {
+            k: {
+                "rounds": r.rounds,
+                "sent": r.total_bytes_sent,
+                "received": r.total_bytes_received,
+                "local": r.local_bytes,
+                "total_s": r.seconds["total"],
+                "held": sum(r.peak_staging_bytes.values()),
+                "bound": sum(r.staging_bound.values()),
+                "transport": r.transport,
+            }
+            for k, r in reports.items()
+        },
+    }
+
+
+def print_report(results, world, backend, cfg, wall):
+    r0 = results[0]
+    kib = 1 << 10
+    print(
+        f"reshard demo: DeepSpeed ZeRO-3 engine, optimizer offloaded to CPU, {world} ranks "
+        f"({backend}), {r0['params'] / 1e6:.2f}M params, {cfg['steps']} training steps"
+    )
+    print("  after each step: bf16 params -> TP=2 rollout buffers (rsds.SyncAfterStep)")
+    print("  after the last step: fp32 masters + exp_avg + exp_avg_sq (CPU) -> CPU snapshot")
+    print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
+    for r, x in enumerate(results):
+        for kind, rep in x["reports"].items():
+            print(
+                f"  rank {r} {kind:10s}: sent {rep['sent'] / kib:8.1f} KiB, received "
+                f"{rep['received'] / kib:8.1f} KiB, local {rep['local'] / kib:8.1f} KiB, "
+                f"{rep['rounds']} rounds, {rep['total_s'] * 1e3:6.1f} ms, staging held "
+                f"{rep['held']} B <= bound {rep['bound']} B"
+            )
+    bad = [b for x in results for b in x["bad"]]
+    over = [
+        (r, k)
+        for r, x in enumerate(results)
+        for k, rep in x["reports"].items()
+        if rep["held"] > rep["bound"]
+    ]
+    checked = sum(x["elements_checked"] for x in results)
+    if bad or over:
+        for b in bad[:20]:
+            print("  MISMATCH " + b)
+        for r, k in over:
+            print(f"  rank {r} {k}: staging held above the plan's bound")
+        print(f"FAILED ({len(bad)} mismatching pieces; wall {wall:.1f} s)")
+        return 1
+    print(
+        f"OK: {checked} target elements bitwise equal to DeepSpeed's GatheredParameters / "
+        f"safe_get_full_fp32_param / safe_get_full_optimizer_state (wall {wall:.1f} s)"
+    )
+    return 0
