@@ -8,6 +8,7 @@ configurations share one spawn so the suite stays within a few minutes on 2 core
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -545,3 +546,15 @@ def test_errors(tmp_path):
         _errors_worker, 2, tmp_path, args=(str(tmp_path / "ckpt"),), env=ENV, timeout=300
     )[0]
     assert len(seen) >= 15
+
+
+def test_demo_deepspeed_mode():
+    """`make demo`'s default: a real ZeRO-3 + CPU-offload engine, verified bitwise in-process."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "reshard.demo", "--mode", "deepspeed", "--layers", "1"]
+    cmd += ["--hidden", "34", "--ffn", "50", "--vocab", "101", "--steps", "2", "--budget", "512"]
+    env = dict(os.environ, **ENV)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]
