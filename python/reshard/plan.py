@@ -24,7 +24,7 @@ _ALIGN = 16
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Jobs (piece intersections) are processed in batches of about this many source pieces so
 # that peak memory stays bounded on models with millions of pieces.
-_BATCH_PIECES = 1 << 17
+_BATCH_PIECES = 1 << 15
 
 # Run table columns.
 SL, SO, SS, DL, DO, DS, LEN, CNT = range(8)
@@ -142,9 +142,15 @@ class Plan:
         # (deterministic) planning order inside a group, which is the stream order.
         nr = int(max(s_rank.max(initial=0), d_rank.max(initial=0))) + 1
         key = ((snd * nr + rcv) * len(s_locs) + si) * len(d_locs) + di
+        del si, di
         order = np.argsort(key, kind="stable")
-        runs = np.take(runs, order, axis=1)
-        snd, rcv = snd[order], rcv[order]
+        del key
+        # permute row by row: one extra column of memory instead of a second table
+        for k in range(runs.shape[0]):
+            runs[k] = runs[k][order]
+        # rank ids fit in int32; halves two per-run arrays
+        snd, rcv = snd[order].astype(np.int32), rcv[order].astype(np.int32)
+        del order
         self._r = runs
         self.sender = snd
         self.receiver = rcv
@@ -555,8 +561,7 @@ def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Pla
             )
     dst._check_no_aliasing()
     planner = _Planner(src, dst, names)
-    runs = planner.run()
-    return Plan(src, dst, budget_bytes_per_peer, runs, names, planner.stats)
+    return Plan(src, dst, budget_bytes_per_peer, planner.run(), names, planner.stats)
 
 
 class _Planner:
@@ -584,10 +589,21 @@ class _Planner:
                 cur, size = [], 0
         if cur:
             batches.append(cur)
-        out = [self._batch(b) for b in batches]
-        runs = np.concatenate(out, axis=1) if out else np.zeros((8, 0), _I64)
-        if len(batches) > 1:
-            runs = _coalesce(runs)
+        out = []
+        for b in batches:
+            nxt = self._batch(b)
+            if out and out[-1].shape[1] and nxt.shape[1]:
+                # runs meeting at a batch boundary may continue each other (flat buffers of
+                # consecutive tensors): coalesce just that pair
+                pair = _coalesce(np.concatenate([out[-1][:, -1:], nxt[:, :1]], axis=1))
+                if pair.shape[1] == 1:
+                    out[-1] = out[-1][:, :-1]
+                    nxt = np.concatenate([pair, nxt[:, 1:]], axis=1)
+            out.append(nxt)
+        if not out:
+            return np.zeros((8, 0), _I64)
+        runs = np.concatenate(out, axis=1)
+        out.clear()
         return runs
 
     def _gather(self, layout, tids):
@@ -698,7 +714,8 @@ class _Planner:
             out.append(_coalesce(cr))
         runs = np.concatenate(out, axis=1) if out else np.zeros((8, 0), _I64)
         self._check_dtypes(runs, tids)
-        return runs
+        # across templates (consecutive tensors of one flat buffer) once storages are known
+        return _coalesce(runs)
 
     def _stamp(self, tr, tstart, t_cnt, dorder, d_loc, d_off):
         """Template runs (DL = template id, DO relative) -> one copy per target replica,
