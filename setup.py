@@ -53,10 +53,11 @@ def openmp_flags():
 
 def build_macros(cuda):
     """Facts about this build, compiled into the binary for `python -m reshard.info`. Values
-    are bare tokens (ops.cpp stringizes them): no spaces, quotes or shell characters."""
+    are bare tokens (ops.cpp stringizes them): no spaces, quotes or shell characters, and no
+    commas (nvcc splits -D values at commas: "-DX=-O3,-fopenmp" defines a macro "-fopenmp")."""
 
     def token(text):
-        return re.sub(r"[^A-Za-z0-9.+_,-]", ",", text).strip(",") or "none"
+        return re.sub(r"[^A-Za-z0-9.+_-]", "_", text).strip("_") or "none"
 
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "default") if cuda else "none"
     return [
