@@ -163,10 +163,40 @@ static int footprints_overlap(const footprint *a, const footprint *b) {
   return 0;
 }
 
-static int cmp_footprint(const void *pa, const void *pb) {
-  const footprint *a = (const footprint *)pa, *b = (const footprint *)pb;
-  if (a->start != b->start) return a->start < b->start ? -1 : 1;
-  return a->row < b->row ? -1 : (a->row > b->row);
+/* (dst start, row) keys sorted by an LSD radix sort: stable, so equal starts stay in row
+ * order; O(n) per 11-bit digit, and digits that do not vary are skipped. Keys are 16 bytes
+ * and a row's full footprint is read only when its extent meets another's: qsort of
+ * footprints cost more than the copy itself for 1e5 tiny runs. */
+typedef struct {
+  int64_t start, row;
+} keyed;
+
+#define RS_RADIX_BITS 11
+#define RS_RADIX (1 << RS_RADIX_BITS)
+
+/* Sorts a[0..m) by start (>= 0) using tmp (m entries); returns the buffer holding the
+ * result. */
+static keyed *radix_sort(keyed *a, keyed *tmp, int64_t m, int64_t max_key) {
+  static const int64_t mask = RS_RADIX - 1;
+  int64_t counts[RS_RADIX];
+  int shift;
+  for (shift = 0; shift < 63 && (max_key >> shift) != 0; shift += RS_RADIX_BITS) {
+    int64_t i, sum = 0, d0 = (a[0].start >> shift) & mask;
+    keyed *t;
+    memset(counts, 0, sizeof counts);
+    for (i = 0; i < m; i++) counts[(a[i].start >> shift) & mask]++;
+    if (counts[d0] == m) continue; /* this digit is the same everywhere */
+    for (i = 0; i < RS_RADIX; i++) {
+      int64_t c = counts[i];
+      counts[i] = sum;
+      sum += c;
+    }
+    for (i = 0; i < m; i++) tmp[counts[(a[i].start >> shift) & mask]++] = a[i];
+    t = a;
+    a = tmp;
+    tmp = t;
+  }
+  return a;
 }
 
 static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
@@ -176,13 +206,15 @@ static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
 }
 
 /* Cross-row overlap check of the non-empty rows. Sorted tables (the common case: plans emit
- * rows in dst order) take one linear pass; others are sorted and swept with an active set. */
+ * rows in dst order) take one linear pass; others are sorted and swept with an active set
+ * of rows whose extent reaches the current start. */
 static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_t *ends,
                                      rs_error *err) {
-  int64_t i, m = 0, max_end = -1, nactive = 0;
+  int64_t i, m = 0, max_end = -1, max_start = 0, nactive = 0;
   int sorted = 1;
-  footprint *fp;
+  keyed *buf, *key;
   int64_t *active;
+  rs_status st = RS_OK;
   for (i = 0; i < n && sorted; i++) {
     if (runs[i].length == 0 || runs[i].count == 0) continue;
     if (runs[i].dst_offset < max_end) sorted = 0;
@@ -191,38 +223,43 @@ static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_
   if (sorted) return RS_OK;
 
   for (i = 0; i < n; i++) m += runs[i].length != 0 && runs[i].count != 0;
-  fp = (footprint *)malloc((size_t)m * sizeof *fp);
+  buf = (keyed *)malloc((size_t)m * 2 * sizeof *buf);
   active = (int64_t *)malloc((size_t)m * sizeof *active);
-  if (!fp || !active) {
-    free(fp);
+  if (!buf || !active) {
+    free(buf);
     free(active);
     return fail(err, RS_ENOMEM, -1, -1, "overlap check: cannot allocate %" PRId64 " entries", m);
   }
   m = 0;
   for (i = 0; i < n; i++) {
-    if (runs[i].length != 0 && runs[i].count != 0) fp[m++] = row_footprint(&runs[i], i, ends[i]);
-  }
-  qsort(fp, (size_t)m, sizeof *fp, cmp_footprint);
-  for (i = 0; i < m; i++) {
-    int64_t a = 0;
-    while (a < nactive) { /* drop footprints that end before this one starts */
-      if (fp[active[a]].end <= fp[i].start) {
-        active[a] = active[--nactive];
-      } else {
-        if (footprints_overlap(&fp[active[a]], &fp[i])) {
-          rs_status st = report_overlap(err, fp[active[a]].row, fp[i].row);
-          free(fp);
-          free(active);
-          return st;
-        }
-        a++;
-      }
+    if (runs[i].length != 0 && runs[i].count != 0) {
+      buf[m].start = runs[i].dst_offset;
+      buf[m].row = i;
+      if (buf[m].start > max_start) max_start = buf[m].start;
+      m++;
     }
-    active[nactive++] = i;
   }
-  free(fp);
+  key = radix_sort(buf, buf + m, m, max_start);
+  for (i = 0; i < m && st == RS_OK; i++) {
+    int64_t a = 0, row = key[i].row;
+    while (a < nactive && st == RS_OK) {
+      int64_t other = active[a];
+      if (ends[other] <= key[i].start) { /* ends before this one starts: never again */
+        active[a] = active[--nactive];
+        continue;
+      }
+      {
+        footprint f = row_footprint(&runs[other], other, ends[other]);
+        footprint g = row_footprint(&runs[row], row, ends[row]);
+        if (footprints_overlap(&f, &g)) st = report_overlap(err, other, row);
+      }
+      a++;
+    }
+    active[nactive++] = row;
+  }
+  free(buf);
   free(active);
-  return RS_OK;
+  return st;
 }
 
 rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t dst_numel,
