@@ -95,7 +95,18 @@ def _check_padding(engine, live, kind, me):
             expected = sum(p.numel() for p in opt.bit16_groups[u])
             counts = torch.bincount(idx, minlength=numel)
         elif stage <= 2:
-            expected = opt.partition_size[u] - opt.groups_padding[u]  # DeepSpeed's own padding
+            # DeepSpeed's own padding: the group tail, plus per-param alignment padding
+            part = opt.partition_size[u]
+            expected = part - opt.groups_padding[u]
+            lo, hi = r * part, (r + 1) * part
+            for q, off, pad in zip(
+                opt.round_robin_bit16_groups[u],
+                opt.round_robin_bit16_offsets[u],
+                opt.round_robin_bit16_padding[u],
+                strict=True,
+            ):
+                a0, a1 = off + q.numel(), off + q.numel() + pad
+                expected -= max(0, min(a1, hi) - max(a0, lo))
             counts = torch.bincount(idx, minlength=numel)
         else:
             expected = 0
@@ -166,6 +177,8 @@ def test_layouts_match_deepspeed_accessors(world, tmp_path):
     configs = [(s, o, m) for s in (1, 2, 3) for o in ("none", "cpu") for m in MODELS]
     # ZeRO-3 with params offloaded to CPU too (their shards live in pinned CPU flats)
     configs.append((3, "cpu", "block", {"offload_param": {"device": "cpu"}}))
+    # ZeRO-1/2 per-param alignment padding inside the flat (16-byte starts)
+    configs.append((2, "cpu", "block", {"parameter_alignment": True}))
     out = run_ranks(_geometry_worker, world, tmp_path, args=(configs,), env=ENV, timeout=400)
     assert len(out[0]) == len(configs)
 
