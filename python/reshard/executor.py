@@ -470,14 +470,26 @@ class Transfer:
         on the first call, so every sync DMAs straight from them (reshard.hostreg). Undone by
         `close()`, on context exit, when a location's storage changes, or on collection; each
         Report says what was done in `host_registration`."""
-        from .hostreg import HostRegistry
         from .plan import plan as make_plan
 
-        self._hostreg = HostRegistry() if register_host_sources else None
-
         t0 = time.perf_counter()
-        self.plan = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
-        self._plan_seconds = time.perf_counter() - t0
+        p = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
+        self._setup(p, time.perf_counter() - t0, group, timeout, register_host_sources)
+
+    @classmethod
+    def from_plan(
+        cls, plan, group=None, *, timeout=DEFAULT_TIMEOUT_S, register_host_sources=False
+    ) -> Transfer:
+        """A Transfer around an existing plan (e.g. one shared by several groups' Transfers)."""
+        self = cls.__new__(cls)
+        self._setup(plan, 0.0, group, timeout, register_host_sources)
+        return self
+
+    def _setup(self, plan, plan_seconds, group, timeout, register_host_sources):
+        from .hostreg import HostRegistry
+
+        self._hostreg = HostRegistry() if register_host_sources else None
+        self.plan, self._plan_seconds = plan, plan_seconds
         self.group, self.timeout = group, timeout
         self._engine = None
 

@@ -90,14 +90,7 @@ def w_repeat(rank, world, planner, n):
     case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 256)
     src, dst = build(case, shapes)
     if planner == "ref":
-        t = rs.Transfer.__new__(rs.Transfer)
-        t.plan, t._plan_seconds, t.group, t.timeout, t._engine = (
-            _refplan.RefPlan(src.layout(), dst.layout(), 256),
-            0.0,
-            None,
-            60.0,
-            None,
-        )
+        t = rs.Transfer.from_plan(_refplan.RefPlan(src.layout(), dst.layout(), 256), timeout=60.0)
     else:
         make_plan(planner, src.layout(), dst.layout(), 256)  # skips if the planner is missing
         t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=256)
@@ -225,3 +218,12 @@ def w_balance(rank, world, planner):
     case = (("rep", [0, 1]), ("tp", [[2, 3]]), "fp32", "bf16", 1 << 20)
     errs, rep = check_case(rank, planner, case, shapes, values)
     return errs, rep.bytes_sent
+
+
+def w_world4(rank, world, planner, cases):
+    """One 4-rank spawn for everything that needs 4 ranks (spawning costs more than checking)."""
+    return {
+        "correct": w_correct(rank, world, planner, cases, {}),
+        "subgroup": w_subgroup(rank, world, planner),
+        "balance": w_balance(rank, world, planner),
+    }

@@ -46,18 +46,42 @@ def _check_bytes(results, world, label):
                 assert got == nb, f"{label} case {c}: {r}->{p} sent {nb}, {p} received {got}"
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("planner", PLANNERS)
-def test_layouts_dtypes_budgets(tmp_path, world, planner):
-    cases = _cases(world)
-    # keep the ref planner's element-by-element work small on big worlds
-    res = run_ranks(W.w_correct, world, tmp_path, args=(planner, cases, {}), timeout=240)
+def _check_correct(res, world, planner):
     errs = [e for r in res for case in r for e in case[0]]
     assert not errs, "\n".join(errs[:20])
     _check_bytes(res, world, planner)
     # budget 16 B must really have cut the transfer into many rounds
-    rounds_small = res[0][0][3]
-    assert rounds_small > 10, rounds_small
+    assert res[0][0][3] > 10, res[0][0][3]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_layouts_dtypes_budgets(tmp_path, world, planner):
+    res = run_ranks(W.w_correct, world, tmp_path, args=(planner, _cases(world), {}), timeout=240)
+    _check_correct(res, world, planner)
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_world4_layouts_subgroups_balance(tmp_path, planner):
+    """World 4 in one spawn: every layout/dtype/budget case (with 2 TP replicas); two disjoint
+    2-rank subgroups transferring at once (layout ranks are group ranks: global 1,3 are group
+    ranks 0,1); replicas on ranks 0,1 feeding TP targets on 2,3 with balanced senders."""
+    res = run_ranks(W.w_world4, 4, tmp_path, args=(planner, _cases(4)), timeout=300)
+    _check_correct([r["correct"] for r in res], 4, planner)
+
+    sub = [r["subgroup"] for r in res]
+    for gr, (errs, grank, gsize, _) in enumerate(sub):
+        assert not errs, errs[:5]
+        assert gsize == 2
+        assert grank == {0: 0, 1: 0, 2: 1, 3: 1}[gr]
+    assert any(r[3] for r in sub), "nothing crossed ranks: the test would not test p2p peers"
+
+    bal = [r["balance"] for r in res]
+    for errs, _ in bal:
+        assert not errs, errs[:5]
+    sent = [sum(r[1].values()) for r in bal]
+    assert sent[2] == sent[3] == 0
+    assert min(sent[:2]) > 0 and max(sent[:2]) <= 1.5 * min(sent[:2]), sent
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
@@ -73,9 +97,8 @@ def test_repeated_transfer(tmp_path, planner):
         assert rss[1] - rss[0] < 4 << 20, f"rank {rank} RSS grew {rss}"
 
 
-@pytest.mark.parametrize("planner", PLANNERS)
-def test_preflight_failures_are_collective(tmp_path, planner):
-    world = 3
+def test_preflight_failures_are_collective(tmp_path):
+    world, planner = 3, "real"
     res = run_ranks(W.w_preflight, world, tmp_path, args=(planner, W.PREFLIGHT_KINDS))
     for errs, _ in res:
         assert not errs, "\n".join(map(str, errs[:10]))
@@ -115,23 +138,3 @@ def test_dead_or_stalled_rank_raises_transfer_error(tmp_path, mode):
         assert kind == "TransferError", (rank, r)
         assert "targets may be partially written" in msg
         assert seconds < 3 * timeout + 10, (rank, seconds)
-
-
-@pytest.mark.parametrize("planner", PLANNERS)
-def test_subgroups(tmp_path, planner):
-    res = run_ranks(W.w_subgroup, 4, tmp_path, args=(planner,))
-    for gr, (errs, grank, gsize, _) in enumerate(res):
-        assert not errs, errs[:5]
-        assert gsize == 2
-        assert grank == {0: 0, 1: 0, 2: 1, 3: 1}[gr]
-    assert any(r[3] for r in res), "nothing crossed ranks: the test would not test p2p peers"
-
-
-@pytest.mark.parametrize("planner", PLANNERS)
-def test_replicated_sources_balance_senders(tmp_path, planner):
-    res = run_ranks(W.w_balance, 4, tmp_path, args=(planner,))
-    for errs, _ in res:
-        assert not errs, errs[:5]
-    sent = [sum(r[1].values()) for r in res]
-    assert sent[2] == sent[3] == 0
-    assert min(sent[:2]) > 0 and max(sent[:2]) <= 1.5 * min(sent[:2]), sent
