@@ -14,6 +14,8 @@ import gc
 import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -166,43 +168,114 @@ def moe_case(layers=61, experts=384, src_ranks=256, ep=32, tp=8):
     return src, dst, time.perf_counter() - t0
 
 
-def measure(src, dst, budget=64 << 20, schedule_rank=0):
+def measure(src, dst, budget=64 << 20, schedule_rank=0, trace=False):
+    """Plan once untraced (time, peak RSS of this process) and, if `trace`, once more under
+    tracemalloc (numpy reports its buffers to it; it slows allocation, so not timed)."""
     gc.collect()
-    tracemalloc.start()
+    rss0 = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     p = rs.plan(src, dst, budget_bytes_per_peer=budget)
     t_plan = time.perf_counter() - t0
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     p.schedule(schedule_rank)
     t_sched = time.perf_counter() - t0
     sent = {}
     for (s, _r), b in p.pair_bytes().items():
         sent[s] = sent.get(s, 0) + b
-    return p, {
+    out = {
         "plan_s": round(t_plan, 3),
-        "plan_peak_tracemalloc_bytes": int(peak),
+        "rss_before_plan_bytes": rss0,
+        "peak_rss_bytes": maxrss,
         "schedule_rank0_s": round(t_sched, 3),
-        "rss_bytes": psutil.Process().memory_info().rss,
         "tensors": len(dst.tensors),
         "src_pieces": sum(len(t) for t in src.tensors.values()),
         "dst_pieces": sum(len(t) for t in dst.tensors.values()),
         "runs": len(p.runs),
         "jobs": p._stats["jobs"],
-        "runs_before_coalesce": p._stats["runs_before_coalesce"],
         "rounds": p.num_rounds,
         "remote_wire_bytes": sum(sent.values()),
         "max_sender_bytes": max(sent.values()) if sent else 0,
+        "senders": len(sent),
         "staging_rank0_nccl": p.staging_bytes(0),
+        "fingerprint": p.fingerprint[:16],
     }
+    del p
+    if trace:
+        gc.collect()
+        tracemalloc.start()
+        rs.plan(src, dst, budget_bytes_per_peer=budget)
+        out["plan_peak_tracemalloc_bytes"] = int(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    return out
+
+
+def run_case(kind, layers, src_ranks, tp, dp, trace):
+    """One case in this process (called in a fresh subprocess, so peak RSS is its own)."""
+    if kind == "dense":
+        src, dst, tb = dense_case(layers, src_ranks, tp, dp)
+    else:
+        src, dst, tb = moe_case(layers, src_ranks=src_ranks, ep=dp, tp=tp)
+    m = measure(src, dst, trace=trace)
+    m.update(
+        kind=kind,
+        layers=layers,
+        src_ranks=src_ranks,
+        tp=tp,
+        dp_or_ep=dp,
+        build_layouts_s=round(tb, 3),
+    )
+    return m
+
+
+def sub(kind, layers, src_ranks, tp, dp, trace=False, env=None):
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--case",
+        kind,
+        str(layers),
+        str(src_ranks),
+        str(tp),
+        str(dp),
+    ] + (["--trace"] if trace else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if out.returncode:
+        return {"kind": kind, "layers": layers, "error": out.stderr[-2000:]}
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    print(
+        kind,
+        layers,
+        src_ranks,
+        f"{tp}x{dp}",
+        m["plan_s"],
+        "s",
+        m["peak_rss_bytes"] >> 20,
+        "MiB",
+        flush=True,
+    )
+    return m
+
+
+# glibc returns big freed blocks to the OS, so every large numpy temporary is fresh,
+# page-faulting memory; these settings keep it in the heap (a deployment knob, not ours).
+TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 33)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skip-1t", action="store_true")
+    ap.add_argument("--case", nargs=5)
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--moe-layers", type=int, nargs="*", default=[2, 4, 8, 16])
     args = ap.parse_args()
+    if args.case:
+        # a shared machine: fail with MemoryError rather than invite the OOM killer
+        cap = int(os.environ.get("PLANNING_BENCH_MAX_GIB", "14")) << 30
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        kind, *nums = args.case
+        print(json.dumps(run_case(kind, *map(int, nums), trace=args.trace)))
+        return
     os.makedirs(OUT, exist_ok=True)
     res = {
         "machine": {
@@ -211,39 +284,20 @@ def main():
             "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(),
         }
     }
     if not args.quick:
-        src, dst, tb = dense_case()
-        _, m = measure(src, dst)
-        m["build_layouts_s"] = round(tb, 3)
-        res["dense70b_zero3x64_to_tp8x8"] = m
-        print("70B", m, flush=True)
-        del src, dst
-        if not args.skip_1t:
-            src, dst, tb = moe_case()
-            _, m = measure(src, dst)
-            m["build_layouts_s"] = round(tb, 3)
-            res["moe1t_zero3x256_to_ep32xtp8"] = m
-            print("1T", m, flush=True)
-            del src, dst
-    # growth with tensors (layers) at fixed ranks, and with ranks at fixed tensors
-    layers_sweep = [2, 5, 10, 20] if args.quick else [5, 10, 20, 40, 80]
-    res["sweep_layers"] = []
-    for n in layers_sweep:
-        src, dst, _ = dense_case(layers=n)
-        _, m = measure(src, dst)
-        res["sweep_layers"].append({"layers": n, **m})
-        print("layers", n, m["plan_s"], flush=True)
+        res["dense70b"] = sub("dense", 80, 64, 8, 8, trace=True)
+        res["dense70b_tuned_malloc"] = sub("dense", 80, 64, 8, 8, env=TUNED_MALLOC)
+        res["moe1t_layers"] = [sub("moe", n, 256, 8, 32, env=TUNED_MALLOC) for n in args.moe_layers]
+    layers_sweep = [2, 5, 10] if args.quick else [5, 10, 20, 40, 80]
+    res["sweep_layers"] = [sub("dense", n, 64, 8, 8) for n in layers_sweep]
     ranks_sweep = [(8, 2, 4), (16, 4, 4), (32, 8, 4), (64, 8, 8)]
     if not args.quick:
         ranks_sweep += [(128, 8, 16), (256, 8, 32)]
-    res["sweep_ranks"] = []
-    for world, tp, dp in ranks_sweep:
-        src, dst, _ = dense_case(layers=10, src_ranks=world, tp=tp, dp=dp)
-        _, m = measure(src, dst)
-        res["sweep_ranks"].append({"src_ranks": world, "tp": tp, "dp": dp, **m})
-        print("ranks", world, m["plan_s"], flush=True)
+    res["sweep_ranks"] = [sub("dense", 10, w, tp, dp) for w, tp, dp in ranks_sweep]
+    res["machine"]["loadavg_at_end"] = os.getloadavg()
     suffix = "_quick" if args.quick else ""
     with open(os.path.join(OUT, f"planning{suffix}.json"), "w") as f:
         json.dump(res, f, indent=1)
@@ -252,40 +306,60 @@ def main():
 
 
 def write_md(res, path):
-    lines = ["# reshard planning benchmark (CPU)", "", f"machine: {res['machine']}", ""]
-    lines += [
-        "| case | tensors | src pieces | runs | rounds | plan s | peak MiB | build s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    mib = 1 << 20
+    lines = [
+        "# reshard planning benchmark (CPU)",
+        "",
+        f"machine: {res['machine']}",
+        "",
+        "Times are wall seconds of `rs.plan()` on a shared, loaded 2-core box; peak RSS is",
+        "the whole process (layouts included). `tuned malloc` = glibc MALLOC_MMAP/TRIM",
+        "thresholds raised (see planning.py).",
+        "",
     ]
-    for key in ("dense70b_zero3x64_to_tp8x8", "moe1t_zero3x256_to_ep32xtp8"):
+    lines += [
+        "| case | layers | tensors | src pieces | runs | rounds | plan s | peak RSS MiB |"
+        " tracemalloc MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = []
+    for key in ("dense70b", "dense70b_tuned_malloc"):
         if key in res:
-            m = res[key]
-            lines.append(
-                f"| {key} | {m['tensors']} | {m['src_pieces']} | {m['runs']} | "
-                f"{m['rounds']} | {m['plan_s']} | "
-                f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} | "
-                f"{m['build_layouts_s']} |"
-            )
+            rows.append((key, res[key]))
+    for m in res.get("moe1t_layers", []):
+        rows.append(("moe1t (tuned malloc)", m))
+    for key, m in rows:
+        if "error" in m:
+            lines.append(f"| {key} | {m['layers']} | error: {m['error'][-200:]!r} |")
+            continue
+        tm = m.get("plan_peak_tracemalloc_bytes")
+        lines.append(
+            f"| {key} | {m['layers']} | {m['tensors']} | {m['src_pieces']} | "
+            f"{m['runs']} | {m['rounds']} | {m['plan_s']} | "
+            f"{m['peak_rss_bytes'] // mib} | {tm // mib if tm else ''} |"
+        )
     lines += [
         "",
-        "| layers (64 ranks) | tensors | runs | plan s | peak MiB |",
+        "| layers (ZeRO-3 x64 -> TP8 x DP8) | tensors | runs | plan s | peak RSS MiB |",
         "| --- | --- | --- | --- | --- |",
     ]
     for m in res["sweep_layers"]:
-        lines.append(
-            f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
-            f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |"
-        )
+        if "error" not in m:
+            lines.append(
+                f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
+                f"{m['peak_rss_bytes'] // mib} |"
+            )
     lines += [
         "",
-        "| src ranks (10 layers) | tp x dp | runs | plan s | peak MiB |",
+        "| src ranks (10 dense layers) | tp x dp | runs | plan s | peak RSS MiB |",
         "| --- | --- | --- | --- | --- |",
     ]
     for m in res["sweep_ranks"]:
-        lines.append(
-            f"| {m['src_ranks']} | {m['tp']}x{m['dp']} | {m['runs']} | {m['plan_s']} | "
-            f"{m['plan_peak_tracemalloc_bytes'] / 2**20:.0f} |"
-        )
+        if "error" not in m:
+            lines.append(
+                f"| {m['src_ranks']} | {m['tp']}x{m['dp_or_ep']} | {m['runs']} | "
+                f"{m['plan_s']} | {m['peak_rss_bytes'] // mib} |"
+            )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -297,11 +371,11 @@ def plot(res, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    sl = res["sweep_layers"]
+    sl = [m for m in res["sweep_layers"] if "error" not in m]
     ax[0].plot([m["tensors"] for m in sl], [m["plan_s"] for m in sl], "o-")
     ax[0].set_xlabel("tensors (dense, ZeRO-3 x64 -> TP8 x DP8)")
     ax[0].set_ylabel("plan time (s)")
-    sr = res["sweep_ranks"]
+    sr = [m for m in res["sweep_ranks"] if "error" not in m]
     ax[1].plot([m["src_ranks"] for m in sr], [m["plan_s"] for m in sr], "o-")
     ax[1].set_xlabel("ranks (10 dense layers)")
     ax[1].set_ylabel("plan time (s)")
