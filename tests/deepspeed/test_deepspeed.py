@@ -352,6 +352,7 @@ def _sync_worker(rank, world):
         ds_env,
         make_engine,
         reference,
+        relink_moments,
         replicated_targets,
         tp_targets,
     )
@@ -387,6 +388,22 @@ def _sync_worker(rank, world):
         assert rep.seconds["total"] > 0 and rep.local_bytes + rep.total_bytes_received > 0
         out.append((stage, rep.total_bytes_sent, rep.local_bytes))
         engine.destroy()
+
+    # gradient accumulation 2: only boundary steps count and sync; moments after a skip-free
+    # first boundary (lazily described by the hook)
+    engine = make_engine(1, "none", "mlp", config_extra={"gradient_accumulation_steps": 2})
+    live = rsds.describe(engine, "param")
+    e_layout, e_bufs = replicated_targets(live, list(range(world)), dtype=torch.float32)
+    sync = rsds.SyncAfterStep(engine, {"exp_avg": (e_layout, e_bufs)}, every=1)
+    for s in range(6):
+        x = batch(engine, "mlp", 70 + s * 10 + rank)
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        sync.step()
+        assert sync.syncs == (s + 1) // 2, (s, sync.syncs)
+    relink_moments(engine)
+    check_targets(e_layout, e_bufs, reference(engine, "exp_avg"), "sync exp_avg gas 2")
+    engine.destroy()
     return out
 
 
