@@ -379,7 +379,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     # Staging is allocated after every other local check passed (it needs validated buffers
     # to know whether the pinned ring is needed).
     reasons, src_ok, dst_ok = pf.local_checks(
-        plan, rank, world, engine.transport, src, dst, checks, None, engine.written
+        plan, rank, world, engine.transport, src, dst, checks, engine.written
     )
     need_ring = False
     if not reasons:

@@ -249,10 +249,13 @@ def local_checks(
     src: BufferSet,
     dst: BufferSet,
     extra_checks: Iterable[Callable[[], None]] = (),
-    allocate: Callable[[], None] | None = None,
     written: Callable[[], dict] | None = None,
 ) -> tuple[list[str], dict, dict]:
-    """This rank's reasons (empty if fine) and the validated {location: tensor} maps."""
+    """This rank's reasons (empty if fine) and the validated {location: tensor} maps.
+
+    written: returns {target location: merged element intervals this rank writes} (cached by
+    the caller; computed from the plan's schedule when omitted). Staging allocation is the
+    caller's last check (it needs validated buffers)."""
     if transport not in SUPPORTED_TRANSPORTS:
         return [f"unsupported transport {transport!r} (gloo, nccl or no process group)"], {}, {}
     reasons: list[str] = []
@@ -271,11 +274,6 @@ def local_checks(
                 return written_elements(sched)
 
         _check_aliasing(src_ok, dst_ok, written, reasons)
-    if not reasons and allocate is not None:
-        try:
-            allocate()
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
-            reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
     return reasons, src_ok, dst_ok
 
 
