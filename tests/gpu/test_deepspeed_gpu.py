@@ -80,3 +80,50 @@ def _worker(rank, world, stages):
 def test_deepspeed_offload_gpu_roundtrip(tmp_path):
     out = run_ranks(_worker, 1, tmp_path, backend="nccl", args=((1, 2, 3),), env=ENV, timeout=500)
     assert len(out[0]) == 3 * 2 * 3
+
+
+def _fp16_worker(rank, world):
+    """fp16 (the CPU accelerator has none): an overflow-skipped first step creates no moments
+    (NotReadyError), then the first applied step does; all kinds checked bitwise on the GPU."""
+    from _dsutil import (
+        check_targets,
+        ds_env,
+        make_engine,
+        reference,
+        relink_moments,
+        replicated_targets,
+        train,
+    )
+
+    ds_env(rank, world)
+    import reshard as rs
+    from reshard.errors import NotReadyError
+    from reshard.integrations import deepspeed as rsds
+
+    out = []
+    for stage in (2, 3):
+        fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 30, "hysteresis": 1}
+        engine = make_engine(stage, "cpu", "mlp", dtype="fp16", config_extra={"fp16": fp16})
+        train(engine, "mlp", 1, seed=1, rank=rank)
+        assert not engine.was_step_applied(), "2**30 loss scale should overflow fp16"
+        with pytest.raises(NotReadyError, match="first applied"):
+            rsds.describe(engine, "exp_avg")
+        skipped = 1
+        while not engine.was_step_applied():
+            assert skipped < 40, "the loss scale never came down"
+            train(engine, "mlp", 1, seed=2, rank=rank, first=skipped)
+            skipped += 1
+        relink_moments(engine)
+        for kind in ("param", "fp32", "exp_avg", "exp_avg_sq"):
+            live = rsds.describe(engine, kind)
+            dst, bufs = replicated_targets(live, [0], device="cuda")
+            rs.Transfer(live.layout, dst)(live, bufs)
+            check_targets(dst, bufs, reference(engine, kind), f"fp16 stage {stage} {kind}")
+        out.append((stage, skipped))
+        engine.destroy()
+    return out
+
+
+def test_deepspeed_fp16_gpu(tmp_path):
+    out = run_ranks(_fp16_worker, 1, tmp_path, backend="nccl", env=ENV, timeout=300)
+    assert [o[0] for o in out[0]] == [2, 3]
