@@ -397,6 +397,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
             rank,
             world,
             engine.arena_device if engine.transport == "nccl" else torch.device("cpu"),
+            timeout_s,
         )
     except PreflightError:
         raise

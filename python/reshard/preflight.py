@@ -15,6 +15,7 @@ object with a `.buffers` mapping and, optionally, a `.check()` method that raise
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -280,16 +281,23 @@ def local_checks(
 # ---------------------------------------------------------------- the collective
 
 
-def agree(reasons: list[str], fingerprint, group, rank: int, world_size: int, device) -> None:
+def agree(
+    reasons: list[str], fingerprint, group, rank: int, world_size: int, device, timeout_s=None
+) -> None:
     """One all-gather of (ok, fingerprint); raise the same PreflightError on every rank if any
-    rank failed or the fingerprints differ. world_size 1 and no group: purely local."""
+    rank failed or the fingerprints differ. world_size 1 and no group: purely local.
+    timeout_s bounds the wait on CPU (gloo) tensors; NCCL relies on the group's timeout."""
     words = fingerprint_words(fingerprint)
     if world_size == 1:
         rows = [[0 if reasons else 1, *words]]
     else:
         mine = torch.tensor([0 if reasons else 1, *words], dtype=torch.int64, device=device)
         gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(gathered, mine, group=group)
+        work = dist.all_gather(gathered, mine, group=group, async_op=True)
+        if timeout_s is not None and mine.device.type == "cpu":
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        else:
+            work.wait()
         rows = torch.stack(gathered).cpu().tolist()
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
     # rank out is the one named.

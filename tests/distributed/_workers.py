@@ -175,7 +175,10 @@ def w_killed(rank, world, planner, victim, mode, timeout):
     case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "fp32", 16)
     src, dst = build(case, shapes)
     plan = make_plan(planner, src.layout(), dst.layout(), 16)
-    if rank == victim:
+    checks = ()
+    if rank == victim and mode == "die_in_preflight":
+        checks = (die,)  # dies inside the local checks, before the collective exchange
+    elif rank == victim:
         real = ex._copy_runs_op()
         calls = [0]
 
@@ -190,10 +193,14 @@ def w_killed(rank, world, planner, victim, mode, timeout):
         ex._copy_runs_op = lambda: dying
     t0 = time.monotonic()
     try:
-        rs.execute(plan, S.source_buffers(src, values, rank), dst.empty(rank), timeout=timeout)
+        db = dst.empty(rank)
+        before = {k: v.clone() for k, v in db.items()}
+        rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout, checks=checks)
         return ("no error", time.monotonic() - t0, plan.schedule(rank).num_rounds)
-    except rs.TransferError as exc:
-        return ("TransferError", time.monotonic() - t0, str(exc))
+    except (rs.TransferError, rs.PreflightError) as exc:
+        if isinstance(exc, rs.PreflightError) and S.mismatches(db, before):
+            return ("PreflightError but targets were written", 0.0, str(exc))
+        return (type(exc).__name__, time.monotonic() - t0, str(exc))
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a wrong error type
         return (type(exc).__name__, time.monotonic() - t0, str(exc))
 

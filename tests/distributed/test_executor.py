@@ -118,23 +118,29 @@ def test_preflight_failures_are_collective(tmp_path):
     assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
 
 
-@pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.parametrize("mode", ["die", "stall", "die_in_preflight"])
 def test_dead_or_stalled_rank_raises_transfer_error(tmp_path, mode):
+    """A rank dies (or stalls) mid-transfer: the others raise TransferError within the timeout.
+    A rank that dies during preflight: the others raise PreflightError, nothing written."""
     world, victim, timeout = 3, 1, 3.0
     res = run_ranks(
         W.w_killed,
         world,
         tmp_path,
         args=("ref", victim, mode, timeout),
-        expect_killed=[victim] if mode == "die" else [],
+        expect_killed=[victim] if mode.startswith("die") else [],
         group_timeout=30,
         timeout=120,
     )
     for rank, r in enumerate(res):
-        if rank == victim and mode == "die":
+        if rank == victim and mode.startswith("die"):
             assert r is None
             continue
         kind, seconds, msg = r
-        assert kind == "TransferError", (rank, r)
-        assert "targets may be partially written" in msg
+        if mode == "die_in_preflight":
+            assert kind == "PreflightError", (rank, r)
+            assert "nothing was written" in msg
+        else:
+            assert kind == "TransferError", (rank, r)
+            assert "targets may be partially written" in msg
         assert seconds < 3 * timeout + 10, (rank, seconds)
