@@ -127,6 +127,7 @@ def m_reshard(sc):
             "peak_extra_bytes": sum(r.peak_staging_bytes.values()),
             "bytes_received": r.total_bytes_received,
             "rounds": r.rounds,
+            "seconds": r.seconds,  # the last sync's phases
         }
 
     return step, info
