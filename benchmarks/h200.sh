@@ -63,7 +63,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
 
   # ---- tests (xdist: a crashing test loses its worker, not the run)
   echo "== tests"
-  t=$(( $(left) - 200 )); ((t > 240)) && t=240
+  t=$(( $(left) - 130 )); ((t > 240)) && t=240  # keep ~130 s for the benchmarks
   if ((t > 30)); then
     timeout "$t" $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout 120 -rs -n 4 \
       >"$OUT/pytest.log" 2>&1

@@ -114,8 +114,6 @@ def test_transfer_registers_host_sources_in_place():
     with rs.Transfer(src_l, dst_l, register_host_sources=True) as sync:
         rep = sync({0: flat}, dst)
         assert rep.host_registration["registered"] == [0] and flat.is_pinned()
-        # the big tensor's target rows (>= 256 KiB) went straight from the registered source
-        assert torch.ops.reshard.last_stage_stats()[5] > 0
         rep = sync({0: flat}, dst)
         assert rep.host_registration["registered"] == [] and flat.is_pinned()
         torch.cuda.synchronize()
