@@ -238,8 +238,8 @@ def _geometry(engine, stage) -> _Geometry:
             unit_numel.append(off)
             flat_numel.append(None)
     frozen = []
-    for name, p in engine.module.named_parameters():
-        if id(p) in owned or any(id(p) == id(q) for q, _, _ in frozen):
+    for name, p in engine.module.named_parameters():  # shared params are listed once
+        if id(p) in owned:
             continue
         shape = tuple(p.ds_shape) if stage == 3 else tuple(p.shape)
         frozen.append((p, name, shape))
