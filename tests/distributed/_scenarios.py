@@ -294,3 +294,101 @@ def mismatches(got: dict, want: dict) -> list[str]:
                     f"location {loc}: got {g.dtype}{tuple(g.shape)}, want {w.dtype}{tuple(w.shape)}"
                 )
     return bad
+
+
+# ----------------------------------------------------------------- random layouts (fuzzing)
+
+
+def random_shapes(rng, n_tensors=3) -> dict[str, tuple]:
+    return {
+        f"t{i}": tuple(int(x) for x in rng.integers(1, 8, size=int(rng.integers(1, 4))))
+        for i in range(n_tensors)
+    }
+
+
+class RandomFlat(Side):
+    """Each tensor's flat range cut at random points; each piece on a random rank (and, with
+    replicate, sometimes on a second one too) at the next offset of that rank's one storage,
+    with random gaps (padding) in between."""
+
+    def __init__(self, shapes, ranks, rng, dtype, loc0, replicate=False):
+        self.shapes, self.dtype = shapes, dtype
+        self.loc = {r: loc0 + i for i, r in enumerate(ranks)}
+        fill = dict.fromkeys(ranks, 0)
+        self.runs = {}
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            cuts = sorted({0, n, *(int(x) for x in rng.integers(0, n + 1, size=3))})
+            runs = []
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                owners = {ranks[int(rng.integers(len(ranks)))]}
+                if replicate and rng.random() < 0.5:
+                    owners.add(ranks[int(rng.integers(len(ranks)))])
+                for r in sorted(owners):
+                    fill[r] += int(rng.integers(0, 3))  # a gap: padding
+                    runs.append((self.loc[r], lo, hi, fill[r]))
+                    fill[r] += hi - lo
+            self.runs[name] = runs
+        self.storages = {
+            self.loc[r]: rs.Storage(r, dtype, fill[r] + int(rng.integers(0, 3))) for r in ranks
+        }
+
+    def tensor_layouts(self):
+        return {n: rs.flat(self.shapes[n], runs) for n, runs in self.runs.items()}
+
+    def fill(self, values, rank, pad=POISON):
+        if rank not in self.loc:
+            return {}
+        loc = self.loc[rank]
+        buf = torch.full((self.storages[loc].numel,), pad)
+        for name, runs in self.runs.items():
+            flat = values[name].reshape(-1)
+            for where, lo, hi, off in runs:
+                if where == loc:
+                    buf[off : off + hi - lo] = flat[lo:hi]
+        return {loc: buf.to(self.dtype)}
+
+
+class RandomBlocks(Side):
+    """Each tensor split along a random dim into random blocks (zero-size blocks allowed), each
+    block stored row-major at a random offset of a random rank's one storage."""
+
+    def __init__(self, shapes, ranks, rng, dtype, loc0):
+        self.shapes, self.dtype = shapes, dtype
+        self.loc = {r: loc0 + i for i, r in enumerate(ranks)}
+        fill = dict.fromkeys(ranks, 0)
+        self.blocks = {}
+        for name, shape in shapes.items():
+            dim = int(rng.integers(len(shape)))
+            cuts = sorted({0, shape[dim], *(int(x) for x in rng.integers(0, shape[dim] + 1, 2))})
+            blocks = []
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                r = ranks[int(rng.integers(len(ranks)))]
+                start = [0] * len(shape)
+                start[dim] = lo
+                box = list(shape)
+                box[dim] = hi - lo
+                fill[r] += int(rng.integers(0, 3))
+                blocks.append((self.loc[r], fill[r], tuple(start), tuple(box)))
+                fill[r] += math.prod(box)
+            self.blocks[name] = blocks
+        self.storages = {self.loc[r]: rs.Storage(r, dtype, fill[r]) for r in ranks}
+
+    def tensor_layouts(self):
+        return {
+            n: rs.TensorLayout(self.shapes[n], [rs.Piece(*b) for b in blocks])
+            for n, blocks in self.blocks.items()
+        }
+
+    def fill(self, values, rank, pad=POISON):
+        if rank not in self.loc:
+            return {}
+        loc = self.loc[rank]
+        buf = torch.full((self.storages[loc].numel,), pad)
+        for name, blocks in self.blocks.items():
+            for where, off, start, box in blocks:
+                if where == loc:
+                    idx = tuple(slice(s, s + b) for s, b in zip(start, box, strict=True))
+                    part = values[name][idx].reshape(-1)
+                    buf[off : off + part.numel()] = part
+        return {loc: buf.to(self.dtype)}

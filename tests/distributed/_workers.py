@@ -234,3 +234,52 @@ def w_world4(rank, world, planner, cases):
         "subgroup": w_subgroup(rank, world, planner),
         "balance": w_balance(rank, world, planner),
     }
+
+
+FUZZ_DTYPES = [
+    ("fp32", "bf16"),
+    ("bf16", "fp32"),
+    ("fp32", "fp32"),
+    ("fp16", "fp32"),
+    ("bf16", "bf16"),
+    ("fp32", "fp16"),
+]
+FUZZ_BUDGETS = [16, 48, 208, 4096, 1 << 20]
+
+
+def _random_side(rng, kind, shapes, world, dtype, loc0):
+    k = int(rng.integers(1, world + 1))
+    ranks = sorted(int(x) for x in rng.choice(world, size=k, replace=False))
+    if kind == "blocks":
+        return S.RandomBlocks(shapes, ranks, rng, DT[dtype], loc0)
+    return S.RandomFlat(shapes, ranks, rng, DT[dtype], loc0, replicate=(kind == "replicas"))
+
+
+def w_fuzz(rank, world, seeds, planners):
+    """Random layouts on both sides (flat ZeRO-like cuts, replicas, dim blocks), random dtypes
+    and budgets, the same draws on every rank (seeded); both planners on each case."""
+    import numpy as np
+
+    errs, done = [], 0
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        shapes = S.random_shapes(rng, int(rng.integers(1, 4)))
+        values = S.model_values(shapes, seed=seed)
+        sdt, ddt = FUZZ_DTYPES[int(rng.integers(len(FUZZ_DTYPES)))]
+        src = _random_side(
+            rng, ["flat", "replicas", "blocks"][int(rng.integers(3))], shapes, world, sdt, 0
+        )
+        dst = _random_side(rng, ["flat", "blocks"][int(rng.integers(2))], shapes, world, ddt, 500)
+        budget = FUZZ_BUDGETS[int(rng.integers(len(FUZZ_BUDGETS)))]
+        held = {n: v.to(src.dtype).float() for n, v in values.items()}
+        for planner in planners:
+            plan = make_plan(planner, src.layout(), dst.layout(), budget)
+            db = dst.empty(rank)
+            sb = S.source_buffers(src, values, rank)
+            rs.execute(plan, sb, db)
+            errs += [
+                f"seed {seed} {planner} ({sdt}->{ddt}, budget {budget}): {m}"
+                for m in S.mismatches(db, dst.fill(held, rank))
+            ]
+            done += 1
+    return errs, done

@@ -144,3 +144,13 @@ def test_dead_or_stalled_rank_raises_transfer_error(tmp_path, mode):
             assert kind == "TransferError", (rank, r)
             assert "targets may be partially written" in msg
         assert seconds < 3 * timeout + 10, (rank, seconds)
+
+
+def test_random_layouts(tmp_path):
+    """40 random (source layout, target layout, dtypes, budget) cases on 3 ranks, both
+    planners, every target element checked against the reference."""
+    seeds = list(range(40))
+    res = run_ranks(W.w_fuzz, 3, tmp_path, args=(seeds, PLANNERS), timeout=300)
+    errs = [e for r in res for e in r[0]]
+    assert not errs, "\n".join(errs[:20])
+    assert all(r[1] == len(seeds) * len(PLANNERS) for r in res)
