@@ -20,8 +20,9 @@ import statistics
 import time
 
 import numpy as np
-import reshard._ops as ops
 import torch
+
+import reshard._ops as ops
 
 DEV = "cuda"
 GB = 1e9
