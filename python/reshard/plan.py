@@ -135,45 +135,45 @@ class Plan:
         d_locs = np.array(sorted(dst.storages), _I64)
         s_rank = np.array([src.storages[int(x)].rank for x in s_locs], _I64)
         d_rank = np.array([dst.storages[int(x)].rank for x in d_locs], _I64)
-        si = np.searchsorted(s_locs, runs[SL])
-        di = np.searchsorted(d_locs, runs[DL])
-        snd, rcv = s_rank[si], d_rank[di]
+        si = np.searchsorted(s_locs, runs[SL]).astype(np.int32)
+        di = np.searchsorted(d_locs, runs[DL]).astype(np.int32)
+        # rank ids fit in int32; keeps the per-run arrays small
+        snd, rcv = s_rank.astype(np.int32)[si], d_rank.astype(np.int32)[di]
         # Group by (sender, receiver, src storage, dst storage); a stable sort keeps the
         # (deterministic) planning order inside a group, which is the stream order.
         nr = int(max(s_rank.max(initial=0), d_rank.max(initial=0))) + 1
-        key = ((snd * nr + rcv) * len(s_locs) + si) * len(d_locs) + di
+        key = snd.astype(_I64) * nr + rcv
+        key *= len(s_locs)
+        key += si
+        key *= len(d_locs)
+        key += di
         del si, di
         order = np.argsort(key, kind="stable")
+        skey = key[order]
         del key
+        brk = np.ones(len(order), bool)  # a new group starts here
+        brk[1:] = skey[1:] != skey[:-1]
+        del skey
         # permute row by row: one extra column of memory instead of a second table
         for k in range(runs.shape[0]):
             runs[k] = runs[k][order]
-        # rank ids fit in int32; halves two per-run arrays
-        snd, rcv = snd[order].astype(np.int32), rcv[order].astype(np.int32)
+        snd, rcv = snd[order], rcv[order]
         del order
         self._r = runs
         self.sender = snd
         self.receiver = rcv
-        numel = runs[LEN] * runs[CNT]
-        self._numel = numel
         local = snd == rcv
         self._local = local
 
-        # Groups: maximal blocks of remote runs with one (sender, receiver, src, dst) key.
+        # Groups: blocks of remote runs with one (sender, receiver, src, dst) key; a group
+        # is all local or all remote, so its start is a break among the remote runs.
         ridx = np.nonzero(~local)[0]
-        key_same = np.zeros(len(ridx), bool)
-        if len(ridx) > 1:
-            a, b = ridx[:-1], ridx[1:]
-            key_same[1:] = (
-                (snd[a] == snd[b])
-                & (rcv[a] == rcv[b])
-                & (runs[SL, a] == runs[SL, b])
-                & (runs[DL, a] == runs[DL, b])
-            )
-        gstart = _segments_of(key_same)
+        gstart = np.nonzero(brk[ridx])[0]
+        del brk
         gend = np.append(gstart[1:], len(ridx))
         g_first = ridx[gstart] if len(ridx) else np.zeros(0, _I64)
-        g_numel = np.add.reduceat(numel[ridx], gstart) if len(ridx) else np.zeros(0, _I64)
+        rn = runs[LEN, ridx] * runs[CNT, ridx]
+        g_numel = np.add.reduceat(rn, gstart) if len(ridx) else np.zeros(0, _I64)
         g_sl = runs[SL, g_first]
         g_dl = runs[DL, g_first]
         g_snd, g_rcv = snd[g_first], rcv[g_first]
@@ -186,7 +186,8 @@ class Plan:
             g_item[i] = wires[key].itemsize
         self._wires = wires
         # Stream position of each remote run inside the global concatenation of groups.
-        self._rpos = np.cumsum(numel[ridx]) - numel[ridx]
+        self._rpos = np.cumsum(rn) - rn
+        del rn
         self._ridx = ridx
         self._g = dict(
             run_lo=gstart,
@@ -256,9 +257,12 @@ class Plan:
         h = hashlib.sha256(b"reshard-plan-v1\0")
 
         def put(arr):
-            a = np.ascontiguousarray(arr, dtype="<i8")
-            h.update(np.array(a.shape, "<i8").tobytes())
-            h.update(a.tobytes())
+            a = np.asarray(arr)
+            a = a.astype(a.dtype.newbyteorder("<") if a.size else "<i8", copy=False)
+            a = np.ascontiguousarray(a)
+            h.update(f"{a.dtype.str}{a.shape}".encode())
+            if a.size:
+                h.update(memoryview(a.reshape(-1)).cast("B"))  # no copy of the run table
 
         put([self.budget_bytes_per_peer, self.num_rounds])
         for layout in (self.src, self.dst):
@@ -328,7 +332,8 @@ class Plan:
             total = 0
             for dl in np.unique(self._r[DL, sel]).tolist():
                 item = self.dst.storages[dl].dtype.itemsize
-                total += int(self._numel[sel][self._r[DL, sel] == dl].sum()) * item
+                m = sel[self._r[DL, sel] == dl]
+                total += int((self._r[LEN, m] * self._r[CNT, m]).sum()) * item
             out[rank] = total
         return out
 
@@ -452,7 +457,7 @@ class Plan:
         glo = g["pos0"][grp] + segs[:, 3]
         ghi = g["pos0"][grp] + segs[:, 4]
         rpos = self._rpos
-        rnum = self._numel[self._ridx]
+        rnum = self._r[LEN, self._ridx] * self._r[CNT, self._ridx]
         first = np.searchsorted(rpos + rnum, glo, side="right")
         last = np.searchsorted(rpos, ghi, side="left")
         owner, k = _expand(last - first)
@@ -600,10 +605,15 @@ class _Planner:
                     out[-1] = out[-1][:, :-1]
                     nxt = np.concatenate([pair, nxt[:, 1:]], axis=1)
             out.append(nxt)
-        if not out:
-            return np.zeros((8, 0), _I64)
-        runs = np.concatenate(out, axis=1)
-        out.clear()
+        # np.empty commits pages only as they are written, and each batch is dropped once
+        # copied: peak memory stays one table, not two
+        runs = np.empty((8, sum(o.shape[1] for o in out)), _I64)
+        pos = 0
+        for j in range(len(out)):
+            n = out[j].shape[1]
+            runs[:, pos : pos + n] = out[j]
+            out[j] = None
+            pos += n
         return runs
 
     def _gather(self, layout, tids):
