@@ -42,7 +42,11 @@ __all__ = sorted(
         "plan",
         "replicated",
         "split",
-        "LayoutError", "NotReadyError", "PreflightError", "TransferError", "UnsupportedError",
+        "LayoutError",
+        "NotReadyError",
+        "PreflightError",
+        "TransferError",
+        "UnsupportedError",
     ]
 )
 
