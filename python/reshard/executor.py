@@ -127,6 +127,8 @@ class _Engine:
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
         self.ring = None  # pinned ring for CPU<->CUDA local copies (stage_h2d / stage_d2h)
+        self.inflight = []  # the p2p works of the round in flight
+        self.broken = False  # set when a call failed after posting p2p operations
         self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
         self._written = None
 
@@ -307,11 +309,13 @@ class _Engine:
             pack(0)
         for k in range(R):
             works = post(k)
+            self.inflight = works  # kept if we fail before they complete (see _retire)
             if k == 0:
                 local()  # overlaps round 0's transport
             if k + 1 < R:
                 pack(k + 1)  # overlaps round k's transport
             wait(works)
+            self.inflight = []
             unpack(k)
             log.debug(
                 "reshard rank %d round %d/%d: sent %d B, received %d B",
@@ -323,6 +327,20 @@ class _Engine:
             )
         if cuda:
             torch.cuda.current_stream().synchronize()
+
+
+# Engines of failed transfers: a receive posted before the failure may still complete into
+# their arenas (a peer that was only late), so that memory must outlive the error. Bounded:
+# each entry is at most one plan's staging, and failures are rare and usually fatal.
+_GRAVEYARD: list = []
+_GRAVEYARD_MAX = 8
+
+
+def _retire(engine) -> None:
+    engine.broken = True
+    if engine.inflight:
+        _GRAVEYARD.append(engine)
+        del _GRAVEYARD[:-_GRAVEYARD_MAX]
 
 
 def _needs_ring(engine, src_ok, dst_ok) -> bool:
@@ -413,6 +431,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     try:
         engine.run(src_ok, dst_ok, report, timeout_s)
     except Exception as exc:
+        _retire(engine)
         raise TransferError(
             f"transfer failed on rank {rank} after writes began ({type(exc).__name__}: {exc}); "
             "targets may be partially written"
@@ -503,6 +522,8 @@ class Transfer:
         return sum(len(v) for v in (e.arenas or {}).values()) + (e.ring is not None)
 
     def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
+        if self._engine is not None and self._engine.broken:
+            self._engine = None  # a failed call's arenas may still be written: start afresh
         if self._engine is None:
             group, rank, world, transport = resolve_group(self.group)
             self._engine = _Engine(self.plan, group, rank, world, transport)
