@@ -1,0 +1,47 @@
+"""tests/_spawn.py itself: results, error relay with traceback, skips, deaths, hangs."""
+
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _spawn_workers as SW  # noqa: E402
+
+from tests._spawn import WorkerError, run_ranks  # noqa: E402
+
+
+def test_results_in_rank_order(tmp_path):
+    res = run_ranks(SW.w_sum, 3, tmp_path, args=(10,))
+    assert [r["rank"] for r in res] == [0, 1, 2]
+    assert all(r["sum"] == 33.0 and r["world"] == 3 and r["backend"] == "gloo" for r in res)
+
+
+def test_worker_exception_carries_rank_and_traceback(tmp_path):
+    with pytest.raises(WorkerError) as ei:
+        run_ranks(SW.w_raise, 2, tmp_path)
+    msg = str(ei.value)
+    assert "rank 1 of 2 raised" in msg and "bad thing on rank 1" in msg
+    assert "_spawn_workers.py" in msg  # the worker's own traceback, not the parent's
+    assert isinstance(ei.value.__cause__, ValueError)
+
+
+def test_skip_in_worker_skips_the_test(tmp_path):
+    with pytest.raises(pytest.skip.Exception, match="needs something this machine lacks"):
+        run_ranks(SW.w_skip, 2, tmp_path)
+
+
+def test_expected_death_and_unexpected_death(tmp_path):
+    assert run_ranks(SW.w_die, 2, tmp_path / "a", expect_killed=[1]) == [0, None]
+    with pytest.raises(AssertionError, match="rank 1 exited with code 77"):
+        run_ranks(SW.w_die, 2, tmp_path / "b")
+
+
+def test_hung_rank_is_killed_and_named(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 still running"):
+        run_ranks(SW.w_hang, 2, tmp_path, timeout=15)
+    assert time.monotonic() - t0 < 40
