@@ -557,7 +557,14 @@ def test_transfer_snapshot_and_weight_sync(world, tmp_path):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_restore_then_step_matches_control(world, tmp_path):
-    configs = [(s, o, m) for s in (1, 2, 3) for o in ("none", "cpu") for m in MODELS]
+    # Even indices write all four kinds, odd ones masters + moments then refresh_params().
+    # dp 2: every combination (the MLP, all params ZeRO-3-persistent, takes the "param" path);
+    # dp 3: six of them, ordered so ZeRO-3's persistent MLP takes the refresh_params() path.
+    if world == 2:
+        configs = [(s, o, m) for s in (1, 2, 3) for o in ("none", "cpu") for m in MODELS]
+    else:
+        configs = [(1, "cpu", "mlp"), (1, "none", "block"), (2, "cpu", "block")]
+        configs += [(2, "none", "mlp"), (3, "cpu", "block"), (3, "none", "mlp")]
     done = run_ranks(
         _restore_worker, world, tmp_path, args=(configs, 1 << 12), env=ENV, timeout=400
     )[0]
