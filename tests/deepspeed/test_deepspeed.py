@@ -289,6 +289,7 @@ def _snapshot(live, budget):
 
 
 def _restore_worker(rank, world, configs, budget):
+    import torch
     import torch.distributed as dist
     from _dsutil import assert_bitwise, batch, ds_env, make_engine, reference, train
 
@@ -317,6 +318,14 @@ def _restore_worker(rank, world, configs, budget):
             layout, bufs = snaps[k]
             rs.Transfer(layout, dst_live.layout, budget_bytes_per_peer=budget)(bufs, dst_live)
         if "param" in kinds:
+            persistent = list(getattr(b.optimizer, "persistent_parameters", None) or [])
+            if stage == 3 and persistent:
+                # negative control: forward would still read the stale full copies
+                pa = dict(a.module.named_parameters())
+                nb = {id(q): n for n, q in b.module.named_parameters()}
+                assert any(not torch.equal(q.data, pa[nb[id(q)]].data) for q in persistent), (
+                    f"{tag}: persistent copies already equal before refresh_persistent()"
+                )
             rsds.refresh_persistent(b)
         else:
             rsds.refresh_params(b)
