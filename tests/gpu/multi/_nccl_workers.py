@@ -64,11 +64,11 @@ def w_residency(rank, world, cases, combos, shapes_kw):
                 errs += [f"{tag} call {call}: {m}" for m in S.mismatches(_cpu(db), want)]
                 for k in rep.peak_staging_bytes:
                     if rep.peak_staging_bytes[k] > rep.staging_bound[k]:
-                        errs.append(f"{tag}: staging {rep.peak_staging_bytes} > {rep.staging_bound}")
+                        errs.append(
+                            f"{tag}: staging {rep.peak_staging_bytes} > {rep.staging_bound}"
+                        )
             errs += [f"{tag}: source modified: {m}" for m in S.mismatches(_cpu(sb), sb_before)]
-            out.append(
-                (tag, errs, rep.bytes_sent, rep.bytes_received, rep.rounds, rep.transport)
-            )
+            out.append((tag, errs, rep.bytes_sent, rep.bytes_received, rep.rounds, rep.transport))
     return out
 
 
