@@ -7,6 +7,8 @@
 #   BUDGET=400 BENCH_ARGS=--quick bash benchmarks/h200.sh
 #
 # BUDGET (seconds, default 400) bounds the whole script: later steps shrink or are skipped.
+# SYNC_S (seconds, default 150; 0 skips) is kept for benchmarks/sync_latency.py (one GPU:
+# CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -17,6 +19,7 @@ T0=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 PY=${PY:-python3}
 status_build=skipped status_tests=skipped status_bench=skipped status_san=skipped
+status_sync=skipped SYNC_S=${SYNC_S:-150}
 
 {
   date -u
@@ -63,7 +66,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
 
   # ---- tests (xdist: a crashing test loses its worker, not the run)
   echo "== tests"
-  t=$(( $(left) - 130 )); ((t > 240)) && t=240  # keep ~130 s for the benchmarks
+  t=$(( $(left) - 130 - SYNC_S )); ((t > 240)) && t=240  # keep ~130 s for the benchmarks
   if ((t > 30)); then
     timeout "$t" $PY -m pytest tests/gpu -q -p no:cacheprovider --timeout 120 -rs -n 4 \
       >"$OUT/pytest.log" 2>&1
@@ -75,13 +78,28 @@ print("no crash")' >"$OUT/diag.log" 2>&1
 
   # ---- benchmarks
   echo "== benchmarks"
-  t=$(( $(left) - 25 ))
+  t=$(( $(left) - 25 - SYNC_S ))
   if ((t > 40)); then
     timeout "$t" $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
     rc=$?
     status_bench=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
   fi
   echo "bench: $status_bench ($(($(date +%s) - T0)) s)"
+
+  # ---- repeated-sync benchmark (issue 7): writes sync_latency_h200.{json,md} + plots after
+  # every case, so a timeout keeps the finished ones; --time-budget stops starting new cases.
+  echo "== sync_latency"
+  t=$(( $(left) - 15 ))
+  ((t > SYNC_S + 30)) && t=$((SYNC_S + 30))
+  if ((SYNC_S > 0 && t > 40)); then
+    timeout "$t" $PY benchmarks/sync_latency.py --world 1 --device cuda --iters 20 \
+      --models "${SYNC_MODELS:-gpt-125m,gpt-350m,gpt-760m}" --time-budget $((t - 80 > 20 ? t - 80 : 20)) \
+      --json "$OUT/sync_latency_h200.json" >"$OUT/sync_latency.log" 2>&1
+    rc=$?
+    status_sync=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
+    grep -E "^\| gpt|^## " "$OUT/sync_latency_h200.md" 2>/dev/null | head -40 || tail -20 "$OUT/sync_latency.log"
+  fi
+  echo "sync_latency: $status_sync ($(($(date +%s) - T0)) s)"
 
   # ---- compute-sanitizer (memcheck + racecheck) on a subset, if time is left
   t=$(( ($(left) - 10) / 2 ))
@@ -105,6 +123,6 @@ fi
 
 echo
 echo "== summary ($(($(date +%s) - T0)) s): build $status_build, tests $status_tests," \
-  "bench $status_bench, sanitizer $status_san"
+  "bench $status_bench, sync_latency $status_sync, sanitizer $status_san"
 grep -E "passed|failed|error" "$OUT/pytest.log" 2>/dev/null | tail -1
 [[ -f $OUT/gpu_bench.md ]] && grep -vE "^(\{|\}| \")" "$OUT/gpu_bench.md" | head -60

@@ -1,31 +1,44 @@
-"""Sync latency: reshard vs what users do today, measured in the same run (CPU, gloo).
+"""Repeated-sync benchmark: reshard vs what people do today, measured in the same run.
 
-Scenario (`zero3_to_tp`): a ZeRO-3 sharded fp32 state of a transformer-shaped model -> TP=2
-bf16 rollout buffers (the `reshard.demo` model). Methods:
-- `reshard`: a `reshard.Transfer`, planned once, called every step.
-- `gather_broadcast`: per parameter, gather the shards to rank 0 (dist.gather), rank 0 rebuilds
-  the parameter and broadcasts it, every rank slices out its part (the "gather then
-  broadcast" sync many RL frameworks run).
-- `full_gather`: per parameter, all-gather the shards into the whole tensor on every rank,
-  then slice (what `safe_get_full_fp32_param`-style syncs amount to).
-Every method's targets are checked bitwise against an independent reference (plain torch
-slicing of the logical tensors) after its last sync.
+Scenarios (benchmarks/_scenarios.py; synthetic sharded state with DeepSpeed's layouts):
+- rl_weight_sync: ZeRO-3 bf16 param shards -> TP=2 bf16 rollout buffers (fused QKV,
+  row/column splits, replicated norms).
+- offload_fp32 / offload_bf16 / offload_back: CPU-offloaded fp32 master + exp_avg + exp_avg_sq
+  -> device-side partitions (fp32 or bf16 targets; bf16 travels as bf16) and back. With
+  --world 1 and --device cuda: CPU -> GPU in one process. With --world N > 1 on a CPU-only box,
+  "device" is the next rank: every byte crosses the transport.
+- dp_change: fp32 master + Adam moments, ZeRO-3 partitions DP=W -> ZeRO-1/2 flat DP=W-1.
 
-Reported per method: median and p90 latency over `--iters` syncs (after warm-up), peak extra
-memory (staging/temporaries the method holds beyond sources and targets: measured for reshard
-from its Report, accounted tensor by tensor for the baselines), and bytes received per rank.
+Methods (same run, each checked bitwise against an independent reference after its syncs):
+- reshard: one `reshard.Transfer` reused for every sync (planning is excluded from the per-sync
+  time; the first sync, plan included, is reported separately as first_sync_s).
+- reshard_registered (CUDA, one process): the same with register_host_sources=True.
+- gather_broadcast (world > 1): per tensor, dist.gather of the ZeRO chunks on rank 0, rank 0
+  rebuilds it and broadcasts it (skipped when only rank 0 needs it), every rank slices.
+- full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
+- to_device (one process): per tensor `target.copy_(source.to(target.device))`.
 
-    python benchmarks/sync_latency.py --quick
-    python benchmarks/sync_latency.py --world 2 --hidden 1024 --layers 8 --json out.json
+Metrics per (scenario, model, method): median / p90 / p10 of >= --iters syncs after warm-up
+(per sync, the slowest rank's time), peak extra memory (host: RSS delta per rank sampled by a
+thread during extra syncs, and the bytes the method holds by its own account, max of both;
+device: max_memory_allocated delta), pinned bytes, bytes moved over the transport, GB/s of the
+payload, the physical floor (wire bytes / link bandwidth + local bytes / copy bandwidth, both
+measured in the same run) and ratios to reshard.
 
-Scenarios and methods are plain functions in SCENARIOS / METHODS so the suite can grow (GPU,
-NCCL, more layouts) without touching the harness.
+    python benchmarks/sync_latency.py --quick --json benchmarks/results/cpu/sync_latency_quick.json
+    python benchmarks/sync_latency.py --world 1 --device cuda --json out/sync_latency.json \\
+        --scenarios offload_fp32,offload_bf16,offload_back --models gpt-125m,gpt-350m
+
+--json PATH also writes PATH with .md (tables) and _latency.png / _memory.png (plots).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
+import gc
 import json
 import math
 import os
@@ -33,77 +46,83 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-import reshard as rs
-from reshard.demo import Rollout, Zero3, _blocks, _shapes, _values
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# ----------------------------------------------------------------- scenarios
+import _scenarios as S  # noqa: E402
 
+import reshard as rs  # noqa: E402
 
-class Scenario:
-    """What every method needs: source shards, empty targets, how a full parameter maps to
-    this rank's targets."""
-
-    def __init__(self, rank, world, hidden, ffn, vocab, layers):
-        self.rank, self.world = rank, world
-        self.shapes = _shapes(hidden, ffn, vocab, layers)
-        self.src = Zero3(self.shapes, world)
-        self.dst = Rollout(self.shapes, world, 2 if world % 2 == 0 else world)
-        self.values = _values(self.shapes, 0)
-        self.shard = self.src.buffer(self.values, rank)
-        self.src_layout, self.dst_layout = self.src.layout(), self.dst.layout()
-
-    def targets(self):
-        return self.dst.buffers(self.rank, "cpu")
-
-    def write_param(self, name, full, bufs):
-        """Copy this rank's part of a full parameter into its rollout buffers (with cast)."""
-        d = self.dst
-        g = next(g for g in d.groups if self.rank in g)
-        t = g.index(self.rank)
-        (h0, hs), (f0, fs), (v0, vs) = (_blocks(x, d.tp)[t] for x in (d.h, d.f, d.v))
-        if name == "embed":
-            key, off, part = "embed", 0, full[v0 : v0 + vs]
-        elif full.dim() == 1:
-            key, off, part = "norms", d.norms.index(name) * d.h, full
-        else:
-            layer, kind = name.split(".")
-            if kind in "qkv":
-                key, off, part = f"{layer}.qkv", "qkv".index(kind) * hs * d.h, full[h0 : h0 + hs]
-            elif kind == "o":
-                key, off, part = f"{layer}.o", 0, full[:, h0 : h0 + hs]
-            elif kind == "fc1":
-                key, off, part = f"{layer}.fc1", 0, full[f0 : f0 + fs]
-            else:
-                key, off, part = f"{layer}.fc2", 0, full[:, f0 : f0 + fs]
-        buf = bufs[d.loc[(self.rank, key)]]
-        buf[off : off + part.numel()].view(part.shape).copy_(part)
+QUICK_MODELS = ("gpt-micro", "gpt-mini", "gpt-small")
+FULL_MODELS = ("gpt-micro", "gpt-mini", "gpt-small", "gpt-125m")
+MULTI_SCENARIOS = ("rl_weight_sync", "offload_fp32", "offload_bf16", "offload_back", "dp_change")
+SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
+MiB = 1 << 20
 
 
-def zero3_to_tp(rank, world, quick):
-    if quick:
-        return Scenario(rank, world, hidden=130, ffn=346, vocab=501, layers=2)
-    return Scenario(rank, world, hidden=1026, ffn=2752, vocab=8001, layers=6)
+def progress(msg):
+    print(f"[sync_latency {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-SCENARIOS = {"zero3_to_tp": zero3_to_tp}
+# ------------------------------------------------------------------ memory
 
 
-# ----------------------------------------------------------------- methods
-# A method takes the scenario and returns (step, info): step(bufs) runs one sync into bufs;
-# info() returns {"peak_extra_bytes": int, "bytes_received": int} for the last step.
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _Peak:
-    """Accounts temporaries tensor by tensor: live bytes and their peak."""
+_libc = None
+
+
+def _trim():
+    """Give freed heap back to the OS so one method's garbage is not another's headroom."""
+    global _libc
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        _libc = _libc or ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
+
+
+class RssSampler:
+    """Max RSS seen by a thread polling /proc/self/statm every 0.5 ms (used only during the
+    memory syncs, never during the timed ones)."""
+
+    def __init__(self):
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0005)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+
+class _Acct:
+    """Temporaries a baseline holds, tensor by tensor: live bytes and their peak."""
 
     def __init__(self):
         self.live = self.peak = 0
+        self.recv = 0
+
+    def reset(self):
+        self.live = self.peak = self.recv = 0
 
     def alloc(self, t):
         self.live += t.numel() * t.element_size()
@@ -114,231 +133,663 @@ class _Peak:
         self.live -= t.numel() * t.element_size()
 
 
-def m_reshard(sc):
-    sync = rs.Transfer(sc.src_layout, sc.dst_layout, budget_bytes_per_peer=4 << 20)
+# ------------------------------------------------------------------ methods
+# make(case, ctx) -> (step(bufs), info() -> dict); info of the last step:
+# accounted_extra_bytes, pinned_bytes, recv_bytes (this rank, over the transport), local_bytes.
+
+
+def m_reshard(case, ctx, register=False):
+    t0 = time.perf_counter()
+    sync = rs.Transfer(
+        case.src_layout,
+        case.dst_layout,
+        budget_bytes_per_peer=ctx["budget"],
+        group=None if ctx["world"] == 1 else dist.group.WORLD,
+        register_host_sources=register,
+    )
+    ctx["plan_s"] = time.perf_counter() - t0
     last = {}
 
     def step(bufs):
-        last["r"] = sync({sc.rank: sc.shard}, bufs)
+        last["r"] = sync(case.src_buffers, bufs)
 
     def info():
         r = last["r"]
         return {
-            "peak_extra_bytes": sum(r.peak_staging_bytes.values()),
-            "bytes_received": r.total_bytes_received,
+            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
+            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
+            "staging_bound": r.staging_bound,
+            "recv_bytes": r.total_bytes_received,
+            "local_bytes": r.local_bytes,
             "rounds": r.rounds,
-            "seconds": r.seconds,  # the last sync's phases
+            "seconds": r.seconds,
+            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
+                "registered_bytes", 0
+            ),
         }
+
+    step.close = sync.close
+    return step, info
+
+
+def m_reshard_registered(case, ctx):
+    return m_reshard(case, ctx, register=True)
+
+
+def _full_from_parts(case, parts, name):
+    """Rank-ordered chunks -> the logical tensor (chunks reordered by partition)."""
+    order = sorted(range(case.world), key=case.partition_of_rank)
+    flat = torch.cat([parts[r] for r in order])
+    return flat[: math.prod(case.shapes[name])].view(case.shapes[name])
+
+
+def m_gather_broadcast(case, ctx):
+    acct = _Acct()
+    rank, world = case.rank, case.world
+
+    def step(bufs):
+        acct.reset()
+        for t, s, n in case.names:
+            c, mine = case.chunk_view(t, s, n)
+            need_bcast = case.target_ranks[t] != [0]
+            shape = case.shapes[n]
+            esz = mine.element_size()
+            if rank == 0:
+                parts = [acct.alloc(torch.empty(c, dtype=mine.dtype)) for _ in range(world)]
+                dist.gather(mine, parts, dst=0)
+                full = acct.alloc(_full_from_parts(case, parts, n).clone())
+                for p in parts:
+                    acct.free(p)
+                del parts
+                acct.recv += (world - 1) * c * esz
+            else:
+                dist.gather(mine, None, dst=0)
+                full = acct.alloc(torch.empty(shape, dtype=mine.dtype)) if need_bcast else None
+                if need_bcast:
+                    acct.recv += full.numel() * esz
+            if need_bcast:
+                dist.broadcast(full, src=0)
+            if full is not None:
+                case.write(t, s, n, full, bufs)
+                acct.free(full)
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
 
     return step, info
 
 
-def _chunk_views(sc, name):
-    c = sc.src.chunk[name]
-    off = sc.src.offset[name]
-    return c, sc.shard[off : off + c]
-
-
-def m_gather_broadcast(sc):
-    acct = {"recv": 0}
-    peak = _Peak()
-
-    def step(bufs):
-        peak.live = peak.peak = 0
-        acct["recv"] = 0
-        for name, shape in sc.shapes.items():
-            c, mine = _chunk_views(sc, name)
-            numel = math.prod(shape)
-            if sc.rank == 0:
-                parts = [peak.alloc(torch.empty(c)) for _ in range(sc.world)]
-                dist.gather(mine, parts, dst=0)
-                full = peak.alloc(torch.cat(parts)[:numel].reshape(shape))
-                for p in parts:
-                    peak.free(p)
-                acct["recv"] += (sc.world - 1) * c * 4
-            else:
-                dist.gather(mine, None, dst=0)
-                full = peak.alloc(torch.empty(shape))
-                acct["recv"] += numel * 4
-            dist.broadcast(full, src=0)
-            sc.write_param(name, full, bufs)
-            peak.free(full)
-
-    return step, lambda: {"peak_extra_bytes": peak.peak, "bytes_received": acct["recv"]}
-
-
-# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; 2.11 lacks the latter.
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch lacks it.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def m_full_gather(sc):
-    acct = {"recv": 0}
-    peak = _Peak()
+def m_full_gather(case, ctx):
+    acct = _Acct()
+    world = case.world
 
     def step(bufs):
-        peak.live = peak.peak = 0
-        acct["recv"] = 0
-        for name, shape in sc.shapes.items():
-            c, mine = _chunk_views(sc, name)
-            flat = peak.alloc(torch.empty(c * sc.world))
+        acct.reset()
+        for t, s, n in case.names:
+            c, mine = case.chunk_view(t, s, n)
+            flat = acct.alloc(torch.empty(c * world, dtype=mine.dtype))
             _all_gather_flat(flat, mine)
-            acct["recv"] += (sc.world - 1) * c * 4
-            sc.write_param(name, flat[: math.prod(shape)].view(shape), bufs)
-            peak.free(flat)
+            acct.recv += (world - 1) * c * mine.element_size()
+            full = _full_from_parts(case, list(flat.view(world, c)), n)
+            case.write(t, s, n, full, bufs)
+            acct.free(flat)
 
-    return step, lambda: {"peak_extra_bytes": peak.peak, "bytes_received": acct["recv"]}
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+def m_to_device(case, ctx):
+    acct = _Acct()
+    pairs = {}
+
+    def step(bufs):
+        acct.reset()
+        key = id(bufs)
+        if key not in pairs:
+            pairs.clear()
+            pairs[key] = case.per_tensor_pairs(bufs)
+        for sv, dv in pairs[key]:
+            tmp = acct.alloc(sv.to(dv.device))
+            dv.copy_(tmp)
+            acct.free(tmp)
+            acct.recv += sv.numel() * sv.element_size() if sv.device != dv.device else 0
+        del tmp
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
 
 
 METHODS = {
     "reshard": m_reshard,
+    "reshard_registered": m_reshard_registered,
     "gather_broadcast": m_gather_broadcast,
     "full_gather": m_full_gather,
+    "to_device": m_to_device,
 }
 
 
-# ----------------------------------------------------------------- harness
+def methods_for(world, device):
+    if world > 1:
+        return ["reshard", "gather_broadcast", "full_gather"]
+    out = ["reshard"]
+    if device == "cuda":
+        out.append("reshard_registered")
+    return [*out, "to_device"]
 
 
-def _bench_rank(rank, world, args, out_path):
+# ------------------------------------------------------------------ measurement
+
+
+def _equal(a, b):
+    a = a.cpu()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    iv = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(iv), b.view(iv))
+
+
+def _barrier(world):
+    if world > 1:
+        dist.barrier()
+
+
+def _dev_sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def link_bandwidth(rank, world, cuda):
+    """Bytes/s of the transports, measured here: gloo send/recv between ranks 0 and 1 (both
+    directions at once, per direction), host copy (bytes copied / s), pinned H2D / D2H."""
+    out = {}
+    n = 64 * MiB
+    a, b = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        ts.append(time.perf_counter() - t)
+    out["host_copy_Bps"] = n / statistics.median(ts)
+    if world > 1:
+        ts = []
+        for _ in range(5):
+            dist.barrier()
+            t = time.perf_counter()
+            if rank < 2:
+                peer = 1 - rank
+                ops = [dist.P2POp(dist.isend, a, peer), dist.P2POp(dist.irecv, b, peer)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+            ts.append(time.perf_counter() - t)
+        out["gloo_p2p_Bps"] = n / statistics.median(ts)
+    if cuda:
+        pinned = torch.ones(256 * MiB, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(pinned, device="cuda")
+        for key, fn in (
+            ("pinned_h2d_Bps", lambda: dev.copy_(pinned, non_blocking=True)),
+            ("pinned_d2h_Bps", lambda: pinned.copy_(dev, non_blocking=True)),
+        ):
+            fn()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(10):
+                t = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t)
+            out[key] = pinned.numel() / statistics.median(ts)
+        del pinned, dev
+    return out
+
+
+def measure_method(case, method, ctx):
+    world, cuda = ctx["world"], ctx["cuda"]
+    bufs = case.targets()
+    _trim()
+    _dev_sync(cuda)
+    base_rss = _rss()
+    if cuda:
+        base_dev = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    ctx.pop("plan_s", None)
+    _barrier(world)
+    t0 = time.perf_counter()
+    step, info = METHODS[method](case, ctx)
+    step(bufs)
+    _dev_sync(cuda)
+    _barrier(world)
+    first = time.perf_counter() - t0
+    for _ in range(max(0, ctx["warmup"] - 1)):
+        step(bufs)
+    times = []
+    for _ in range(ctx["iters"]):
+        _dev_sync(cuda)
+        _barrier(world)
+        t = time.perf_counter()
+        step(bufs)
+        _dev_sync(cuda)
+        _barrier(world)
+        times.append(time.perf_counter() - t)
+    with RssSampler() as sampler:
+        for _ in range(3):
+            step(bufs)
+            _dev_sync(cuda)
+    out = {
+        "times": times,
+        "first_sync_s": first,
+        "plan_s": ctx.get("plan_s"),
+        "rss_extra_bytes": max(0, sampler.peak - base_rss),
+        "device_extra_bytes": (torch.cuda.max_memory_allocated() - base_dev) if cuda else 0,
+        "correct": all(_equal(bufs[k], v) for k, v in case.reference.items())
+        and set(bufs) == set(case.reference),
+        **info(),
+    }
+    if hasattr(step, "close"):
+        step.close()
+    del step, info, bufs
+    _trim()
+    return out
+
+
+def run_cases(rank, world, cfg, sink):
+    """Every (scenario, model, method) in order; sink(results so far) after each case."""
+    cuda = cfg["device"] == "cuda"
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    ctx = {
+        "world": world,
+        "cuda": cuda,
+        "budget": cfg["budget"],
+        "iters": cfg["iters"],
+        "warmup": cfg["warmup"],
+    }
+    out = {"rank": rank, "links": link_bandwidth(rank, world, cuda), "cases": []}
+    total = len(cfg["scenarios"]) * len(cfg["models"])
+    t_start = time.perf_counter()
+    i = 0
+    for model in cfg["models"]:
+        for scen in cfg["scenarios"]:
+            i += 1
+            over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
+            if world > 1:  # every rank must agree to stop at the same case
+                flag = torch.tensor([int(bool(over))])
+                dist.broadcast(flag, src=0)
+                over = bool(flag.item())
+            if over:
+                if rank == 0:
+                    progress(f"time budget {cfg['time_budget']} s spent: skipping the rest")
+                out["skipped_after"] = f"{scen} {model}"
+                sink(out)
+                return out
+            t_case = time.perf_counter()
+            case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
+            build_s = time.perf_counter() - t_case
+            rec = {
+                "scenario": scen,
+                "model": model,
+                "params": case.params,
+                "description": case.description,
+                "payload_bytes": case.payload_bytes,
+                "build_s": build_s,
+                "methods": {},
+            }
+            for m in cfg["methods"]:
+                if rank == 0:
+                    progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
+                r = measure_method(case, m, ctx)
+                rec["methods"][m] = r
+                if rank == 0:
+                    med = statistics.median(r["times"])
+                    progress(
+                        f"[{i}/{total}] {scen} {model} {m}: median {med * 1e3:.2f} ms, "
+                        f"extra {max(r['rss_extra_bytes'], r['accounted_extra_bytes']) / MiB:.1f}"
+                        f" MiB, correct {r['correct']}"
+                    )
+            out["cases"].append(rec)
+            del case
+            _trim()
+            sink(out)
+    return out
+
+
+# ------------------------------------------------------------------ aggregation
+
+
+def aggregate(per_rank, meta):
+    """Per-rank raw records -> the result rows (one per scenario, model, method)."""
+    links = per_rank[0]["links"]
+    rows = []
+    n_cases = min(len(x["cases"]) for x in per_rank)
+    for ci in range(n_cases):
+        recs = [x["cases"][ci] for x in per_rank]
+        rec0 = recs[0]
+        floor = None
+        if "reshard" in rec0["methods"]:
+            terms = []
+            for rec in recs:
+                r = rec["methods"]["reshard"]
+                if meta["device"] == "cuda":
+                    back = rec0["scenario"] == "offload_back"
+                    bw = links["pinned_d2h_Bps" if back else "pinned_h2d_Bps"]
+                    terms.append(r["local_bytes"] / bw)
+                else:
+                    wire = r["recv_bytes"] / links["gloo_p2p_Bps"] if meta["world"] > 1 else 0
+                    terms.append(wire + r["local_bytes"] / links["host_copy_Bps"])
+            floor = max(terms)
+        base = None
+        for m in rec0["methods"]:
+            per = [rec["methods"][m] for rec in recs]
+            iters = min(len(p["times"]) for p in per)
+            # one sync's latency is its slowest rank's
+            times = sorted(max(p["times"][k] for p in per) for k in range(iters))
+            med = statistics.median(times)
+            p90 = times[min(iters - 1, math.ceil(0.9 * iters) - 1)]
+            p10 = times[max(0, math.ceil(0.1 * iters) - 1)]
+            host_extra = max(max(p["rss_extra_bytes"], p["accounted_extra_bytes"]) for p in per)
+            dev_extra = max(p["device_extra_bytes"] for p in per)
+            peak = dev_extra if meta["device"] == "cuda" else host_extra
+            row = {
+                "scenario": rec0["scenario"],
+                "method": m,
+                "model": rec0["model"],
+                "world": meta["world"],
+                "median_s": med,
+                "p90_s": p90,
+                "peak_extra_bytes": peak,
+                "bytes_moved": sum(p["recv_bytes"] for p in per),
+                "params": rec0["params"],
+                "payload_bytes": rec0["payload_bytes"],
+                "p10_s": p10,
+                "spread": (p90 - p10) / med if med > 0 else 0.0,
+                "iters": iters,
+                "gbps": rec0["payload_bytes"] / med / 1e9 if med > 0 else 0.0,
+                "host_extra_bytes": host_extra,
+                "rss_extra_bytes": max(p["rss_extra_bytes"] for p in per),
+                "accounted_extra_bytes": max(p["accounted_extra_bytes"] for p in per),
+                "device_extra_bytes": dev_extra,
+                "pinned_bytes": max(p["pinned_bytes"] for p in per),
+                "max_rank_recv_bytes": max(p["recv_bytes"] for p in per),
+                "first_sync_s": max(p["first_sync_s"] for p in per),
+                "floor_s": floor,
+                "vs_floor": med / floor if floor else None,
+                "correct": all(p["correct"] for p in per),
+                "source": "synthetic",
+                "description": rec0["description"],
+            }
+            if m.startswith("reshard"):
+                row["plan_s"] = max(p["plan_s"] or 0.0 for p in per)
+                row["staging_bound"] = per[0].get("staging_bound")
+                row["rounds"] = per[0].get("rounds")
+                row["phases_s"] = per[0].get("seconds")
+                row["registered_bytes"] = max(p.get("registered_bytes", 0) for p in per)
+            if m == "reshard":
+                base = row
+            rows.append(row)
+        for row in rows[-len(rec0["methods"]) :]:
+            if base:
+                row["median_vs_reshard"] = row["median_s"] / base["median_s"]
+                row["peak_extra_vs_reshard"] = row["peak_extra_bytes"] / max(
+                    1, base["peak_extra_bytes"]
+                )
+    return rows
+
+
+def write_outputs(path, meta, rows):
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    stem = path[:-5] if path.endswith(".json") else path
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(meta, rows))
+    with contextlib.suppress(Exception):  # plots are a convenience; the JSON is the record
+        plot(stem, meta, rows)
+
+
+def _mib(b):
+    return f"{b / MiB:.2f}"
+
+
+def markdown(meta, rows):
+    lines = [
+        f"# sync_latency: {meta['host']}, world {meta['world']}, {meta['transport']}",
+        "",
+        f"torch {meta['torch']}, python {meta['python']}, {meta['cpus']} CPUs, "
+        f"load average at start {meta['loadavg']}, {meta['iters']} timed syncs after "
+        f"{meta['warmup']} warm-up, reshard budget {meta['budget_bytes_per_peer'] / MiB:g} MiB "
+        f"per peer. Links measured in this run: "
+        + ", ".join(f"{k[:-4]} {v / 1e9:.2f} GB/s" for k, v in meta["links"].items())
+        + ".",
+        "",
+        "Per-sync latency of reshard excludes planning (one Transfer reused); its first sync "
+        "(plan + staging allocation + sync) is the `first ms` column. State is synthetic with "
+        "DeepSpeed's layouts. `peak extra` = "
+        + (
+            "max_memory_allocated delta on the device"
+            if meta["device"] == "cuda"
+            else "max over ranks of max(RSS delta, bytes held by the method's own account)"
+        )
+        + "; `floor` = wire bytes / link + local bytes / copy bandwidth (slowest rank).",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+    ]
+    by_scen: dict = {}
+    for r in rows:
+        by_scen.setdefault(r["scenario"], []).append(r)
+    for scen, rs_ in by_scen.items():
+        lines += [f"## {scen}", "", rs_[0]["description"], ""]
+        lines += [
+            "| model | params | method | median ms | p90 ms | spread | x reshard | first ms "
+            "| peak extra MiB | x reshard | pinned MiB | moved MiB | GB/s | floor ms "
+            "| x floor | ok |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in rs_:
+            lines.append(
+                f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['method']} "
+                f"| {r['median_s'] * 1e3:.2f} | {r['p90_s'] * 1e3:.2f} | {r['spread']:.2f} "
+                f"| {r.get('median_vs_reshard', float('nan')):.2f} "
+                f"| {r['first_sync_s'] * 1e3:.1f} "
+                f"| {_mib(r['peak_extra_bytes'])} "
+                f"| {r.get('peak_extra_vs_reshard', float('nan')):.2f} "
+                f"| {_mib(r['pinned_bytes'])} | {_mib(r['bytes_moved'])} | {r['gbps']:.2f} "
+                f"| {(r['floor_s'] or 0) * 1e3:.2f} | {r['vs_floor'] or float('nan'):.2f} "
+                f"| {'yes' if r['correct'] else 'NO'} |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(stem, meta, rows):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scens = list(dict.fromkeys(r["scenario"] for r in rows))
+    for key, ylabel, suffix in (
+        ("median_s", "median sync latency (s)", "_latency.png"),
+        ("peak_extra_bytes", "peak extra memory (bytes)", "_memory.png"),
+    ):
+        fig, axes = plt.subplots(1, len(scens), figsize=(4.2 * len(scens), 3.6), squeeze=False)
+        for ax, scen in zip(axes[0], scens, strict=True):
+            for m in dict.fromkeys(r["method"] for r in rows if r["scenario"] == scen):
+                pts = sorted(
+                    (r["params"], max(r[key], 1))
+                    for r in rows
+                    if r["scenario"] == scen and r["method"] == m
+                )
+                ax.plot(*zip(*pts, strict=True), marker="o", label=m)
+            if key == "median_s":
+                pts = sorted(
+                    (r["params"], r["floor_s"])
+                    for r in rows
+                    if r["scenario"] == scen and r["method"] == "reshard" and r["floor_s"]
+                )
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), "k--", label="floor")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_title(scen, fontsize=9)
+            ax.set_xlabel("parameters")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        axes[0][0].legend(fontsize=7)
+        fig.suptitle(
+            f"sync_latency, {meta['host']}, world {meta['world']}, {meta['transport']}",
+            fontsize=9,
+        )
+        fig.tight_layout()
+        fig.savefig(stem + suffix, dpi=110)
+        plt.close(fig)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _rank_main(rank, world, cfg, out_path):
+    def sink(out):
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, out_path)
+
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group(
             "gloo",
-            store=dist.FileStore(args["store"], world),
+            store=dist.FileStore(cfg["store"], world),
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=300),
+            timeout=datetime.timedelta(seconds=600),
         )
         try:
-            result = _measure(rank, world, args)
+            run_cases(rank, world, cfg, sink)
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
-        result = {"error": traceback.format_exc()}
-    with open(out_path, "w") as f:
-        json.dump(result, f)
-
-
-def _measure(rank, world, args):
-    sc = SCENARIOS[args["scenario"]](rank, world, args["quick"])
-    out = {"params": sum(math.prod(s) for s in sc.shapes.values()), "methods": {}}
-    reference = sc.dst.reference(sc.values, rank)  # independent: plain torch slicing
-    for name in args["methods"]:
-        step, info = METHODS[name](sc)
-        bufs = sc.targets()
-        for _ in range(args["warmup"]):
-            step(bufs)
-        times = []
-        for _ in range(args["iters"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(bufs)
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        correct = all(
-            torch.equal(bufs[k].view(torch.int16), v.view(torch.int16))
-            for k, v in reference.items()
-        )
-        times.sort()
-        out["methods"][name] = {
-            "median_s": statistics.median(times),
-            "p90_s": times[min(len(times) - 1, int(0.9 * len(times)))],
-            "correct": correct,
-            **info(),
-        }
-    return out
+        sink({"error": traceback.format_exc()})
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--scenario", choices=sorted(SCENARIOS), default="zero3_to_tp")
-    ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--world", type=int, default=2, help="ranks (1: one process, no group)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--scenarios", default=None, help="comma list (default: all that apply)")
+    ap.add_argument("--models", default=None, help=f"comma list of {', '.join(S.MODELS)}")
+    ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="small model, few iterations")
-    ap.add_argument("--json", default=None, help="write results to this file")
+    ap.add_argument("--budget-mib", type=float, default=None, help="reshard budget per peer")
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; skip later cases")
+    ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
+    ap.add_argument("--json", default=None, help="write PATH (+ .md, _latency/_memory.png)")
     args = ap.parse_args(argv)
-    methods = args.methods.split(",")
-    for m in methods:
-        if m not in METHODS:
-            ap.error(f"unknown method {m!r}; choose from {sorted(METHODS)}")
-    iters = args.iters or (5 if args.quick else 20)
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="reshard-bench-") as tmp:
-        cfg = {
-            "store": os.path.join(tmp, "store"),
-            "scenario": args.scenario,
-            "quick": args.quick,
-            "methods": methods,
-            "iters": iters,
-            "warmup": args.warmup,
-        }
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(args.world)]
-        procs = [
-            ctx.Process(target=_bench_rank, args=(r, args.world, cfg, outs[r]))
-            for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(3600)
-        results = []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                print(f"rank {r} died (exit code {procs[r].exitcode})", file=sys.stderr)
-                return 1
-            with open(path) as f:
-                results.append(json.load(f))
-    for r, x in enumerate(results):
-        if "error" in x:
-            print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
-            return 1
-    env = {
+    if args.world < 1:
+        ap.error("--world must be >= 1")
+    if args.device == "cuda" and (args.world != 1 or not torch.cuda.is_available()):
+        ap.error("--device cuda needs --world 1 and a visible GPU (one-process CPU<->GPU)")
+    if args.iters < 20:
+        print(
+            f"note: --iters {args.iters} < 20: fewer syncs than the suite's standard",
+            file=sys.stderr,
+        )
+    default_scen = MULTI_SCENARIOS if args.world > 1 else SINGLE_SCENARIOS
+    scenarios = args.scenarios.split(",") if args.scenarios else list(default_scen)
+    for s in scenarios:
+        if s not in S.SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; choose from {', '.join(S.SCENARIOS)}")
+        if s == "dp_change" and args.world < 2:
+            ap.error("dp_change needs --world >= 2")
+    models = (
+        args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
+    )
+    for m in models:
+        if m not in S.MODELS:
+            ap.error(f"unknown model {m!r}; choose from {', '.join(S.MODELS)}")
+    budget_mib = args.budget_mib or (64 if args.device == "cuda" else 1)
+    cfg = {
+        "device": args.device,
+        "scenarios": scenarios,
+        "models": models,
+        "methods": methods_for(args.world, args.device),
+        "iters": args.iters,
+        "warmup": max(1, args.warmup),
+        "budget": int(budget_mib * MiB),
+        "time_budget": args.time_budget,
+    }
+    meta = {
+        "host": platform.node() if args.device == "cpu" else torch.cuda.get_device_name(),
+        "device": args.device,
+        "transport": "gloo" if args.world > 1 else f"one process ({args.device})",
+        "world": args.world,
         "torch": torch.__version__,
+        "reshard": getattr(rs, "__version__", "?"),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "world": args.world,
-        "backend": "gloo",
-        "scenario": args.scenario,
-        "iters": iters,
-        "params": results[0]["params"],
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "iters": args.iters,
+        "warmup": cfg["warmup"],
+        "budget_bytes_per_peer": cfg["budget"],
+        "source": "synthetic (DeepSpeed ZeRO-3 / ZeRO-1/2 layouts; no engines)",
+        "command": "python benchmarks/sync_latency.py " + " ".join(argv or sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    print(
-        f"sync_latency: {args.scenario}, {env['params'] / 1e6:.2f}M params, world "
-        f"{args.world}, gloo, torch {env['torch']}, {env['cpus']} CPUs, {iters} iters"
+    progress(
+        f"{len(scenarios)} scenarios x {len(models)} models x {len(cfg['methods'])} methods, "
+        f"world {args.world}, {args.device}"
     )
-    print(
-        f"{'method':<18}{'median ms':>11}{'p90 ms':>9}{'vs reshard':>11}"
-        f"{'peak extra MiB':>16}{'recv MiB/rank':>15}  correct"
-    )
-    rows = {}
-    base = None
-    for m in methods:
-        per = [x["methods"][m] for x in results]
-        med = max(p["median_s"] for p in per)  # the slowest rank sets the sync's latency
-        p90 = max(p["p90_s"] for p in per)
-        peak = max(p["peak_extra_bytes"] for p in per)
-        recv = max(p["bytes_received"] for p in per)
-        correct = all(p["correct"] for p in per)
-        base = base or (med if m == "reshard" else None)
-        ratio = f"{med / base:.2f}x" if base else "-"
-        rows[m] = {
-            "median_s": med,
-            "p90_s": p90,
-            "peak_extra_bytes": peak,
-            "bytes_received_max_rank": recv,
-            "correct": correct,
-        }
-        print(
-            f"{m:<18}{med * 1e3:>11.2f}{p90 * 1e3:>9.2f}{ratio:>11}{peak / 2**20:>16.2f}"
-            f"{recv / 2**20:>15.2f}  {correct}"
-        )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"env": env, "methods": rows, "per_rank": results}, f, indent=1)
-    return 0 if all(r["correct"] for r in rows.values()) else 1
+
+    def finish(per_rank):
+        meta["links"] = per_rank[0]["links"]
+        rows = aggregate(per_rank, meta)
+        if args.json:
+            write_outputs(args.json, meta, rows)
+        return rows
+
+    if args.world == 1:
+        rows = []
+
+        def sink(out):
+            nonlocal rows
+            rows = finish([out])
+
+        run_cases(0, 1, cfg, sink)
+    else:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with tempfile.TemporaryDirectory(prefix="reshard-bench-") as tmp:
+            cfg["store"] = os.path.join(tmp, "store")
+            outs = [os.path.join(tmp, f"rank{r}.json") for r in range(args.world)]
+            procs = [
+                ctx.Process(target=_rank_main, args=(r, args.world, cfg, outs[r]))
+                for r in range(args.world)
+            ]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            per_rank = []
+            for r, path in enumerate(outs):
+                if not os.path.exists(path):
+                    print(f"rank {r} died (exit code {procs[r].exitcode})", file=sys.stderr)
+                    return 1
+                with open(path) as f:
+                    per_rank.append(json.load(f))
+        for r, x in enumerate(per_rank):
+            if "error" in x:
+                print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
+                return 1
+        rows = finish(per_rank)
+    print(markdown(meta, rows))
+    bad = [f"{r['scenario']}/{r['model']}/{r['method']}" for r in rows if not r["correct"]]
+    if bad:
+        print(f"WRONG TARGETS: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad or not rows else 0
 
 
 if __name__ == "__main__":
