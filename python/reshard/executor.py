@@ -50,6 +50,11 @@ def resolve_group(group):
         return None, 0, 1, "local"
     if group is None:
         group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the process group it was given: "
+            "only the group's members call a transfer on that group"
+        )
     backend = str(dist.get_backend(group)).lower()
     if backend == "gloo":
         transport = "gloo"
@@ -126,9 +131,9 @@ class _Engine:
             (dloc, int((d.desc_np[:, 4] * d.desc_np[:, 5]).sum())) for _, dloc, d in self.local
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
-        self.ring = None  # pinned ring for CPU<->CUDA local copies (stage_h2d / stage_d2h)
+        self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
         self.inflight = []  # the p2p works of the round in flight
-        self.broken = False  # set when a call failed after posting p2p operations
+        self.broken = False  # a call failed after preflight: never reuse these arenas
         self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
         self._written = None
 

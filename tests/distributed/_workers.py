@@ -215,6 +215,12 @@ def w_subgroup(rank, world, planner):
     values = S.model_values(shapes, seed=mine)
     case = (("zero12", [0, 1]), ("tp", [[1, 0]]), "fp32", "bf16", 200)
     errs, rep = check_case(dist.get_rank(g), planner, case, shapes, values, group=g)
+    try:  # a group this rank is not in: a clear error, no collective attempted
+        check_case(0, planner, case, shapes, values, group=groups[1 - mine])
+        errs.append("no error for a group this rank is not a member of")
+    except ValueError as exc:
+        if "is not a member of the process group" not in str(exc):
+            errs.append(f"unclear error for a foreign group: {exc}")
     return errs, rep.rank, rep.world_size, rep.bytes_sent
 
 
