@@ -1,0 +1,642 @@
+"""Multi-GPU benchmarks of reshard over NCCL (2 GPUs), each against baselines in the same run.
+
+    python benchmarks/nccl_bench.py --out DIR [--quick] [--time-cap 170]
+    python benchmarks/nccl_bench.py --out DIR --quick --backend gloo   # CPU dry run, no GPU
+
+Writes DIR/nccl_bench.json, DIR/nccl_bench.md, DIR/nccl_bench.png; a progress line per step on
+stderr; a summary table at the end on stdout. Sections:
+- `p2p`: the NCCL point-to-point ceiling: S bytes GPU0 -> GPU1 (one direction) and S bytes each
+  way at once (both directions), plain `batch_isend_irecv` of device buffers.
+- `swap`: reshard moving the same bytes GPU -> GPU, both directions at once (a tensor whose
+  row r lives on rank r goes to rank 1-r), for several per-peer budgets; ratio to the
+  bidirectional ceiling of the same size. A whole `Transfer` call: preflight (one all-gather),
+  pack, NCCL, unpack, final synchronize.
+- `weight_sync`: ZeRO-3-style bf16 shards of a transformer -> TP=2 bf16 rollout buffers, every
+  parameter: reshard vs `gather_broadcast` (per parameter: gather to rank 0, broadcast, slice)
+  and `full_gather` (per parameter: all-gather, slice). Median / p90 latency, peak extra device
+  memory (the caching allocator's peak above what sources, targets and values hold, plus the
+  staging reshard keeps between calls), every target checked bitwise against plain slicing.
+Times: wall clock between an aligning all-reduce and a device synchronize on every rank; the
+slowest rank's time per iteration, median over iterations. Bandwidth: bytes moved per direction
+per second (1 GB = 1e9 B). NCCL's own buffers are not counted in any method's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import reshard as rs
+from reshard.demo import Rollout, Zero3, _blocks, _shapes
+
+WORLD = 2
+GB = 1e9
+MiB = 1 << 20
+T_START = time.monotonic()
+
+
+def progress(msg: str) -> None:
+    print(f"[nccl_bench {time.monotonic() - T_START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------- timing helpers
+
+
+class Ctx:
+    def __init__(self, rank, backend, deadline):
+        self.rank, self.backend, self.deadline = rank, backend, deadline
+        self.cuda = backend == "nccl"
+        self.dev = torch.device("cuda", rank) if self.cuda else torch.device("cpu")
+        self._zero = torch.zeros(1, device=self.dev)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def align(self):
+        """Every rank leaves this at about the same time, with no device work pending."""
+        self.sync()
+        dist.all_reduce(self._zero)
+        self.sync()
+
+    def out_of_time(self, margin: float) -> bool:
+        """Collective: true on every rank if any rank has less than `margin` seconds left (a
+        rank deciding alone would leave its peer waiting in a collective)."""
+        flag = torch.tensor([float(self.deadline - time.monotonic() < margin)], device=self.dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def measure(self, fn, iters, warmup=2, inner=1):
+        """Per iteration: the slowest rank's seconds for `inner` calls, divided by inner.
+        Returns (median, p90, list)."""
+        for _ in range(warmup):
+            fn()
+        self.sync()
+        mine = []
+        for _ in range(iters):
+            self.align()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            self.sync()
+            mine.append((time.perf_counter() - t0) / inner)
+        allt = [None] * WORLD
+        dist.all_gather_object(allt, mine)
+        per_iter = sorted(max(ts) for ts in zip(*allt))
+        return statistics.median(per_iter), per_iter[min(len(per_iter) - 1, int(0.9 * iters))]
+
+
+# ----------------------------------------------------------------- p2p ceiling
+
+
+def bench_p2p(ctx, sizes, iters):
+    peer = 1 - ctx.rank
+    out = []
+    for nbytes in sizes:
+        if ctx.out_of_time(20):
+            ctx.rank or progress(f"p2p: time cap reached, skipping {nbytes} B and larger")
+            break
+        send = torch.full((nbytes,), ctx.rank + 1, dtype=torch.uint8, device=ctx.dev)
+        recv = torch.zeros(nbytes, dtype=torch.uint8, device=ctx.dev)
+        inner = max(1, min(20, (256 * MiB) // nbytes))
+
+        def bidir(send=send, recv=recv):
+            ops = [
+                dist.P2POp(dist.isend, send, peer),
+                dist.P2POp(dist.irecv, recv, peer),
+            ]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        def unidir(send=send, recv=recv):
+            op = dist.isend if ctx.rank == 0 else dist.irecv
+            buf = send if ctx.rank == 0 else recv
+            for w in dist.batch_isend_irecv([dist.P2POp(op, buf, peer)]):
+                w.wait()
+
+        bi, bi90 = ctx.measure(bidir, iters, inner=inner)
+        ok = bool((recv == peer + 1).all())
+        uni, _ = ctx.measure(unidir, iters, inner=inner)
+        row = {
+            "bytes": nbytes,
+            "bidir_s": bi,
+            "bidir_p90_s": bi90,
+            "bidir_gbps_per_direction": nbytes / bi / GB,
+            "unidir_s": uni,
+            "unidir_gbps": nbytes / uni / GB,
+            "correct": ok,
+        }
+        out.append(row)
+        if ctx.rank == 0:
+            progress(
+                f"p2p {nbytes / MiB:8.1f} MiB: bidir {row['bidir_gbps_per_direction']:7.1f} GB/s "
+                f"per direction, unidir {row['unidir_gbps']:7.1f} GB/s"
+            )
+        del send, recv
+    return out
+
+
+# ----------------------------------------------------------------- reshard swap
+
+
+def _swap_layouts(n):
+    """Tensor x (2, n) fp32: row r on rank r (location r) -> rank 1-r (location 10 + 1-r)."""
+    src = rs.Layout(
+        {"x": rs.split((2, n), 0, [1, 1], [0, 1])},
+        {0: rs.Storage(0, torch.float32, n), 1: rs.Storage(1, torch.float32, n)},
+    )
+    dst = rs.Layout(
+        {"x": rs.split((2, n), 0, [1, 1], [11, 10])},
+        {10: rs.Storage(0, torch.float32, n), 11: rs.Storage(1, torch.float32, n)},
+    )
+    return src, dst
+
+
+def bench_swap(ctx, sizes, budgets, p2p, iters):
+    ceiling = {r["bytes"]: r["bidir_s"] for r in p2p}
+    out = []
+    for nbytes in sizes:
+        n = nbytes // 4
+        src_l, dst_l = _swap_layouts(n)
+        g = torch.Generator(device=ctx.dev).manual_seed(1234 + ctx.rank)
+        src = {ctx.rank: torch.randn(n, generator=g, device=ctx.dev)}
+        g2 = torch.Generator(device=ctx.dev).manual_seed(1234 + (1 - ctx.rank))
+        want = torch.randn(n, generator=g2, device=ctx.dev)  # the peer's row
+        for budget in budgets:
+            if budget > 2 * nbytes and budget != budgets[0]:
+                continue  # bigger budgets than the message change nothing
+            if ctx.out_of_time(20):
+                ctx.rank or progress(f"swap: time cap reached, skipping {nbytes} B budget {budget}")
+                break
+            dst = {10 + ctx.rank: torch.full((n,), float("nan"), device=ctx.dev)}
+            sync = rs.Transfer(src_l, dst_l, budget_bytes_per_peer=budget)
+            last = {}
+
+            def call(sync=sync, src=src, dst=dst, last=last):
+                last["r"] = sync(src, dst)
+
+            med, p90 = ctx.measure(call, iters)
+            rep = last["r"]
+            ok = bool(torch.equal(dst[10 + ctx.rank], want))
+            row = {
+                "bytes": nbytes,
+                "budget": budget,
+                "rounds": rep.rounds,
+                "median_s": med,
+                "p90_s": p90,
+                "gbps_per_direction": nbytes / med / GB,
+                "ratio_to_p2p_bidir": (ceiling[nbytes] / med) if nbytes in ceiling else None,
+                "staging_device_bytes": rep.peak_staging_bytes["device"],
+                "phases_s": {k: round(v, 6) for k, v in rep.seconds.items()},
+                "correct": ok,
+            }
+            out.append(row)
+            if ctx.rank == 0:
+                r = row["ratio_to_p2p_bidir"]
+                progress(
+                    f"swap {nbytes / MiB:8.1f} MiB budget {budget / MiB:7.1f} MiB: "
+                    f"{row['gbps_per_direction']:7.1f} GB/s per direction, "
+                    f"{'-' if r is None else f'{r:.3f}'} of p2p, {rep.rounds} rounds, ok={ok}"
+                )
+            del sync, dst
+        del src, want
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------- weight sync
+
+
+class WeightSync:
+    """ZeRO-3 bf16 shards (rank r holds chunk r of every parameter, NaN padding) -> TP=2 bf16
+    rollout buffers (demo.Rollout: fused qkv, column/row splits, uneven blocks)."""
+
+    def __init__(self, ctx, hidden, ffn, vocab, layers):
+        self.ctx, self.rank = ctx, ctx.rank
+        self.shapes = _shapes(hidden, ffn, vocab, layers)
+        self.params = sum(math.prod(s) for s in self.shapes.values())
+        z = Zero3(self.shapes, WORLD)
+        self.z = z
+        zl = z.layout()
+        self.src_layout = rs.Layout(
+            dict(zl.tensors),
+            {r: rs.Storage(r, torch.bfloat16, s.numel) for r, s in zl.storages.items()},
+        )
+        self.dst = Rollout(self.shapes, WORLD, 2)
+        self.dst_layout = self.dst.layout()
+        # values generated on the device, identically on both ranks (seeded per parameter)
+        self.values = {}
+        for i, (name, shape) in enumerate(self.shapes.items()):
+            g = torch.Generator(device=ctx.dev).manual_seed(1000 + i)
+            v = torch.randn(shape, generator=g, device=ctx.dev)
+            self.values[name] = v.to(torch.bfloat16)
+        parts = []
+        for name in self.shapes:
+            c = z.chunk[name]
+            piece = self.values[name].reshape(-1)[self.rank * c : (self.rank + 1) * c]
+            pad = torch.full((c - piece.numel(),), float("nan"), device=ctx.dev)
+            parts += [piece, pad.to(torch.bfloat16)]
+        self.shard = torch.cat(parts)
+        self.reference = self.dst.reference(self.values, self.rank)
+
+    def targets(self):
+        return self.dst.buffers(self.rank, self.ctx.dev)
+
+    def chunk(self, name):
+        c, off = self.z.chunk[name], self.z.offset[name]
+        return c, self.shard[off : off + c]
+
+    def write_param(self, name, full, bufs):
+        """This rank's TP part of a full parameter into its rollout buffers (plain slicing)."""
+        d = self.dst
+        t = next(g for g in d.groups if self.rank in g).index(self.rank)
+        (h0, hs), (f0, fs), (v0, vs) = (_blocks(x, d.tp)[t] for x in (d.h, d.f, d.v))
+        if name == "embed":
+            key, off, part = "embed", 0, full[v0 : v0 + vs]
+        elif full.dim() == 1:
+            key, off, part = "norms", d.norms.index(name) * d.h, full
+        else:
+            layer, kind = name.split(".")
+            if kind in ("q", "k", "v"):
+                key, off, part = f"{layer}.qkv", "qkv".index(kind) * hs * d.h, full[h0 : h0 + hs]
+            elif kind == "o":
+                key, off, part = f"{layer}.o", 0, full[:, h0 : h0 + hs]
+            elif kind == "fc1":
+                key, off, part = f"{layer}.fc1", 0, full[f0 : f0 + fs]
+            else:
+                key, off, part = f"{layer}.fc2", 0, full[:, f0 : f0 + fs]
+        buf = bufs[d.loc[(self.rank, key)]]
+        buf[off : off + part.numel()].view(part.shape).copy_(part)
+
+
+def m_reshard(ws, budget):
+    sync = rs.Transfer(ws.src_layout, ws.dst_layout, budget_bytes_per_peer=budget)
+    last = {}
+
+    def step(bufs):
+        last["r"] = sync({ws.rank: ws.shard}, bufs)
+
+    def info():
+        r = last["r"]
+        return {
+            "held_between_calls_bytes": r.peak_staging_bytes["device"],
+            "pinned_bytes": r.peak_staging_bytes["host_pinned"],
+            "bytes_received": r.total_bytes_received,
+            "rounds": r.rounds,
+            "phases_s": {k: round(v, 6) for k, v in r.seconds.items()},
+        }
+
+    return step, info
+
+
+def m_gather_broadcast(ws):
+    dev = ws.ctx.dev
+
+    def step(bufs):
+        for name, shape in ws.shapes.items():
+            c, mine = ws.chunk(name)
+            numel = math.prod(shape)
+            if ws.rank == 0:
+                parts = [torch.empty(c, dtype=mine.dtype, device=dev) for _ in range(WORLD)]
+                dist.gather(mine, parts, dst=0)
+                full = torch.cat(parts)[:numel].reshape(shape)
+                del parts
+            else:
+                dist.gather(mine, None, dst=0)
+                full = torch.empty(shape, dtype=mine.dtype, device=dev)
+            dist.broadcast(full, src=0)
+            ws.write_param(name, full, bufs)
+            del full
+
+    return step, lambda: {"held_between_calls_bytes": 0}
+
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def m_full_gather(ws):
+    dev = ws.ctx.dev
+
+    def step(bufs):
+        for name, shape in ws.shapes.items():
+            c, mine = ws.chunk(name)
+            flat = torch.empty(c * WORLD, dtype=mine.dtype, device=dev)
+            _all_gather_flat(flat, mine)
+            ws.write_param(name, flat[: math.prod(shape)].view(shape), bufs)
+            del flat
+
+    return step, lambda: {"held_between_calls_bytes": 0}
+
+
+def _peak_extra(ctx, step, bufs):
+    """Device bytes the caching allocator held above the baseline during one step."""
+    if not ctx.cuda:
+        return None
+    ctx.align()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step(bufs)
+    ctx.sync()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_weight_sync(ctx, model, budgets, iters):
+    t0 = time.monotonic()
+    ws = WeightSync(ctx, **model)
+    if ctx.rank == 0:
+        progress(
+            f"weight_sync: {ws.params / 1e9:.3f}B params bf16, set up in "
+            f"{time.monotonic() - t0:.1f} s"
+        )
+    methods = [(f"reshard@{b // MiB}MiB", lambda b=b: m_reshard(ws, b)) for b in budgets]
+    methods += [
+        ("gather_broadcast", lambda: m_gather_broadcast(ws)),
+        ("full_gather", lambda: m_full_gather(ws)),
+    ]
+    out = {"params": ws.params, "model": model, "bytes_bf16": 2 * ws.params, "methods": {}}
+    for name, make in methods:
+        if ctx.out_of_time(15):
+            ctx.rank or progress(f"weight_sync: time cap reached, skipping {name}")
+            continue
+        step, info = make()
+        bufs = ws.targets()
+        med, p90 = ctx.measure(lambda step=step, bufs=bufs: step(bufs), iters)
+        extra = _peak_extra(ctx, step, bufs)
+        correct = all(torch.equal(bufs[k].view(torch.int16), v.view(torch.int16))
+                      for k, v in ws.reference.items())  # fmt: skip
+        row = {"median_s": med, "p90_s": p90, "transient_extra_bytes": extra, "correct": correct}
+        row.update(info())
+        row["peak_extra_device_bytes"] = (extra or 0) + row["held_between_calls_bytes"]
+        out["methods"][name] = row
+        if ctx.rank == 0:
+            progress(
+                f"weight_sync {name:<18} median {med * 1e3:8.2f} ms  p90 {p90 * 1e3:8.2f} ms  "
+                f"peak extra {row['peak_extra_device_bytes'] / MiB:9.1f} MiB  correct={correct}"
+            )
+        del step, bufs
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return out
+
+
+# ----------------------------------------------------------------- harness
+
+
+def _rank_main(rank, backend, store, cfg, out_path):
+    for k, v in cfg["env"].items():
+        os.environ.setdefault(k, v)
+    result = None
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
+        dist.init_process_group(
+            backend,
+            store=dist.FileStore(store, WORLD),
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            ctx = Ctx(rank, backend, cfg["deadline"])
+            result = {"p2p": bench_p2p(ctx, cfg["sizes"], cfg["iters"])}
+            result["swap"] = bench_swap(
+                ctx, cfg["swap_sizes"], cfg["budgets"], result["p2p"], cfg["iters"]
+            )
+            result["weight_sync"] = bench_weight_sync(
+                ctx, cfg["model"], cfg["ws_budgets"], cfg["ws_iters"]
+            )
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
+        result = {"error": traceback.format_exc(), "partial": result}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def _env_info(backend):
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "backend": backend,
+        "world": WORLD,
+        "cpus": os.cpu_count(),
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    if backend == "nccl":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return env
+
+
+def _fmt_bytes(n):
+    return f"{n / MiB:.0f} MiB" if n >= MiB else f"{n / 1024:.0f} KiB"
+
+
+def write_outputs(out_dir, res):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "nccl_bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    lines = [f"# nccl_bench ({res['env']['backend']}, {WORLD} ranks)", "", "```"]
+    lines += [json.dumps(res["env"])]
+    lines += ["```", "", "## NCCL point-to-point ceiling", ""]
+    lines += ["| size | one direction GB/s | both directions GB/s (each) |", "|---|---|---|"]
+    for r in res["p2p"]:
+        lines.append(
+            f"| {_fmt_bytes(r['bytes'])} | {r['unidir_gbps']:.1f} | "
+            f"{r['bidir_gbps_per_direction']:.1f} |"
+        )
+    lines += ["", "## reshard GPU->GPU, both directions at once, vs the p2p ceiling", ""]
+    lines += [
+        "| size | budget/peer | rounds | GB/s (each direction) | ratio to p2p | device staging "
+        "| correct |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in res["swap"]:
+        ratio = "-" if r["ratio_to_p2p_bidir"] is None else f"{r['ratio_to_p2p_bidir']:.3f}"
+        lines.append(
+            f"| {_fmt_bytes(r['bytes'])} | {_fmt_bytes(r['budget'])} | {r['rounds']} | "
+            f"{r['gbps_per_direction']:.1f} | {ratio} | "
+            f"{_fmt_bytes(r['staging_device_bytes'])} | {r['correct']} |"
+        )
+    ws = res["weight_sync"]
+    lines += ["", f"## Weight sync: {ws['params'] / 1e9:.3f}B params, ZeRO-3 bf16 -> TP=2 bf16", ""]
+    lines += [
+        "| method | median ms | p90 ms | vs reshard | peak extra device MiB | correct |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = next((m["median_s"] for k, m in ws["methods"].items() if k.startswith("reshard")), None)
+    for name, m in ws["methods"].items():
+        rel = f"{m['median_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"| {name} | {m['median_s'] * 1e3:.2f} | {m['p90_s'] * 1e3:.2f} | {rel} | "
+            f"{m['peak_extra_device_bytes'] / MiB:.1f} | {m['correct']} |"
+        )
+    with open(os.path.join(out_dir, "nccl_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+        p2p = res["p2p"]
+        xs = [r["bytes"] / MiB for r in p2p]
+        a.plot(xs, [r["unidir_gbps"] for r in p2p], "o-", label="NCCL p2p, one direction")
+        a.plot(xs, [r["bidir_gbps_per_direction"] for r in p2p], "s-", label="NCCL p2p, both")
+        budgets = sorted({r["budget"] for r in res["swap"]})
+        for bud in budgets:
+            rows = [r for r in res["swap"] if r["budget"] == bud]
+            a.plot(
+                [r["bytes"] / MiB for r in rows],
+                [r["gbps_per_direction"] for r in rows],
+                "^--",
+                label=f"reshard, both, budget {_fmt_bytes(bud)}",
+            )
+        a.set_xscale("log", base=2)
+        a.set_xlabel("bytes per direction (MiB)")
+        a.set_ylabel("GB/s per direction")
+        a.set_title("GPU0 <-> GPU1")
+        a.legend(fontsize=7)
+        names = list(ws["methods"])
+        b.bar(names, [ws["methods"][n]["median_s"] * 1e3 for n in names])
+        b.set_ylabel("median ms per sync")
+        b.set_title(f"weight sync {ws['params'] / 1e9:.2f}B bf16 ZeRO-3 -> TP=2")
+        b.tick_params(axis="x", labelrotation=20, labelsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "nccl_bench.png"), dpi=90)
+    except Exception as exc:  # noqa: BLE001 - the plot is optional; the tables are the result
+        progress(f"plot skipped: {exc}")
+
+
+def summary(res) -> str:
+    out = [f"== nccl_bench summary ({res['env']['backend']}, {res['env'].get('gpus', 'cpu')})"]
+    out.append(f"{'bytes/dir':>10} {'p2p 1-dir':>10} {'p2p both':>10} {'reshard best':>13} "
+               f"{'ratio':>6} {'budget':>9}")  # fmt: skip
+    for r in res["p2p"]:
+        rows = [s for s in res["swap"] if s["bytes"] == r["bytes"]]
+        best = max(rows, key=lambda s: s["gbps_per_direction"]) if rows else None
+        out.append(
+            f"{_fmt_bytes(r['bytes']):>10} {r['unidir_gbps']:>10.1f} "
+            f"{r['bidir_gbps_per_direction']:>10.1f} "
+            + (
+                f"{best['gbps_per_direction']:>13.1f} {best['ratio_to_p2p_bidir']:>6.3f} "
+                f"{_fmt_bytes(best['budget']):>9}"
+                if best
+                else f"{'-':>13}"
+            )
+        )
+    ws = res["weight_sync"]
+    out.append(f"weight sync {ws['params'] / 1e9:.3f}B params bf16 ZeRO-3 -> TP=2:")
+    for name, m in ws["methods"].items():
+        out.append(
+            f"  {name:<18} median {m['median_s'] * 1e3:8.2f} ms  p90 {m['p90_s'] * 1e3:8.2f} ms"
+            f"  peak extra {m['peak_extra_device_bytes'] / MiB:9.1f} MiB  correct {m['correct']}"
+        )
+    bad = [s for s in res["swap"] if not s["correct"]] + [
+        n for n, m in ws["methods"].items() if not m["correct"]
+    ]
+    bad += [r["bytes"] for r in res["p2p"] if not r["correct"]]
+    out.append("ALL CORRECT" if not bad else f"INCORRECT: {bad}")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--quick", action="store_true", help="small sizes and model")
+    ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
+                    help="gloo: a CPU dry run of the same code (no GPU needed)")  # fmt: skip
+    ap.add_argument("--time-cap", type=float, default=170.0, help="seconds; later steps shrink")
+    args = ap.parse_args(argv)
+    if args.backend == "nccl" and torch.cuda.device_count() < WORLD:
+        print(f"nccl_bench needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    if args.quick or args.backend == "gloo":
+        sizes = [64 << 10, 1 * MiB, 8 * MiB]
+        budgets = [1 * MiB, 64 * MiB]
+        model = {"hidden": 256, "ffn": 688, "vocab": 1001, "layers": 2}
+        iters, ws_iters = 5, 5
+    else:
+        sizes = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+        budgets = [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
+        model = {"hidden": 4096, "ffn": 11008, "vocab": 32000, "layers": 8}
+        iters, ws_iters = 10, 10
+    cfg = {
+        "sizes": sizes,
+        "swap_sizes": sizes,
+        "budgets": budgets,
+        "model": model,
+        "ws_budgets": [64 * MiB, 256 * MiB] if not args.quick else [1 * MiB],
+        "iters": iters,
+        "ws_iters": ws_iters,
+        # steps shrink past this (wall clock of this machine, shared with the ranks)
+        "deadline": time.monotonic() + args.time_cap - 15,
+        "env": {
+            "NCCL_NVLS_ENABLE": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1",
+        },  # fmt: skip
+    }
+    progress(f"start: backend {args.backend}, sizes {[_fmt_bytes(s) for s in sizes]}")
+    ctx = torch.multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="reshard-nccl-bench-") as tmp:
+        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(WORLD)]
+        procs = [
+            ctx.Process(
+                target=_rank_main, args=(r, args.backend, os.path.join(tmp, "store"), cfg, outs[r])
+            )
+            for r in range(WORLD)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(5.0, args.time_cap + 30 - (time.monotonic() - T_START)))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results = []
+        for r, path in enumerate(outs):
+            if not os.path.exists(path):
+                print(f"rank {r} wrote nothing (exit code {procs[r].exitcode})", file=sys.stderr)
+                return 1
+            with open(path) as f:
+                results.append(json.load(f))
+    for r, x in enumerate(results):
+        if "error" in x:
+            print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
+            return 1
+    res = {
+        "env": _env_info(args.backend),
+        "config": {k: v for k, v in cfg.items() if k != "deadline"},
+    }
+    res.update(results[0])
+    res["per_rank_correct"] = [
+        all(s["correct"] for s in x["swap"])
+        and all(m["correct"] for m in x["weight_sync"]["methods"].values())
+        and all(p["correct"] for p in x["p2p"])
+        for x in results
+    ]
+    write_outputs(args.out, res)
+    print(summary(res))
+    return 0 if all(res["per_rank_correct"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
