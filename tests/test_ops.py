@@ -202,6 +202,7 @@ def test_zero_rows_zero_counts_empty_buffers():
         reshard.copy_runs(src, desc, dst)
         np.testing.assert_array_equal(bits(dst), before)
     reshard.copy_runs(torch.empty(0), np.zeros((0, 6), np.int64), torch.empty(0))
+    reshard.copy_runs(torch.empty(0), [], torch.empty(0))
     # a zero-count row is a no-op even when its offsets point past an empty buffer
     reshard.copy_runs(torch.empty(0), np.array([[5, 1, 5, 1, 3, 0]]), torch.empty(0))
 

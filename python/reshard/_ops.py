@@ -32,8 +32,8 @@ def as_desc(desc) -> torch.Tensor:
         t = desc
     else:
         arr = np.asarray(desc)
-        if arr.size == 0 and arr.ndim == 1:
-            arr = arr.reshape(0, 6)
+        if arr.size == 0 and arr.ndim == 1:  # [] or an empty array: a table with no rows
+            arr = np.zeros((0, 6), dtype=np.int64)
         if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
             raise TypeError(f"desc must hold integers, got numpy dtype {arr.dtype}")
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
