@@ -107,12 +107,25 @@ def w_repeat(rank, world, planner, n):
     return errs, rss, allocs, len(set(ptrs)), rep.rounds
 
 
-PREFLIGHT_KINDS = ("dtype", "short", "foreign", "missing", "alias", "fingerprint", "notready")
+PREFLIGHT_KINDS = (
+    "dtype",
+    "short",
+    "foreign",
+    "missing",
+    "alias",
+    "fingerprint",
+    "notready",
+    "oom",
+    "device",
+)
 
 
 def w_preflight(rank, world, planner, kinds):
     """For each kind and each failing rank: every rank must raise the same PreflightError
     naming the failing rank, and no target byte may change anywhere."""
+    import reshard.executor as ex
+
+    real_alloc = ex._Engine._alloc
     shapes = S.model_shapes()
     values = S.model_values(shapes)
     case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
@@ -150,17 +163,28 @@ def w_preflight(rank, world, planner, kinds):
                         raise rs.NotReadyError("exp_avg does not exist before the first step")
 
                     checks = (not_ready,)
+                elif kind == "oom":  # the staging allocation fails on this rank only
+
+                    def no_memory(self, nbytes, pinned):
+                        raise torch.OutOfMemoryError(f"cannot allocate {nbytes} bytes (injected)")
+
+                    ex._Engine._alloc = no_memory
+                elif kind == "device":  # a buffer on a device the gloo transport cannot use
+                    sb[sloc] = sb[sloc].to("meta")
             try:
                 rs.execute(p, sb, db, checks=checks)
                 errs.append(f"{kind} on rank {bad}: no PreflightError on rank {rank}")
+                continue
             except rs.PreflightError as exc:
-                msg = str(exc)
-                if f"rank {bad}:" not in msg:
-                    errs.append(f"{kind} on rank {bad}: message does not name it: {msg}")
-                if kind != "fingerprint" and set(exc.failures) != {bad}:
-                    errs.append(f"{kind} on rank {bad}: failures {exc.failures}")
-                errs += [f"{kind}/{bad}: touched {m}" for m in S.mismatches(db, before)]
-                msgs.append((kind, bad, msg))
+                msg, failures = str(exc), exc.failures
+            finally:
+                ex._Engine._alloc = real_alloc
+            if f"rank {bad}:" not in msg:
+                errs.append(f"{kind} on rank {bad}: message does not name it: {msg}")
+            if kind != "fingerprint" and set(failures) != {bad}:
+                errs.append(f"{kind} on rank {bad}: failures {failures}")
+            errs += [f"{kind}/{bad}: touched {m}" for m in S.mismatches(db, before)]
+            msgs.append((kind, bad, msg))
     return errs, msgs
 
 

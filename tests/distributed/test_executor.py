@@ -118,6 +118,8 @@ def test_preflight_failures_are_collective(tmp_path):
     assert "aliases source location" in msgs["alias"]
     assert "fingerprint" in msgs["fingerprint"]
     assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
+    assert "staging allocation failed: OutOfMemoryError: cannot allocate" in msgs["oom"]
+    assert "is on meta, but the gloo transport needs CPU buffers" in msgs["device"]
 
 
 @pytest.mark.parametrize("mode", ["die", "stall", "die_in_preflight"])
