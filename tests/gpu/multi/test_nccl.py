@@ -31,15 +31,15 @@ for _p in (_ROOT, _HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import _nccl_workers as NW  # noqa: E402
-
-from tests._spawn import run_ranks  # noqa: E402
-
 WORLD = 2
 ON_GLOO = os.environ.get("RESHARD_MULTI_ON_GLOO") == "1"
 HAVE_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= WORLD
 if not HAVE_GPUS and not ON_GLOO:
     pytest.skip(f"needs {WORLD} CUDA devices", allow_module_level=True)
+
+import _nccl_workers as NW  # noqa: E402
+
+from tests._spawn import run_ranks  # noqa: E402
 
 BACKEND = "nccl" if HAVE_GPUS else "gloo"
 # NVLink multicast stays off (docs: the device host's fabric manager does not provide it).
@@ -129,7 +129,7 @@ def test_preflight_failures_are_collective(tmp_path, residency):
         assert "not this rank's current device cuda:1" in msgs["wrong_gpu"]
 
 
-GROUP_TIMEOUT_S = 15.0
+GROUP_TIMEOUT_S = 10.0
 
 
 @pytest.mark.parametrize("mode", ["die", "die_in_preflight"])
