@@ -438,8 +438,12 @@ def _env_info(backend):
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
     }
     if backend == "nccl":
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        try:
+            env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as exc:  # noqa: BLE001 - descriptive only; never lose the results
+            env["gpus"] = f"unknown ({exc})"
     return env
 
 
@@ -537,7 +541,7 @@ def summary(res) -> str:
             + (
                 f"{best['gbps_per_direction']:>13.1f} {best['ratio_to_p2p_bidir']:>6.3f} "
                 f"{_fmt_bytes(best['budget']):>9}"
-                if best
+                if best and best["ratio_to_p2p_bidir"] is not None
                 else f"{'-':>13}"
             )
         )

@@ -72,7 +72,16 @@ def w_residency(rank, world, cases, combos, shapes_kw):
     return out
 
 
-PREFLIGHT_KINDS = ("dtype", "short", "foreign", "missing", "alias", "fingerprint", "notready")
+PREFLIGHT_KINDS = (
+    "dtype",
+    "short",
+    "foreign",
+    "missing",
+    "alias",
+    "alias_targets",
+    "fingerprint",
+    "notready",
+)
 
 
 def w_preflight(rank, world, sdev, ddev, kinds):
@@ -105,11 +114,13 @@ def w_preflight(rank, world, sdev, ddev, kinds):
                     del sb[sloc]
                 elif kind == "alias":  # the largest target is a view of a source's memory
                     dloc = max(db, key=lambda k: db[k].numel())
-                    if sb[sloc].device == db[dloc].device:
-                        db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
-                    else:  # different devices cannot alias: make two targets share memory
-                        other_loc = min(db, key=lambda k: db[k].numel())
-                        db[other_loc] = db[dloc][: db[other_loc].numel()]
+                    if sb[sloc].device != db[dloc].device:  # cannot alias across devices
+                        sb[sloc] = sb[sloc].to(db[dloc].device)
+                    db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
+                elif kind == "alias_targets":  # two targets share memory
+                    big = max(db, key=lambda k: db[k].numel())
+                    small = min(db, key=lambda k: db[k].numel())
+                    db[small] = db[big][: db[small].numel()]
                 elif kind == "fingerprint":
                     p = other
                 elif kind == "notready":
