@@ -149,6 +149,11 @@ def w_preflight(rank, world, sdev, ddev, kinds):
     return errs, msgs
 
 
+def w_preflight_many(rank, world, runs):
+    """w_preflight for several (source device, target device, kinds) in one spawn."""
+    return [w_preflight(rank, world, sdev, ddev, kinds) for sdev, ddev, kinds in runs]
+
+
 def w_killed(rank, world, victim, mode, dev, timeout):
     """One good transfer (communicators warm), then `victim` dies: in the middle of the rounds
     (mode "die": the survivors must raise TransferError) or in preflight's local checks

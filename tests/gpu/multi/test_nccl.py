@@ -106,27 +106,32 @@ def test_residency_larger_model(tmp_path):
     _check(res, "large")
 
 
-@pytest.mark.parametrize("residency", COMBOS[:2] if HAVE_GPUS else COMBOS)
-def test_preflight_failures_are_collective(tmp_path, residency):
-    kinds = NW.PREFLIGHT_KINDS + (("wrong_gpu",) if HAVE_GPUS and residency[0] == "cuda" else ())
+def test_preflight_failures_are_collective(tmp_path):
+    """Each injected failure on each rank, with GPU buffers and with CPU sources (one spawn)."""
+    runs = []
+    for sdev, ddev in COMBOS[:2]:
+        extra = ("wrong_gpu",) if HAVE_GPUS and sdev == "cuda" else ()
+        runs.append((sdev, ddev, NW.PREFLIGHT_KINDS + extra))
     res = run_ranks(
-        NW.w_preflight, WORLD, tmp_path, backend=BACKEND, env=ENV, timeout=180,
-        args=(*residency, kinds),
+        NW.w_preflight_many, WORLD, tmp_path, backend=BACKEND, env=ENV, timeout=180,
+        args=(runs,),
     )  # fmt: skip
-    for errs, _ in res:
-        assert not errs, "\n".join(map(str, errs[:10]))
-    per_rank = [{(k, b): m for k, b, m in msgs} for _, msgs in res]
-    assert len(per_rank[0]) == len(kinds) * WORLD
-    for key, msg in per_rank[0].items():
-        assert per_rank[1][key] == msg, (key, msg, per_rank[1][key])
-    msgs = {k: m for (k, b), m in per_rank[0].items() if b == 1}
-    assert "dtype torch.float16, storage declares torch.float32" in msgs["dtype"]
-    assert "is owned by rank 0, not 1" in msgs["foreign"]
-    assert "is missing" in msgs["missing"]
-    assert "fingerprint" in msgs["fingerprint"]
-    assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
-    if "wrong_gpu" in msgs:
-        assert "not this rank's current device cuda:1" in msgs["wrong_gpu"]
+    for i, (sdev, ddev, kinds) in enumerate(runs):
+        label = f"{sdev}->{ddev}"
+        for errs, _ in (r[i] for r in res):
+            assert not errs, label + "\n" + "\n".join(map(str, errs[:10]))
+        per_rank = [{(k, b): m for k, b, m in r[i][1]} for r in res]
+        assert len(per_rank[0]) == len(kinds) * WORLD, label
+        for key, msg in per_rank[0].items():
+            assert per_rank[1][key] == msg, (label, key, msg, per_rank[1][key])
+        msgs = {k: m for (k, b), m in per_rank[0].items() if b == 1}
+        assert "dtype torch.float16, storage declares torch.float32" in msgs["dtype"]
+        assert "is owned by rank 0, not 1" in msgs["foreign"]
+        assert "is missing" in msgs["missing"]
+        assert "fingerprint" in msgs["fingerprint"]
+        assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
+        if "wrong_gpu" in msgs:
+            assert "not this rank's current device cuda:1" in msgs["wrong_gpu"]
 
 
 GROUP_TIMEOUT_S = 12.0
