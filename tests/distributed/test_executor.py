@@ -96,7 +96,7 @@ def test_repeated_transfer(tmp_path, planner):
         assert len(set(allocs)) == 1 and allocs[0] > 0, allocs
         assert distinct_arenas == 1, "arenas were reallocated between calls"
         # RSS after call 10 vs after call 100: flat (generous slack for allocator noise)
-        assert rss[1] - rss[0] < 4 << 20, f"rank {rank} RSS grew {rss}"
+        assert rss[1] - rss[0] < 1 << 20, f"rank {rank} RSS grew {rss}"
 
 
 def test_preflight_failures_are_collective(tmp_path):
