@@ -85,7 +85,8 @@ def _worker(rank, world_size, init_file, backend, group_timeout_s, fn, args, env
         try:
             record = ("ok", fn(rank, world_size, *args))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # a worker may have aborted its group after a failure
+                dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         tb = traceback.format_exc()
         if type(exc).__name__ == "Skipped":  # pytest.skip() inside the worker
