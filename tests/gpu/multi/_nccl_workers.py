@@ -193,10 +193,25 @@ def w_killed(rank, world, victim, mode, dev, timeout):
     except (rs.TransferError, rs.PreflightError) as exc:
         seconds = time.monotonic() - t0
         if isinstance(exc, rs.PreflightError) and S.mismatches(_cpu(db), before):
-            return ("PreflightError but targets were written", seconds, str(exc), rounds)
-        return (type(exc).__name__, seconds, str(exc), rounds)
+            out = ("PreflightError but targets were written", seconds, str(exc), rounds)
+        else:
+            out = (type(exc).__name__, seconds, str(exc), rounds)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a wrong error type
-        return (type(exc).__name__, time.monotonic() - t0, str(exc), rounds)
+        out = (type(exc).__name__, time.monotonic() - t0, str(exc), rounds)
+    _abort_dead_group()
+    return out
+
+
+def _abort_dead_group():
+    """After a peer died under NCCL, abort the group (what a job does before rebuilding it):
+    the normal teardown would finalize communicators whose peer is gone. gloo needs nothing."""
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() != "nccl" or abort is None:
+        return
+    try:
+        abort()
+    except Exception:  # noqa: BLE001 - best effort; the result is already decided
+        pass
 
 
 def w_deepspeed(rank, world, stages, models, budget, device="cuda"):
