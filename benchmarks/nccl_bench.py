@@ -395,10 +395,18 @@ def bench_weight_sync(ctx, model, budgets, iters):
 # ----------------------------------------------------------------- harness
 
 
+def _write_json(path, obj):
+    with open(path + ".tmp", "w") as f:  # write-then-rename: the parent never reads half a file
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
 def _rank_main(rank, backend, store, cfg, out_path):
+    """Sections in order; each finished one is kept. The result file is written before the
+    process-group teardown, so a teardown stuck on a failed peer cannot lose it."""
     for k, v in cfg["env"].items():
         os.environ.setdefault(k, v)
-    result = None
+    result = {}
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -408,23 +416,25 @@ def _rank_main(rank, backend, store, cfg, out_path):
             store=dist.FileStore(store, WORLD),
             rank=rank,
             world_size=WORLD,
-            timeout=datetime.timedelta(seconds=120),
+            timeout=datetime.timedelta(seconds=60),
         )
         try:
             ctx = Ctx(rank, backend, cfg["deadline"])
-            result = {"p2p": bench_p2p(ctx, cfg["sizes"], cfg["iters"])}
+            result["p2p"] = bench_p2p(ctx, cfg["sizes"], cfg["iters"])
             result["swap"] = bench_swap(
                 ctx, cfg["swap_sizes"], cfg["budgets"], result["p2p"], cfg["iters"]
             )
             result["weight_sync"] = bench_weight_sync(
                 ctx, cfg["model"], cfg["ws_budgets"], cfg["ws_iters"]
             )
-        finally:
+        except BaseException:  # noqa: BLE001 - the parent prints it; finished sections stay
+            result["error"] = traceback.format_exc()
+        _write_json(out_path, result)
+        if "error" not in result:
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
-        result = {"error": traceback.format_exc(), "partial": result}
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    except BaseException:  # noqa: BLE001
+        result["error"] = traceback.format_exc()
+        _write_json(out_path, result)
 
 
 def _env_info(backend):
@@ -557,6 +567,8 @@ def summary(res) -> str:
     ]
     bad += [r["bytes"] for r in res["p2p"] if not r["correct"]]
     out.append("ALL CORRECT" if not bad else f"INCORRECT: {bad}")
+    if res.get("errors"):
+        out.append("ERRORS: a rank failed or wrote nothing (tracebacks on stderr); partial results")
     return "\n".join(out)
 
 
@@ -609,37 +621,56 @@ def main(argv=None) -> int:
         ]
         for p in procs:
             p.start()
+        # Wait for both result files (or a failed rank), never past the time cap.
+        deadline = T_START + args.time_cap - 3
+        first_error = None
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            have = [o for o in outs if os.path.exists(o)]
+            if len(have) == WORLD:
+                break
+            if first_error is None and any("error" in _load(o) for o in have):
+                first_error = time.monotonic()  # the peer may be stuck in a collective
+            if first_error is not None and time.monotonic() - first_error > 5:
+                break
+            time.sleep(0.2)
         for p in procs:
-            p.join(max(5.0, args.time_cap + 30 - (time.monotonic() - T_START)))
-        for p in procs:
+            p.join(max(0.1, min(10.0, deadline - time.monotonic())))
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        results = []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                print(f"rank {r} wrote nothing (exit code {procs[r].exitcode})", file=sys.stderr)
-                return 1
-            with open(path) as f:
-                results.append(json.load(f))
+        results = [_load(o) if os.path.exists(o) else None for o in outs]
+    rc = 0
     for r, x in enumerate(results):
-        if "error" in x:
+        if x is None:
+            print(f"rank {r} wrote no result (exit code {procs[r].exitcode})", file=sys.stderr)
+            rc = 1
+        elif "error" in x:
             print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
-            return 1
-    res = {
-        "env": _env_info(args.backend),
-        "config": {k: v for k, v in cfg.items() if k != "deadline"},
-    }
-    res.update(results[0])
+            rc = 1
+    base = next((x for x in results if x), None)
+    if base is None:
+        return 1
+    cfg_out = {k: v for k, v in cfg.items() if k != "deadline"}
+    res = {"env": _env_info(args.backend), "config": cfg_out, "errors": rc != 0}
+    res.update({k: v for k, v in base.items() if k != "error"})
+    res.setdefault("p2p", [])
+    res.setdefault("swap", [])
+    res.setdefault("weight_sync", {"params": 0, "methods": {}})
     res["per_rank_correct"] = [
-        all(s["correct"] for s in x["swap"])
-        and all(m["correct"] for m in x["weight_sync"]["methods"].values())
-        and all(p["correct"] for p in x["p2p"])
+        x is not None
+        and all(s["correct"] for s in x.get("swap", []))
+        and all(m["correct"] for m in x.get("weight_sync", {}).get("methods", {}).values())
+        and all(p["correct"] for p in x.get("p2p", []))
         for x in results
     ]
     write_outputs(args.out, res)
     print(summary(res))
-    return 0 if all(res["per_rank_correct"]) else 1
+    return rc if all(res["per_rank_correct"]) else 1
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 if __name__ == "__main__":
