@@ -706,7 +706,8 @@ class _Planner:
             dof = (t_str[ft] * (flo - t_lo[ft])).sum(axis=1)
             tr = _box_runs(s_loc[h], so, s_str[h], ft, dof, t_str[ft], fhi - flo)
             self.stats["runs_before_coalesce"] += tr.shape[1] * 1
-            tr = _coalesce(tr)
+            if (t_cnt[ft] > 1).any():  # else the coalesce after stamping does it all
+                tr = _coalesce(tr)
             out.append(self._stamp(tr, tstart, t_cnt, dorder, d_loc, d_off))
 
         # replicated source: choose a holder per (job, target replica)
@@ -731,6 +732,13 @@ class _Planner:
         """Template runs (DL = template id, DO relative) -> one copy per target replica,
         ordered template, replica, run; and account the remote bytes for balancing."""
         tid = tr[DL]
+        if (t_cnt[tid] == 1).all():
+            # no target replicas: the template is the piece, just place it
+            piece = dorder[tstart[tid]]
+            tr[DL] = d_loc[piece]
+            tr[DO] += d_off[piece]
+            self._account(tr)
+            return tr
         brk = np.ones(tr.shape[1], bool)
         brk[1:] = tid[1:] != tid[:-1]
         bstart = np.nonzero(brk)[0]
