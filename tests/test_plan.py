@@ -344,6 +344,18 @@ def tensor_layout(draw, alloc, name, shp, kind):
                     runs.append((alloc.new(draw(rank), hi - lo + pad), lo, hi, pad))
             inner[p.location] = rs.flat((v,), runs) if v else rs.replicated((0,), [p.location])
         return rs.nest(tl, inner, name=name)
+    if kind == "mixed":
+        # two differently shaped copies at once (a split and a flat partition): replicas
+        # that overlap only partly
+        if n == 0:
+            return tensor_layout(draw, alloc, name, shp, "replicated")
+        a = tensor_layout(draw, alloc, name, shp, "split")
+        cut = draw(st.integers(0, n))
+        runs = [
+            (alloc.new(draw(rank), cut), 0, cut, 0),
+            (alloc.new(draw(rank), n - cut), cut, n, 0),
+        ]
+        return rs.TensorLayout(shp, [a, rs.flat(shp, [r for r in runs if r[1] < r[2]])], name=name)
     if kind == "transposed":
         # the whole tensor stored with reversed dim order (strides of the transpose)
         rev = _rowmajor(shp[::-1])[::-1]
@@ -370,7 +382,7 @@ def shapes_st(draw, max_tensors=3):
     return out
 
 
-KINDS = ["zero12", "zero3", "replicated", "split", "nested", "transposed", "fused"]
+KINDS = ["zero12", "zero3", "replicated", "split", "nested", "transposed", "fused", "mixed"]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 
