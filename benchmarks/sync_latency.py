@@ -431,8 +431,9 @@ def run_cases(rank, world, cfg, sink):
     total = len(cfg["scenarios"]) * len(cfg["models"])
     t_start = time.perf_counter()
     i = 0
-    for model in cfg["models"]:
-        for scen in cfg["scenarios"]:
+    # scenario-major: under a time budget the first scenario gets every model size
+    for scen in cfg["scenarios"]:
+        for model in cfg["models"]:
             i += 1
             over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
             if world > 1:  # every rank must agree to stop at the same case
