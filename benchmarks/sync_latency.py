@@ -670,11 +670,17 @@ def plot(stem, meta, rows):
         ("median_s", "median sync latency (s)", "_latency.png"),
         ("peak_extra_bytes", "peak extra memory (bytes)", "_memory.png"),
     ):
-        fig, axes = plt.subplots(1, len(scens), figsize=(4.2 * len(scens), 3.6), squeeze=False)
-        for ax, scen in zip(axes[0], scens, strict=True):
+        ncol = min(3, len(scens))
+        nrow = math.ceil(len(scens) / ncol)
+        fig, axes = plt.subplots(nrow, ncol, figsize=(4.4 * ncol, 3.4 * nrow), squeeze=False)
+        flat_axes = list(axes.flat)
+        for ax in flat_axes[len(scens) :]:
+            ax.set_visible(False)
+        lo = 1 if key.endswith("bytes") else 1e-6  # log axes: keep zero-byte points visible
+        for ax, scen in zip(flat_axes, scens, strict=False):
             for m in dict.fromkeys(r["method"] for r in rows if r["scenario"] == scen):
                 pts = sorted(
-                    (r["params"], max(r[key], 1))
+                    (r["params"], max(r[key], lo))
                     for r in rows
                     if r["scenario"] == scen and r["method"] == m
                 )
@@ -691,9 +697,9 @@ def plot(stem, meta, rows):
             ax.set_yscale("log")
             ax.set_title(scen, fontsize=9)
             ax.set_xlabel("parameters")
+            ax.set_ylabel(ylabel, fontsize=8)
             ax.grid(True, which="both", alpha=0.3)
-        axes[0][0].set_ylabel(ylabel)
-        axes[0][0].legend(fontsize=7)
+        flat_axes[0].legend(fontsize=7)
         fig.suptitle(
             f"sync_latency, {meta['host']}, world {meta['world']}, {meta['transport']}",
             fontsize=9,
