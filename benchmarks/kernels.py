@@ -49,25 +49,30 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, repeats, warmup=2):
-    """Median seconds of `fn` (CUDA events on the GPU, perf_counter on the CPU)."""
+def timed_group(fns, device, repeats, warmup=2):
+    """Median seconds of each function in `fns` ({name: fn}), measured round-robin: repeat r
+    times every function once, so a burst of load from other processes hits all of them alike
+    and the ratios stay fair. CUDA events on the GPU, perf_counter on the CPU."""
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     sync(device)
-    times = []
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def workload(run_bytes, count, device, seed=0):
@@ -112,24 +117,27 @@ def measure_point(run_bytes, count, device, repeats):
         return nbytes / seconds / 1e9
 
     op = torch.ops.reshard.copy_runs.default
-    t = {}
-    t["pack/copy_runs"] = timed(lambda: op(src, w["pack"], dense), device, repeats)
-    t["unpack/copy_runs"] = timed(lambda: op(dense, w["unpack"], out), device, repeats)
+    fns = {
+        "pack/copy_runs": lambda: op(src, w["pack"], dense),
+        "unpack/copy_runs": lambda: op(dense, w["unpack"], out),
+        "contiguous": lambda: out.copy_(src),
+    }
+    op(src, w["pack"], dense)
+    op(dense, w["unpack"], out)
     assert torch.equal(out, src), "copy_runs pack + unpack did not round-trip"
-    t["contiguous"] = timed(lambda: out.copy_(src), device, repeats)
-
     if count <= MAX_VIEWS:
         srcs = [src.narrow(0, int(o), length) for o in w["src_off"]]
         dsts = [dense.narrow(0, i * length, length) for i in range(count)]
         outs = [out.narrow(0, int(o), length) for o in w["src_off"]]
-        t["pack/foreach"] = timed(lambda: torch._foreach_copy_(dsts, srcs), device, repeats)
-        t["pack/cat"] = timed(lambda: torch.cat(srcs, out=dense), device, repeats)
-        t["unpack/foreach"] = timed(lambda: torch._foreach_copy_(outs, dsts), device, repeats)
-        del srcs, dsts, outs
+        fns["pack/foreach"] = lambda: torch._foreach_copy_(dsts, srcs)
+        fns["pack/cat"] = lambda: torch.cat(srcs, out=dense)
+        fns["unpack/foreach"] = lambda: torch._foreach_copy_(outs, dsts)
     if w["idx"] is not None:
         idx = w["idx"]
-        t["pack/index"] = timed(lambda: torch.index_select(src, 0, idx, out=dense), device, repeats)
-        t["unpack/index"] = timed(lambda: out.index_copy_(0, idx, dense), device, repeats)
+        fns["pack/index"] = lambda: torch.index_select(src, 0, idx, out=dense)
+        fns["unpack/index"] = lambda: out.index_copy_(0, idx, dense)
+    t = timed_group(fns, device, repeats)
+    del fns
 
     res["seconds"] = t
     res["gbps"] = {k: gbps(v) for k, v in t.items()}
@@ -188,7 +196,7 @@ def markdown(results, env):
         "",
         f"torch {env['torch']}, {env['threads']} threads, reshard {env['reshard']}. "
         "GB/s of payload; ratio = baseline time / copy_runs time (> 1: copy_runs faster). "
-        "Median of repeats.",
+        "Median of repeats, all ops of a point timed round-robin.",
         "",
         "| run | runs | pack GB/s | vs foreach | vs cat | vs index | vs contiguous "
         "| unpack GB/s | vs foreach | vs index | vs contiguous | contiguous GB/s |",
@@ -229,7 +237,10 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:n]")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement")
     ap.add_argument("--out", default=None, help="output directory")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     repeats = args.repeats or (7 if args.quick else 11)

