@@ -307,20 +307,25 @@ class _Engine:
                     torch.ops.reshard.stage_d2h(s, d.desc_t, self.ring, t)
             sec["local"] += time.perf_counter() - t0
 
+        # Arena k % 2 serves round k. Round k+1 is packed while round k is in flight and posted
+        # before round k is unpacked, so neither pack nor unpack sits between two transports.
         R = self.num_rounds
         if R == 0:
             local()
+            works = []
         else:
             pack(0)
+            works = post(0)
         for k in range(R):
-            works = post(k)
             self.inflight = works  # kept if we fail before they complete (see _retire)
             if k == 0:
                 local()  # overlaps round 0's transport
             if k + 1 < R:
-                pack(k + 1)  # overlaps round k's transport
+                pack(k + 1)  # its send arena's last user, round k-1, completed before post(k)
             wait(works)
-            self.inflight = []
+            # round k+1's receive arena was last unpacked by round k-1 (ordered before this)
+            works = post(k + 1) if k + 1 < R else []
+            self.inflight = works
             unpack(k)
             log.debug(
                 "reshard rank %d round %d/%d: sent %d B, received %d B",
