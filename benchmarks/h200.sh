@@ -10,7 +10,7 @@
 # SYNC_S (seconds, default 150; 0 skips) is kept for benchmarks/sync_latency.py (one GPU:
 # CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
 # SYNC_S comes out of the tests' and benchmarks' time: give BUDGET ~550 on one GPU. A longer run
-# of it alone: SYNC_S=450 SYNC_MODELS=gpt-125m,gpt-350m,gpt-760m,gpt-1.3b.
+# of it: SYNC_S=450 SYNC_MODELS=gpt-125m,gpt-350m,gpt-760m,gpt-1.3b (BUDGET raised to match).
 # With >= 2 GPUs (issue 8) the default BUDGET is 520 and MULTI_S (default 270) is kept for the
 # multi-GPU step that runs last: tests/gpu/multi over NCCL (<= MULTI_TEST_S, default 170) and
 # benchmarks/nccl_bench.py (the rest); pytest_multi.log, nccl_bench.{json,md,png,txt,log}.
