@@ -217,6 +217,8 @@ def m_gather_broadcast(case, ctx):
             if full is not None:
                 case.write(t, s, n, full, bufs)
                 acct.free(flat if rank == 0 else full)
+            # drop this tensor's temporaries before the next one is allocated (else two live)
+            flat = full = None
 
     def info():
         return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
@@ -242,6 +244,7 @@ def m_full_gather(case, ctx):
             full = _full_from_flat(case, flat, n)
             case.write(t, s, n, full, bufs)
             acct.free(flat)
+            flat = full = None  # freed before the next tensor's buffer is allocated
 
     def info():
         return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
@@ -263,8 +266,8 @@ def m_to_device(case, ctx):
             tmp = acct.alloc(sv.to(dv.device))
             dv.copy_(tmp)
             acct.free(tmp)
+            tmp = None  # freed before the next tensor's copy is allocated
             acct.recv += sv.numel() * sv.element_size() if sv.device != dv.device else 0
-        del tmp
 
     def info():
         return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
