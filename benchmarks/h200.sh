@@ -42,6 +42,16 @@ status_sync=skipped SYNC_S=${SYNC_S:-150}
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# ---- DeepSpeed travels as wheels in .whl/ (benchmarks/prepare_wheels.sh; carry .whl): the
+# DeepSpeed GPU tests need it. Only our wheels are named: another torch there would shadow CUDA's.
+if ! $PY -c 'import deepspeed' >/dev/null 2>&1 && ls .whl/deepspeed-[0-9]*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/{deepspeed,hjson,pydantic,pydantic_core,annotated_types}-[0-9]*.whl \
+    .whl/typing_{inspection,extensions}-[0-9]*.whl >"$OUT/wheels.log" 2>&1 &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -c 'import deepspeed; print("deepspeed", deepspeed.__version__)' 2>&1 | tail -1
+
 # ---- build (editable install; fall back to an in-place build)
 echo "== build"
 if timeout 300 $PY -m pip install -v --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
@@ -136,13 +146,6 @@ print("no crash")' >"$OUT/diag.log" 2>&1
   if ((NGPU >= 2)); then
     RESERVE=0
     echo "== multi-GPU ($NGPU GPUs, $(left) s left)"
-    # DeepSpeed travels as wheels in .whl/ (benchmarks/prepare_wheels.sh); install if missing
-    if ! $PY -c 'import deepspeed' >/dev/null 2>&1 && ls .whl/deepspeed-[0-9]*.whl >/dev/null 2>&1; then
-      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/{deepspeed,hjson,pydantic,pydantic_core,annotated_types}-[0-9]*.whl \
-        .whl/typing_{inspection,extensions}-[0-9]*.whl >"$OUT/multi_wheels.log" 2>&1 &&
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    fi
     t=$(( $(left) - 100 )); ((t > MULTI_TEST_S)) && t=$MULTI_TEST_S  # >= 100 s for the bench
     if ((t > 30)); then
       timeout -k 10 "$t" $PY -m pytest tests/gpu/multi -v -p no:cacheprovider --timeout 200 -rs \
