@@ -62,10 +62,11 @@ def tp_layout(shapes, spec, groups, tp, dtype=torch.bfloat16):
         if dim is None:
             locs = [g * tp + t for g in gl for t in range(tp)]
             n = int(np.prod(shp))
-            pieces = [rs.Piece(r, used[r], (0,) * len(shp), shp) for r in locs]
+            offs = [used[r] for r in locs]
             for r in locs:
                 used[r] += n
-            tensors[name] = rs.TensorLayout(shp, pieces, name=name)
+            # one block replicated on every rank (same pieces as one Piece per rank)
+            tensors[name] = rs.split(shp, 0, [shp[0]], [locs], offsets=[offs], name=name)
             continue
         base, rem = divmod(shp[dim], tp)
         sizes = [base + (t < rem) for t in range(tp)]

@@ -263,6 +263,21 @@ class TensorLayout:
     def _validate(self, check_cover: bool):
         shape = np.array(self._shape, _I64)
         start, box = self._start, self._box
+        n = len(self._loc)
+        if (
+            not check_cover
+            and n
+            and min(
+                int(self._loc.min()),
+                int(self._off.min()),
+                int(start.min(initial=0)),
+                int(box.min(initial=0)),
+                int(self._strides.min(initial=0)),
+            )
+            >= 0
+            and not (start + box > shape).any()
+        ):
+            return  # fast path for builders (one pass per check; the slow path names the piece)
         for arr, what in (
             (self._loc[:, None], "negative location"),
             (self._off[:, None], "negative storage offset"),
@@ -415,9 +430,9 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
     offsets = list(offsets)
     if len(offsets) != len(sizes):
         raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(offsets)} offsets")
-    rows = []
-    begin = 0
-    for i, (size, where, offs) in enumerate(zip(sizes, locations, offsets)):
+    # Python work per block (few); per location (replicas, hundreds) only numpy
+    locs, offs_all, counts = [], [], []
+    for i, (where, offs) in enumerate(zip(locations, offsets)):
         group = (where,) if not hasattr(where, "__iter__") else tuple(where)
         if not group:
             raise LayoutError(f"{tn}: split block {i} has no location")
@@ -426,27 +441,37 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
             raise LayoutError(
                 f"{tn}: split block {i} has {len(group)} locations but {len(offs)} offsets"
             )
+        locs.extend(group)
+        offs_all.extend(offs)
+        counts.append(len(group))
+    loc = _int_array(locs, "split location")
+    off = _int_array(offs_all, "split offset")
+    blk = np.repeat(np.arange(len(sizes)), counts)
+    neg = np.nonzero(off < 0)[0]
+    if len(neg):
+        i = int(neg[0])
+        raise LayoutError(f"{tn}: split block {int(blk[i])}: negative storage offset {off[i]}")
+    size_a = np.array(sizes, _I64).reshape(-1)
+    begin = np.cumsum(size_a) - size_a
+    n = len(loc)
+    start = np.zeros((n, d), _I64)
+    start[:, dim] = begin[blk]
+    box = np.tile(np.array(shape, _I64), (n, 1)).reshape(n, d)
+    box[:, dim] = size_a[blk]
+    strides = np.empty((n, d), _I64)
+    for size in set(sizes):  # row-major strides of each distinct block shape
         pshape = list(shape)
         pshape[dim] = size
-        st = [0] * d
-        st[dim] = begin
-        for loc, off in zip(group, offs):
-            off = _int(off, "split offset")
-            if off < 0:
-                raise LayoutError(f"{tn}: split block {i}: negative storage offset {off}")
-            rows.append((_int(loc, "split location"), off, st, pshape, _rowmajor(pshape)))
-        begin += size
-    n = len(rows)
-    return _tensor_layout(
-        shape,
-        np.array([r[0] for r in rows], _I64),
-        np.array([r[1] for r in rows], _I64),
-        np.array([r[2] for r in rows], _I64).reshape(n, d),
-        np.array([r[3] for r in rows], _I64).reshape(n, d),
-        np.array([r[4] for r in rows], _I64).reshape(n, d),
-        name,
-        covered=True,
-    )
+        strides[size_a[blk] == size] = _rowmajor(pshape)
+    return _tensor_layout(shape, loc, off, start, box, strides, name, covered=True)
+
+
+def _int_array(xs, what: str) -> np.ndarray:
+    """`xs` (a list) as int64, with `_int`'s errors; one numpy pass for plain int lists."""
+    a = np.asarray(xs) if xs else np.zeros(0, _I64)
+    if a.ndim == 1 and a.dtype.kind == "i" and not any(isinstance(x, bool) for x in xs):
+        return a.astype(_I64, copy=False)
+    return np.array([_int(x, what) for x in xs], _I64).reshape(-1)
 
 
 def flat(shape, runs, *, name=None) -> TensorLayout:
@@ -474,19 +499,31 @@ def flat(shape, runs, *, name=None) -> TensorLayout:
     if r.ndim != 2 or r.shape[1] != 4:
         raise LayoutError(f"{tn}: flat runs must be (location, flat_start, flat_stop, offset)")
     loc, fs, fe, off = r.T
+    bad_any = len(r) and (
+        min(int(loc.min()), int(fs.min()), int(off.min())) < 0
+        or int(fe.max()) > numel
+        or (fs > fe).any()
+    )
     for bad, why in (
-        ((fs < 0) | (fs > fe), "flat_start must be in 0..flat_stop"),
-        (fe > numel, f"flat_stop beyond the tensor's {numel} elements"),
-        (off < 0, "negative storage offset"),
-        (loc < 0, "negative location"),
+        (
+            ((fs < 0) | (fs > fe), "flat_start must be in 0..flat_stop"),
+            (fe > numel, f"flat_stop beyond the tensor's {numel} elements"),
+            (off < 0, "negative storage offset"),
+            (loc < 0, "negative location"),
+        )
+        if bad_any
+        else ()
     ):
         idx = np.nonzero(bad)[0]
         if len(idx):
             i = int(idx[0])
             raise LayoutError(f"{tn}: flat run {i} {tuple(int(x) for x in r[i])}: {why}")
     keep = fe > fs
-    loc, fs, fe, off = loc[keep], fs[keep], fe[keep], off[keep]
-    if numel > 0:
+    if not keep.all():
+        loc, fs, fe, off = loc[keep], fs[keep], fe[keep], off[keep]
+    # the common ZeRO form: ranges in order, each starting where the previous one stopped
+    tiled = len(fs) and fs[0] == 0 and fe[-1] == numel and (fs[1:] == fe[:-1]).all()
+    if numel > 0 and not tiled:
         gap = _find_gap((numel,), fs[:, None], fe[:, None])
         if gap is not None:
             g = gap[0]

@@ -130,35 +130,61 @@ class Plan:
 
     # -- global structure ------------------------------------------------------------------
     def _build_rounds(self, runs):
+        """`runs`: the planner's run table [8, n] in planning order; permuted in place."""
         src, dst = self.src, self.dst
         s_locs = np.array(sorted(src.storages), _I64)
         d_locs = np.array(sorted(dst.storages), _I64)
         s_rank = np.array([src.storages[int(x)].rank for x in s_locs], _I64)
         d_rank = np.array([dst.storages[int(x)].rank for x in d_locs], _I64)
-        si = np.searchsorted(s_locs, runs[SL]).astype(np.int32)
-        di = np.searchsorted(d_locs, runs[DL]).astype(np.int32)
-        # rank ids fit in int32; keeps the per-run arrays small
-        snd, rcv = s_rank.astype(np.int32)[si], d_rank.astype(np.int32)[di]
+        n = runs.shape[1]
         # Group by (sender, receiver, src storage, dst storage); a stable sort keeps the
-        # (deterministic) planning order inside a group, which is the stream order.
-        nr = int(max(s_rank.max(initial=0), d_rank.max(initial=0))) + 1
-        key = snd.astype(_I64) * nr + rcv
-        key *= len(s_locs)
-        key += si
-        key *= len(d_locs)
-        key += di
-        del si, di
-        order = np.argsort(key, kind="stable")
-        skey = key[order]
-        del key
-        brk = np.ones(len(order), bool)  # a new group starts here
-        brk[1:] = skey[1:] != skey[:-1]
-        del skey
+        # (deterministic) planning order inside a group, which is the stream order. The
+        # key is the rank of the run's storage pair in that order: a small unsigned int,
+        # which numpy sorts stably by radix instead of by comparisons.
+        nS, nD = len(s_locs), len(d_locs)
+        sdt = np.uint16 if nS <= 1 << 16 else np.uint32
+        ddt = np.uint16 if nD <= 1 << 16 else np.uint32
+        if n:
+            si = _lookup(s_locs, runs[SL], sdt)
+            di = _lookup(d_locs, runs[DL], ddt)
+            pair = si.astype(_I64) * nD
+            pair += di
+            del si, di
+            if nS * nD <= 1 << 24:
+                used = np.nonzero(np.bincount(pair, minlength=nS * nD))[0]
+            else:
+                used = np.unique(pair)  # distinct storage pairs (few: at most nS * nD)
+            us, ud = used // nD, used % nD
+            rank_order = np.lexsort((ud, us, d_rank[ud], s_rank[us]))
+            dense = np.empty(len(used), _I64)
+            dense[rank_order] = np.arange(len(used), dtype=_I64)
+            kdt = np.uint16 if len(used) <= 1 << 16 else np.uint32 if len(used) <= 1 << 32 else _I64
+            if nS * nD <= 1 << 24:
+                table = np.zeros(nS * nD, kdt)
+                table[used] = dense
+                key = table[pair]
+            else:
+                key = dense[np.searchsorted(used, pair)].astype(kdt)
+            del pair
+            order = np.argsort(key, kind="stable")
+            skey = key[order]
+            del key
+            brk = np.ones(n, bool)  # a new group starts here
+            brk[1:] = skey[1:] != skey[:-1]
+            # rank ids fit in int32; keeps the per-run arrays small
+            g_us, g_ud = us[rank_order], ud[rank_order]  # storage pair of each dense key
+            snd = s_rank.astype(np.int32)[g_us][skey]
+            rcv = d_rank.astype(np.int32)[g_ud][skey]
+            del skey
+        else:
+            order, brk = np.zeros(0, _I64), np.zeros(0, bool)
+            snd = rcv = np.zeros(0, np.int32)
         # permute row by row: one extra column of memory instead of a second table
-        for k in range(runs.shape[0]):
-            runs[k] = runs[k][order]
-        snd, rcv = snd[order], rcv[order]
-        del order
+        col = np.empty(n, _I64)
+        for k in range(8):
+            np.take(runs[k], order, out=col)
+            runs[k] = col
+        del col, order
         self._r = runs
         self.sender = snd
         self.receiver = rcv
@@ -179,11 +205,14 @@ class Plan:
         g_snd, g_rcv = snd[g_first], rcv[g_first]
         wires = {}
         g_item = np.zeros(len(g_first), _I64)
-        for i in range(len(g_first)):
-            key = (int(g_sl[i]), int(g_dl[i]))
-            if key not in wires:
-                wires[key] = wire_dtype(src.storages[key[0]].dtype, dst.storages[key[1]].dtype)
-            g_item[i] = wires[key].itemsize
+        if len(g_first):
+            pk = np.unique(np.stack([g_sl, g_dl], axis=1), axis=0)
+            for a, b in pk.tolist():
+                wires[(a, b)] = wire_dtype(src.storages[a].dtype, dst.storages[b].dtype)
+            pos = np.searchsorted(
+                pk[:, 0] * (int(d_locs.max()) + 1) + pk[:, 1], g_sl * (int(d_locs.max()) + 1) + g_dl
+            )
+            g_item = np.array([wires[(a, b)].itemsize for a, b in pk.tolist()], _I64)[pos]
         self._wires = wires
         # Stream position of each remote run inside the global concatenation of groups.
         self._rpos = np.cumsum(rn) - rn
@@ -521,6 +550,16 @@ class Plan:
         return [np.ascontiguousarray(desc[bounds[s] : bounds[s + 1]]) for s in range(len(segs))]
 
 
+def _lookup(sorted_keys, values, dtype):
+    """Index of each value in `sorted_keys` (all present), as `dtype`: a direct table when
+    the keys are small ints (storage locations usually are), else a binary search."""
+    if len(sorted_keys) and 0 <= sorted_keys[0] and sorted_keys[-1] < 4 * len(sorted_keys) + 4096:
+        table = np.zeros(int(sorted_keys[-1]) + 1, dtype)
+        table[sorted_keys] = np.arange(len(sorted_keys), dtype=dtype)
+        return table[values]
+    return np.searchsorted(sorted_keys, values).astype(dtype)
+
+
 def _align(x):
     return -(-x // _ALIGN) * _ALIGN
 
@@ -755,8 +794,8 @@ class _Planner:
         return out
 
     def _account(self, runs):
-        snd = self.s_rank[np.searchsorted(self.s_locs, runs[SL])]
-        di = np.searchsorted(self.d_locs, runs[DL])
+        snd = self.s_rank[_lookup(self.s_locs, runs[SL], _I64)]
+        di = _lookup(self.d_locs, runs[DL], _I64)
         remote = snd != self.d_rank[di]
         nbytes = (runs[LEN] * runs[CNT] * self.d_item[di])[remote]
         # float weights are exact below 2**53 bytes per rank
@@ -1064,10 +1103,11 @@ def _normalize(runs):
 def _coalesce(runs):
     """Merge neighbouring runs (in planning order, which follows both storages): single rows
     contiguous in both storages join; rows of one length at one constant pair of gaps chain
-    into a strided run. No sort: neighbours in planning order are where merges are."""
+    into a strided run. No sort: neighbours in planning order are where merges are.
+    Modifies `runs` (always a fresh table of the caller's) in place."""
     if runs.shape[1] < 2:
         return runs
-    runs = _normalize(runs.copy())
+    runs = _normalize(runs)
     # (a) contiguous single rows
     a, b = runs[:, :-1], runs[:, 1:]
     link = (
