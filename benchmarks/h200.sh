@@ -7,6 +7,7 @@
 #   BUDGET=400 BENCH_ARGS=--quick bash benchmarks/h200.sh
 #
 # BUDGET (seconds, default 400) bounds the whole script: later steps shrink or are skipped.
+# BENCH=0 skips benchmarks/gpu_bench.py, SANITIZE=0 the compute-sanitizer step.
 # SYNC_S (seconds, default 150; 0 skips) is kept for benchmarks/sync_latency.py (one GPU:
 # CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
 # SYNC_S comes out of the tests' and benchmarks' time: give BUDGET ~550 on one GPU. A longer run
@@ -101,7 +102,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
   # ---- benchmarks
   echo "== benchmarks"
   t=$(( $(left) - 25 - SYNC_S ))
-  if ((t > 40)); then
+  if ((t > 40 && ${BENCH:-1})); then  # BENCH=0 skips
     timeout "$t" $PY benchmarks/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
     rc=$?
     status_bench=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
@@ -125,7 +126,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
 
   # ---- compute-sanitizer (memcheck + racecheck) on a subset, if time is left
   t=$(( ($(left) - 10) / 2 ))
-  if ((t > 30)) && command -v compute-sanitizer >/dev/null; then
+  if ((t > 30 && ${SANITIZE:-1})) && command -v compute-sanitizer >/dev/null; then
     : >"$OUT/sanitizer.log"
     for tool in memcheck racecheck; do
       echo "== compute-sanitizer $tool" | tee -a "$OUT/sanitizer.log"

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import _ops  # noqa: F401 - loads the compiled extension: every torch.ops.reshard op used here
 from . import preflight as pf
 from .errors import PreflightError, TransferError
 from .report import Report
@@ -39,8 +40,6 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 def _copy_runs_op():
-    from . import _ops  # noqa: F401 - loads the compiled extension, registering torch.ops.reshard
-
     return torch.ops.reshard.copy_runs
 
 
