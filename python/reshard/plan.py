@@ -203,17 +203,19 @@ class Plan:
         g_sl = runs[SL, g_first]
         g_dl = runs[DL, g_first]
         g_snd, g_rcv = snd[g_first], rcv[g_first]
-        wires = {}
-        g_item = np.zeros(len(g_first), _I64)
-        if len(g_first):
-            pk = np.unique(np.stack([g_sl, g_dl], axis=1), axis=0)
-            for a, b in pk.tolist():
-                wires[(a, b)] = wire_dtype(src.storages[a].dtype, dst.storages[b].dtype)
-            pos = np.searchsorted(
-                pk[:, 0] * (int(d_locs.max()) + 1) + pk[:, 1], g_sl * (int(d_locs.max()) + 1) + g_dl
-            )
-            g_item = np.array([wires[(a, b)].itemsize for a, b in pk.tolist()], _I64)[pos]
-        self._wires = wires
+        # wire itemsize per group from (source dtype, target dtype) classes: few distinct
+        # dtypes, many storage pairs (the planner checked every pair has a wire dtype)
+        sdt = sorted({s.dtype for s in src.storages.values()}, key=str)
+        ddt = sorted({s.dtype for s in dst.storages.values()}, key=str)
+        s_cls = np.array([sdt.index(src.storages[int(x)].dtype) for x in s_locs], _I64)
+        d_cls = np.array([ddt.index(dst.storages[int(x)].dtype) for x in d_locs], _I64)
+        items = np.array([[_wire_itemsize(a, b) for b in ddt] for a in sdt], _I64).reshape(
+            len(sdt), len(ddt)
+        )
+        g_item = items[
+            s_cls[_lookup(s_locs, g_sl, _I64)], d_cls[_lookup(d_locs, g_dl, _I64)]
+        ].reshape(len(g_first))
+        self._wires = {}  # (src location, dst location) -> wire dtype, filled by schedule()
         # Stream position of each remote run inside the global concatenation of groups.
         self._rpos = np.cumsum(rn) - rn
         del rn
@@ -443,6 +445,13 @@ class Plan:
         self._cache[rank] = sched
         return sched
 
+    def _wire(self, sl, dl):
+        w = self._wires.get((sl, dl))
+        if w is None:
+            w = wire_dtype(self.src.storages[sl].dtype, self.dst.storages[dl].dtype)
+            self._wires[(sl, dl)] = w
+        return w
+
     def _messages(self, rank, sender_side):
         out = [[] for _ in range(self.num_rounds)]
         g = self._g
@@ -461,7 +470,7 @@ class Plan:
             seg = Segment(
                 int(g["sl"][grp]),
                 int(g["dl"][grp]),
-                self._wires[(int(g["sl"][grp]), int(g["dl"][grp]))],
+                self._wire(int(g["sl"][grp]), int(g["dl"][grp])),
                 boff,
                 hi - lo,
                 descs[s],
@@ -548,6 +557,11 @@ class Plan:
         own, desc = own[o], desc[o]
         bounds = np.searchsorted(own, np.arange(len(segs) + 1))
         return [np.ascontiguousarray(desc[bounds[s] : bounds[s + 1]]) for s in range(len(segs))]
+
+
+def _wire_itemsize(src, dst):
+    w = wire_dtype(src, dst)
+    return 0 if w is None else w.itemsize  # 0: a pair no run uses (the planner checked)
 
 
 def _lookup(sorted_keys, values, dtype):
@@ -762,7 +776,13 @@ class _Planner:
             cr = _box_runs(s_loc[h], so, s_str[h], d_loc[pj], dof, d_str[pj], jhi - jlo)
             self.stats["runs_before_coalesce"] += cr.shape[1]
             out.append(_coalesce(cr))
-        runs = np.concatenate(out, axis=1) if out else np.zeros((8, 0), _I64)
+        runs = (
+            out[0]
+            if len(out) == 1
+            else np.concatenate(out, axis=1)
+            if out
+            else np.zeros((8, 0), _I64)
+        )
         self._check_dtypes(runs, tids)
         # across templates (consecutive tensors of one flat buffer) once storages are known
         return _coalesce(runs)
