@@ -89,10 +89,10 @@ PyObject* PyInit__C(void) {
 namespace reshard {
 namespace {
 
-// Work per thread chunk, in bytes of the destination: tables under 512 KiB stay on the
-// calling thread. One thread copies 512 KiB in ~50 us, about what waking a sleeping OpenMP
-// worker costs on an idle machine; on a loaded one the wake-up took milliseconds (measured:
-// 0.6 MiB packs at 0.1 GB/s with a 64 KiB grain, benchmarks/kernels.py).
+// Work per thread chunk, in bytes of the destination: tables under 256 KiB stay on the
+// calling thread (at::parallel_for runs serially below one grain). One thread copies 256 KiB
+// in ~25 us, about what waking a sleeping OpenMP worker costs on an idle machine; on a loaded
+// one the wake-up took milliseconds (benchmarks/kernels.py, 0.6 MiB packs at 0.1 GB/s).
 constexpr int64_t kGrainBytes = 256 * 1024;
 
 // The C core's dtype for a torch dtype; same-size raw copies for everything else.
