@@ -105,10 +105,11 @@ format: deps-lint
 	clang-format -i $(C_FORMAT_FILES)
 
 # ---------------------------------------------------------------- run
-demo:
+# Installs what it needs first (torch, DeepSpeed for the default real-engine demo), then runs.
+demo: deps build
 	$(PYTHON) -m reshard.demo
 
-bench:
+bench: deps build
 	$(PYTHON) benchmarks/kernels.py
 
 info:
