@@ -43,28 +43,43 @@ def _model(hidden, ffn, vocab, layers):
     return Net()
 
 
-def _split_targets(rs, layout, groups, dtype, device):
-    """Each tensor split along dim 0 over the ranks of a group; every group holds a copy."""
+def _tp_dim(name, shape):
+    """Megatron-style TP: norms replicated (None); out_proj / linear2 weights row-parallel (split
+    the input dim 1); every other tensor column-parallel (dim 0)."""
+    if len(shape) == 1 and "norm" in name:
+        return None
+    if len(shape) == 2 and ("out_proj.weight" in name or "linear2.weight" in name):
+        return 1
+    return 0
+
+
+def _split_targets(rs, layout, groups, dtype, device, tp_rules=False):
+    """Each tensor split over the ranks of a group (dim 0, or by `_tp_dim` with tp_rules);
+    every group holds a copy."""
     me = torch.distributed.get_rank()
     tp = len(groups[0])
     tensors, storages, buffers = {}, {}, {}
-    for i, (name, tl) in enumerate(sorted(layout.tensors.items())):
-        n0 = tl.shape[0]
-        sizes = [n0 // tp + (1 if t < n0 % tp else 0) for t in range(tp)]
-        row = math.prod(tl.shape[1:])
+    for name, tl in sorted(layout.tensors.items()):
+        dim = _tp_dim(name, tl.shape) if tp_rules else 0
+        blocks = 1 if dim is None else tp
+        n = tl.shape[dim or 0]
+        sizes = [n // blocks + (1 if t < n % blocks else 0) for t in range(blocks)]
+        rest = math.prod(tl.shape) // n
         locs = []
-        for t in range(tp):
+        for t in range(blocks):
             replicas = []
-            for g, ranks in enumerate(groups):
-                loc = (i * len(groups) + g) * tp + t
-                storages[loc] = rs.Storage(ranks[t], dtype, sizes[t] * row)
-                replicas.append(loc)
-                if ranks[t] == me:
-                    buffers[loc] = torch.full(
-                        (sizes[t] * row,), float("nan"), dtype=dtype, device=device
-                    )
+            for ranks in groups:
+                # a replicated tensor: one full copy on every rank of every group
+                for r in ranks if dim is None else [ranks[t]]:
+                    loc = len(storages)
+                    storages[loc] = rs.Storage(r, dtype, sizes[t] * rest)
+                    replicas.append(loc)
+                    if r == me:
+                        buffers[loc] = torch.full(
+                            (sizes[t] * rest,), float("nan"), dtype=dtype, device=device
+                        )
             locs.append(replicas)
-        tensors[name] = rs.split(tl.shape, 0, sizes, locs)
+        tensors[name] = rs.split(tl.shape, dim or 0, sizes, locs)
     return rs.Layout(tensors, storages), buffers
 
 
@@ -120,7 +135,9 @@ def run_rank(rank, world, backend, cfg):
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
 
     live = rsds.describe(engine, "param")
-    roll_layout, roll_bufs = _split_targets(rs, live.layout, groups, torch.bfloat16, device)
+    roll_layout, roll_bufs = _split_targets(
+        rs, live.layout, groups, torch.bfloat16, device, tp_rules=True
+    )
     sync = rsds.SyncAfterStep(
         engine, {"param": (roll_layout, roll_bufs)}, every=1, budget_bytes_per_peer=cfg["budget"]
     )
