@@ -2,7 +2,8 @@
 
 Per rank: a real DeepSpeed ZeRO-3 engine with its optimizer offloaded to CPU (bf16 params,
 torch AdamW) trains a few steps; after every step `SyncAfterStep` syncs the bf16 params into TP=2
-rollout buffers (each TP group of 2 ranks gets a full copy); after the last step the fp32
+rollout buffers, Megatron-style (column-parallel q/k/v and linear1, row-parallel out_proj and
+linear2, norms replicated; each TP group of 2 ranks holds a full copy); after the last step the fp32
 masters and both Adam moments go into a CPU snapshot split over all ranks. Every target element
 is compared bitwise with DeepSpeed's own accessors (`GatheredParameters`,
 `safe_get_full_fp32_param`, `safe_get_full_optimizer_state`), which gather and are used only to
