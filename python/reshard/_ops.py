@@ -83,25 +83,23 @@ def _check_1d(op: str, name: str, t: torch.Tensor) -> None:
     torch._check(t.dim() == 1, lambda: f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
 
 
+def _check_runs_meta(op: str, src, desc, dst) -> None:
+    _check_desc_meta(op, desc)
+    _check_1d(op, "src", src)
+    _check_1d(op, "dst", dst)
+
+
+# The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
 @torch.library.register_fake("reshard::copy_runs")
 def _copy_runs_fake(src, desc, dst):
-    _check_desc_meta("reshard::copy_runs", desc)
-    _check_1d("reshard::copy_runs", "src", src)
-    _check_1d("reshard::copy_runs", "dst", dst)
-    return None
+    _check_runs_meta("reshard::copy_runs", src, desc, dst)
 
 
 @torch.library.register_fake("reshard::stage_h2d")
 def _stage_h2d_fake(src, desc, ring, dst):
-    _check_desc_meta("reshard::stage_h2d", desc)
-    _check_1d("reshard::stage_h2d", "src", src)
-    _check_1d("reshard::stage_h2d", "dst", dst)
-    return None
+    _check_runs_meta("reshard::stage_h2d", src, desc, dst)
 
 
 @torch.library.register_fake("reshard::stage_d2h")
 def _stage_d2h_fake(src, desc, ring, dst):
-    _check_desc_meta("reshard::stage_d2h", desc)
-    _check_1d("reshard::stage_d2h", "src", src)
-    _check_1d("reshard::stage_d2h", "dst", dst)
-    return None
+    _check_runs_meta("reshard::stage_d2h", src, desc, dst)
