@@ -11,14 +11,11 @@ budget sees the same load. Also reports each budget's rounds and the last sync's
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -29,54 +26,40 @@ import _scenarios as S  # noqa: E402
 import sync_latency as SL  # noqa: E402
 
 import reshard as rs  # noqa: E402
+from reshard._launch import RanksFailed, launch  # noqa: E402
 
 
-def _rank(rank, world, cfg, out_path):
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(cfg["store"], world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
+def _rank(rank, world, cfg):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    case = S.SCENARIOS[cfg["scenario"]](cfg["model"], rank, world)
+    syncs, bufs, times, reps = {}, {}, {}, {}
+    for kib in cfg["budgets"]:
+        syncs[kib] = rs.Transfer(
+            case.src_layout, case.dst_layout, kib << 10, group=dist.group.WORLD
         )
-        try:
-            case = S.SCENARIOS[cfg["scenario"]](cfg["model"], rank, world)
-            syncs, bufs, times, reps = {}, {}, {}, {}
-            for kib in cfg["budgets"]:
-                syncs[kib] = rs.Transfer(
-                    case.src_layout, case.dst_layout, kib << 10, group=dist.group.WORLD
-                )
-                bufs[kib] = case.targets()
-                for _ in range(2):  # first sync (staging allocation) + one warm-up
-                    syncs[kib](case.src_buffers, bufs[kib])
-                times[kib] = []
-            for _ in range(cfg["iters"]):
-                for kib in cfg["budgets"]:
-                    dist.barrier()
-                    t = time.perf_counter()
-                    reps[kib] = syncs[kib](case.src_buffers, bufs[kib])
-                    dist.barrier()
-                    times[kib].append(time.perf_counter() - t)
-            out = {}
-            for kib in cfg["budgets"]:
-                ok = all(SL._equal(bufs[kib][k], v) for k, v in case.reference.items())
-                r = reps[kib]
-                out[kib] = {
-                    "times": times[kib],
-                    "rounds": r.rounds,
-                    "staging_bytes": sum(r.peak_staging_bytes.values()),
-                    "phases_s": r.seconds,
-                    "correct": ok,
-                }
-            result = {"params": case.params, "budgets": out}
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        result = {"error": traceback.format_exc()}
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+        bufs[kib] = case.targets()
+        for _ in range(2):  # first sync (staging allocation) + one warm-up
+            syncs[kib](case.src_buffers, bufs[kib])
+        times[kib] = []
+    for _ in range(cfg["iters"]):
+        for kib in cfg["budgets"]:
+            dist.barrier()
+            t = time.perf_counter()
+            reps[kib] = syncs[kib](case.src_buffers, bufs[kib])
+            dist.barrier()
+            times[kib].append(time.perf_counter() - t)
+    out = {}
+    for kib in cfg["budgets"]:
+        ok = all(SL._equal(bufs[kib][k], v) for k, v in case.reference.items())
+        r = reps[kib]
+        out[kib] = {
+            "times": times[kib],
+            "rounds": r.rounds,
+            "staging_bytes": sum(r.peak_staging_bytes.values()),
+            "phases_s": r.seconds,
+            "correct": ok,
+        }
+    return {"params": case.params, "budgets": out}
 
 
 def main(argv=None) -> int:
@@ -91,34 +74,17 @@ def main(argv=None) -> int:
     budgets = [int(x) for x in args.budgets_kib.split(",")]
     if any(b <= 0 for b in budgets) or args.world < 2:
         ap.error("budgets must be positive and --world >= 2")
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="reshard-budget-") as tmp:
-        cfg = {
-            "store": os.path.join(tmp, "store"),
-            "scenario": args.scenario,
-            "model": args.model,
-            "budgets": budgets,
-            "iters": args.iters,
-        }
-        outs = [os.path.join(tmp, f"r{r}.json") for r in range(args.world)]
-        procs = [
-            ctx.Process(target=_rank, args=(r, args.world, cfg, outs[r])) for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        per = []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                print(f"rank {r} died (exit code {procs[r].exitcode})", file=sys.stderr)
-                return 1
-            with open(path) as f:
-                per.append(json.load(f))
-    for r, x in enumerate(per):
-        if "error" in x:
-            print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
-            return 1
+    cfg = {
+        "scenario": args.scenario,
+        "model": args.model,
+        "budgets": budgets,
+        "iters": args.iters,
+    }
+    try:
+        per = launch(_rank, args.world, args=(cfg,), prefix="reshard-budget-")
+    except RanksFailed as exc:
+        print(exc, file=sys.stderr)
+        return 1
     rows = []
     for kib in budgets:
         recs = [x["budgets"][str(kib)] for x in per]

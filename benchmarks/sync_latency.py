@@ -46,10 +46,8 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -59,6 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _scenarios as S  # noqa: E402
 
 import reshard as rs  # noqa: E402
+from reshard._launch import RanksFailed, launch  # noqa: E402
 
 QUICK_MODELS = ("gpt-micro", "gpt-mini")
 FULL_MODELS = ("gpt-nano", "gpt-micro", "gpt-mini", "gpt-small", "gpt-125m")
@@ -715,27 +714,10 @@ def plot(stem, meta, rows):
 # ------------------------------------------------------------------ processes
 
 
-def _rank_main(rank, world, cfg, out_path):
-    def sink(out):
-        tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(out, f)
-        os.replace(tmp, out_path)
-
-    try:
-        dist.init_process_group(
-            "gloo",
-            store=dist.FileStore(cfg["store"], world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        try:
-            run_cases(rank, world, cfg, sink)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
-        sink({"error": traceback.format_exc()})
+def _rank_body(rank, world, cfg):
+    last = {}
+    run_cases(rank, world, cfg, last.update)  # the sink gets the cumulative output per case
+    return last
 
 
 def main(argv=None) -> int:
@@ -837,29 +819,11 @@ def main(argv=None) -> int:
 
         run_cases(0, 1, cfg, sink)
     else:
-        ctx = torch.multiprocessing.get_context("spawn")
-        with tempfile.TemporaryDirectory(prefix="reshard-bench-") as tmp:
-            cfg["store"] = os.path.join(tmp, "store")
-            outs = [os.path.join(tmp, f"rank{r}.json") for r in range(args.world)]
-            procs = [
-                ctx.Process(target=_rank_main, args=(r, args.world, cfg, outs[r]))
-                for r in range(args.world)
-            ]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            per_rank = []
-            for r, path in enumerate(outs):
-                if not os.path.exists(path):
-                    print(f"rank {r} died (exit code {procs[r].exitcode})", file=sys.stderr)
-                    return 1
-                with open(path) as f:
-                    per_rank.append(json.load(f))
-        for r, x in enumerate(per_rank):
-            if "error" in x:
-                print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
-                return 1
+        try:
+            per_rank = launch(_rank_body, args.world, args=(cfg,), prefix="reshard-bench-")
+        except RanksFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
         rows = finish(per_rank)
     print(markdown(meta, rows))
     bad = [f"{r['scenario']}/{r['model']}/{r['method']}" for r in rows if not r["correct"]]

@@ -17,19 +17,15 @@ the demo exits non-zero on any mismatch.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import sys
-import tempfile
 import time
-import traceback
 
 import torch
-import torch.distributed as dist
 
 import reshard as rs
+from reshard._launch import RanksFailed, launch
 
 POISON = -1234.5
 
@@ -162,31 +158,13 @@ class Rollout:
         return {self.loc[(rank, k)]: v.reshape(-1).to(torch.bfloat16) for k, v in want.items()}
 
 
-def _rank_main(rank, world, backend, store_path, cfg, out_path):
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(store_path, world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        try:
-            if cfg.get("mode") == "deepspeed":
-                from .integrations import deepspeed_demo
+def _rank_body(rank, world, backend, cfg):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if cfg.get("mode") == "deepspeed":
+        from .integrations import deepspeed_demo
 
-                result = deepspeed_demo.run_rank(rank, world, backend, cfg)
-            else:
-                result = _sync(rank, world, backend, cfg)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent prints it and exits non-zero
-        result = {"error": traceback.format_exc()}
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+        return deepspeed_demo.run_rank(rank, world, backend, cfg)
+    return _sync(rank, world, backend, cfg)
 
 
 def _sync(rank, world, backend, cfg):
@@ -261,36 +239,21 @@ def main(argv=None) -> int:
         return 2
     keys = ("hidden", "ffn", "vocab", "layers", "budget", "steps", "mode")
     cfg = {k: getattr(args, k) for k in keys}
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="reshard-demo-") as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-        procs = [
-            ctx.Process(
-                target=_rank_main,
-                args=(r, world, backend, os.path.join(tmp, "store"), cfg, outs[r]),
-            )
-            for r in range(world)
-        ]
-        t0 = time.perf_counter()
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(600)
-            if p.is_alive():
-                p.kill()
-        wall = time.perf_counter() - t0
-        results = []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                print(f"rank {r} died (exit code {procs[r].exitcode})", file=sys.stderr)
-                return 1
-            with open(path) as f:
-                results.append(json.load(f))
-    errors = [(r, x["error"]) for r, x in enumerate(results) if "error" in x]
-    for r, tb in errors:
-        print(f"rank {r} failed:\n{tb}", file=sys.stderr)
-    if errors:
+    t0 = time.perf_counter()
+    try:
+        results = launch(
+            _rank_body,
+            world,
+            backend=backend,
+            args=(backend, cfg),
+            timeout_s=120,
+            join_s=600,
+            prefix="reshard-demo-",
+        )
+    except RanksFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
+    wall = time.perf_counter() - t0
     if cfg["mode"] == "deepspeed":
         from .integrations import deepspeed_demo
 
