@@ -26,7 +26,14 @@ import reshard._ops as ops
 
 DEV = "cuda"
 GB = 1e9
-RESULTS: dict = {"env": {}, "ceilings": {}, "copy_runs": [], "staging": [], "model_sync": {}}
+RESULTS: dict = {
+    "env": {},
+    "ceilings": {},
+    "copy_runs": [],
+    "staging": [],
+    "ring": [],
+    "model_sync": {},
+}
 
 
 def log(*a):
@@ -251,6 +258,61 @@ def bench_staging(quick):
         del host_pageable, host_pinned, dev, dev_bf16
 
 
+def bench_ring(quick):
+    """Ring size sweep for the staged (bounced) paths: what a pageable host buffer and a
+    host-side cast cost per ring size, the evidence for the executor's ring default."""
+    c = RESULTS["ceilings"]
+    total = (1 << 30) if not quick else (256 << 20)
+    run_elems = (4 << 20) // 4
+    n_runs = total // (4 << 20)
+    d = gather_table(n_runs, run_elems, (5 * total // 4) // 4, np.random.default_rng(2))
+    desc = torch.from_numpy(d)
+    rev = torch.from_numpy(d[:, [2, 3, 0, 1, 4, 5]].copy())
+    host = fill_random(torch.empty(5 * total // 16))
+    dev = torch.empty(n_runs * run_elems, device=DEV)
+    dev_bf16 = torch.empty(n_runs * run_elems, dtype=torch.bfloat16, device=DEV)
+    for ring_mib in (4, 16, 64, 256):
+        ring = torch.empty(ring_mib << 20, dtype=torch.uint8, pin_memory=True)
+        cases = [
+            (
+                "h2d pageable",
+                lambda r=ring, h=host, t=dev: ops.stage_h2d(h, desc, r, t),
+                dev.nbytes,
+                c["pinned_h2d_GBps"],
+            ),
+            (
+                "h2d pageable->bf16",
+                lambda r=ring, h=host, t=dev_bf16: ops.stage_h2d(h, desc, r, t),
+                dev_bf16.nbytes,
+                c["pinned_h2d_GBps"],
+            ),
+            (
+                "d2h pageable",
+                lambda r=ring, h=host, v=dev: ops.stage_d2h(v, rev, r, h),
+                dev.nbytes,
+                c["pinned_d2h_GBps"],
+            ),
+        ]
+        for name, fn, wire, link in cases:
+            s = time_wall(fn, reps=5)
+            row = {
+                "case": name,
+                "ring_MiB": ring_mib,
+                "wire_GBps": wire / s / GB,
+                "of_pcie": wire / s / GB / link,
+                "slots": torch.ops.reshard.last_stage_stats()[0],
+            }
+            RESULTS["ring"].append(row)
+            log(
+                "ring",
+                json.dumps(
+                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
+                ),
+            )
+        del ring
+    del host, dev, dev_bf16
+
+
 # --------------------------------------------------------------------- 1.5B model sync
 
 
@@ -404,6 +466,22 @@ def write_outputs(out):
         f"{x['ratio_floor']:.2f} | {x['direct_copies']} | {x['chunks']} |"
         for x in RESULTS["staging"]
     ]
+    if RESULTS["ring"]:
+        lines += [
+            "",
+            "## ring size sweep: 1 GiB in 4 MiB runs from/to pageable host memory",
+            "",
+            "wire GB/s = bytes crossing PCIe per second (bf16: half the fp32 source); "
+            "/ PCIe = that over the pinned copy ceiling of the same run.",
+            "",
+            "| case | ring MiB | slots | wire GB/s | / PCIe |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        lines += [
+            f"| {x['case']} | {x['ring_MiB']} | {x['slots']} | {x['wire_GBps']:.1f} | "
+            f"{x['of_pcie']:.2f} |"
+            for x in RESULTS["ring"]
+        ]
     m = RESULTS["model_sync"]
     if m:
         lines += [
@@ -474,6 +552,9 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/h200"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument(
+        "--only", default=None, help="comma list of sections: copy_runs,staging,ring,model"
+    )
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     p = torch.cuda.get_device_properties(0)
@@ -486,9 +567,21 @@ def main():
         "threads": torch.get_num_threads(),
     }
     log("env", json.dumps(RESULTS["env"]))
-    steps = [ceilings, bench_copy_runs, bench_staging]
-    if not args.skip_model:
-        steps.append(bench_model_sync)
+    sections = {
+        "copy_runs": bench_copy_runs,
+        "staging": bench_staging,
+        "ring": bench_ring,
+        "model": bench_model_sync,
+    }
+    names = (
+        args.only.split(",")
+        if args.only
+        else [n for n in sections if not (n == "model" and args.skip_model)]
+    )
+    unknown = set(names) - set(sections)
+    if unknown:
+        ap.error(f"--only: unknown sections {sorted(unknown)}; choose from {sorted(sections)}")
+    steps = [ceilings] + [sections[n] for n in names]
     for step in steps:
         t = time.perf_counter()
         try:

@@ -37,6 +37,10 @@ from .report import Report
 log = logging.getLogger("reshard")
 
 DEFAULT_TIMEOUT_S = 300.0
+# Largest pinned ring of the stage ops. Bounced (pageable or cast) CPU<->GPU copies reach the
+# PCIe ceiling only with chunks large enough to hide the per-chunk host fork/join and event
+# wait (benchmarks/gpu_bench.py --only ring); a 64 MiB ring gives four 16 MiB slots.
+_RING_MAX_BYTES = 64 << 20
 
 
 def _copy_runs_op():
@@ -144,9 +148,9 @@ class _Engine:
         return self._written
 
     def ring_bytes(self) -> int:
-        """The local-copy ring: the per-peer budget, clamped to [4 KiB, 16 MiB]."""
-        budget = int(getattr(self.plan, "budget_bytes_per_peer", 16 << 20))
-        return max(4096, min(budget, 16 << 20)) // 16 * 16
+        """The local-copy ring: the per-peer budget, clamped to [4 KiB, 64 MiB]."""
+        budget = int(getattr(self.plan, "budget_bytes_per_peer", _RING_MAX_BYTES))
+        return max(4096, min(budget, _RING_MAX_BYTES)) // 16 * 16
 
     def bound(self, ring: bool) -> dict:
         # The in-process ("local") transport has no arenas; its only staging is the ring,
