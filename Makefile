@@ -80,8 +80,9 @@ $(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) csrc/reshard.h
 	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
 		-Icsrc $(CORE) tests/c/fuzz_validate.c -o $@
 
+# Once per instruction-set level of the bulk casts (csrc/copy_runs.c, RS_CONVERTER).
 ctest: cstrict $(BIN)/test_core
-	$(BIN)/test_core
+	for cap in default avx2 avx512; do RESHARD_CPU_CAPABILITY=$$cap $(BIN)/test_core || exit 1; done
 
 # A short libFuzzer run over a scratch copy of the seed corpus (the repo copy stays clean).
 fuzz: $(BIN)/fuzz_validate

@@ -5,7 +5,9 @@ values from torch's own contiguous `.to()`, so a wrong offset, a wrong cast or a
 all show up. Destinations are poisoned with a byte pattern that no copy writes.
 """
 
+import ctypes
 import itertools
+import platform
 
 import numpy as np
 import pytest
@@ -243,13 +245,34 @@ def test_large_tables_split_across_threads(threads):
 # ------------------------------------------------------------------ casts vs torch
 
 
+@pytest.fixture(params=["default", "avx2", "avx512"])
+def cpu_capability(request, monkeypatch):
+    """Every cast is checked with each instruction-set level of the C core's converters (a
+    level the CPU lacks falls back to the best it has)."""
+    monkeypatch.setenv("RESHARD_CPU_CAPABILITY", request.param)
+    return request.param
+
+
+def _core_capability():
+    from reshard import _C
+
+    return ctypes.CDLL(_C.__file__).rs_cpu_capability()
+
+
+def test_cpu_capability_cap(cpu_capability):
+    level = _core_capability()
+    assert level <= {"default": 0, "avx2": 1, "avx512": 2}[cpu_capability]
+    if platform.machine() in ("x86_64", "AMD64") and cpu_capability != "default":
+        assert level >= 1 or "avx2" not in open("/proc/cpuinfo").read()
+
+
 def _all16(dtype):
     return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
 
 
 @pytest.mark.parametrize("sdt", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("ddt", FLOATS)
-def test_casts_exhaustive_16bit(sdt, ddt):
+def test_casts_exhaustive_16bit(sdt, ddt, cpu_capability):
     src = _all16(sdt).clone()
     n = src.numel()
     dst = poisoned(n, ddt)
@@ -258,7 +281,7 @@ def test_casts_exhaustive_16bit(sdt, ddt):
 
 
 @pytest.mark.parametrize("ddt", [torch.bfloat16, torch.float16])
-def test_casts_from_f32_bit_patterns(ddt):
+def test_casts_from_f32_bit_patterns(ddt, cpu_capability):
     gen = np.random.default_rng(0)
     special = np.array(
         [
@@ -304,7 +327,7 @@ def test_casts_from_f32_bit_patterns(ddt):
     np.testing.assert_array_equal(bits(dst), bits(src.to(ddt)))
 
 
-def test_nan_rules_match_torch():
+def test_nan_rules_match_torch(cpu_capability):
     """The NaN results differ per pair in torch (see csrc/reshard.h); pin them."""
     f = torch.tensor([float("nan"), -float("nan")])
     out = reshard.copy_runs(f, np.array([[0, 0, 0, 0, 2, 1]]), poisoned(2, torch.bfloat16))

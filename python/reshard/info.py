@@ -23,6 +23,8 @@ def build_info() -> dict:
     fn.restype = ctypes.c_char_p
     info = json.loads(fn().decode())
     info["path"] = _C.__file__
+    level = lib.rs_cpu_capability()  # the ISA of the C core's bulk casts, after the env cap
+    info["cast_isa"] = ("baseline", "avx2", "avx512")[level]
     return info
 
 
@@ -83,7 +85,7 @@ def format_text(info: dict) -> str:
     match = "" if info["torch_matches_build"] else "   <-- MISMATCH: rebuild reshard"
     lines += [
         f"torch (built)   {b['torch']}{match}",
-        f"C core          {b['c_core']}",
+        f"C core          {b['c_core']}  (casts: {b['cast_isa']}; cap with RESHARD_CPU_CAPABILITY)",
         f"CUDA            {'on, archs ' + b['cuda_archs'] if b['cuda'] else 'off (CPU-only build)'}",
         f"threads         {info['threads']} intra-op (at::parallel_for, "
         f"{'OpenMP' if b['openmp'] else 'NO OpenMP: single-threaded copies'}), "
