@@ -12,7 +12,8 @@ Scenarios (benchmarks/_scenarios.py; synthetic sharded state with DeepSpeed's la
 Methods (same run, each checked bitwise against an independent reference after its syncs):
 - reshard: one `reshard.Transfer` reused for every sync (planning is excluded from the per-sync
   time; the first sync, plan included, is reported separately as first_sync_s).
-- reshard_registered (CUDA, one process): the same with register_host_sources=True.
+- reshard_registered (CUDA, one process): the same with the CPU buffers page-locked in place
+  (register_host_sources=True, register_host_targets=True).
 - gather_broadcast (world > 1): per tensor, dist.gather of the ZeRO chunks on rank 0, rank 0
   rebuilds it and broadcasts it (skipped when only rank 0 needs it), every rank slices.
 - full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
@@ -151,6 +152,7 @@ def m_reshard(case, ctx, register=False):
         budget_bytes_per_peer=ctx["budget"],
         group=None if ctx["world"] == 1 else dist.group.WORLD,
         register_host_sources=register,
+        register_host_targets=register,
     )
     ctx["plan_s"] = time.perf_counter() - t0
     last = {}

@@ -34,8 +34,9 @@ def test_transfer_with_registration_requested_still_copies():
         10: torch.full((8,), -1.0, dtype=torch.bfloat16),
         11: torch.full((16,), -1.0, dtype=torch.bfloat16),
     }
-    with rs.Transfer(src, dst, register_host_sources=True) as sync:
+    with rs.Transfer(src, dst, register_host_sources=True, register_host_targets=True) as sync:
         rep = sync({0: flat}, out)
     assert rep.host_registration["registered"] == []
+    assert rep.host_registration["targets"]["registered"] == []
     w = flat[3:27].to(torch.bfloat16)
     assert torch.equal(out[10], w[:8]) and torch.equal(out[11], w[8:])

@@ -498,30 +498,49 @@ class Transfer:
         *,
         timeout=DEFAULT_TIMEOUT_S,
         register_host_sources=False,
+        register_host_targets=False,
     ):
         """register_host_sources: page-lock the CPU source buffers in place (cudaHostRegister)
-        on the first call, so every sync DMAs straight from them (reshard.hostreg). Undone by
-        `close()`, on context exit, when a location's storage changes, or on collection; each
-        Report says what was done in `host_registration`."""
+        on the first call, so every sync DMAs straight from them (reshard.hostreg);
+        register_host_targets: the same for CPU target buffers (GPU -> CPU syncs DMA straight
+        into them). Undone by `close()`, on context exit, when a location's storage changes, or
+        on collection; each Report says what was done in `host_registration` (targets under its
+        "targets" key)."""
         from .plan import plan as make_plan
 
         t0 = time.perf_counter()
         p = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
-        self._setup(p, time.perf_counter() - t0, group, timeout, register_host_sources)
+        self._setup(
+            p,
+            time.perf_counter() - t0,
+            group,
+            timeout,
+            register_host_sources,
+            register_host_targets,
+        )
 
     @classmethod
     def from_plan(
-        cls, plan, group=None, *, timeout=DEFAULT_TIMEOUT_S, register_host_sources=False
+        cls,
+        plan,
+        group=None,
+        *,
+        timeout=DEFAULT_TIMEOUT_S,
+        register_host_sources=False,
+        register_host_targets=False,
     ) -> Transfer:
         """A Transfer around an existing plan (e.g. one shared by several groups' Transfers)."""
         self = cls.__new__(cls)
-        self._setup(plan, 0.0, group, timeout, register_host_sources)
+        self._setup(plan, 0.0, group, timeout, register_host_sources, register_host_targets)
         return self
 
-    def _setup(self, plan, plan_seconds, group, timeout, register_host_sources):
+    def _setup(
+        self, plan, plan_seconds, group, timeout, register_host_sources, register_host_targets
+    ):
         from .hostreg import HostRegistry
 
         self._hostreg = HostRegistry() if register_host_sources else None
+        self._hostreg_targets = HostRegistry() if register_host_targets else None
         self.plan, self._plan_seconds = plan, plan_seconds
         self.group, self.timeout = group, timeout
         self._engine = None
@@ -543,13 +562,10 @@ class Transfer:
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
-        reg = None
-        if self._hostreg is not None:
-            bufs = getattr(src_buffers, "buffers", src_buffers)
-            try:
-                reg = self._hostreg.sync(bufs if isinstance(bufs, dict) else {})
-            except RuntimeError as exc:  # an optimization only: the sync still runs, bounced
-                reg = {"error": str(exc)}
+        reg = _register(self._hostreg, src_buffers)
+        reg_targets = _register(self._hostreg_targets, dst_buffers)
+        if reg_targets is not None:
+            reg = dict(reg or {}, targets=reg_targets)
         report = _run(
             self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s
         )
@@ -559,8 +575,9 @@ class Transfer:
 
     def close(self) -> None:
         """Undo host registrations (if any). The Transfer stays usable (it re-registers)."""
-        if self._hostreg is not None:
-            self._hostreg.close()
+        for registry in (self._hostreg, self._hostreg_targets):
+            if registry is not None:
+                registry.close()
 
     def __enter__(self):
         return self
@@ -568,3 +585,15 @@ class Transfer:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _register(registry, buffers):
+    """Page-lock `buffers`' CPU storages through `registry` (None: not asked for). An
+    optimization only: on failure the sync still runs, bounced through the ring."""
+    if registry is None:
+        return None
+    bufs = getattr(buffers, "buffers", buffers)
+    try:
+        return registry.sync(bufs if isinstance(bufs, dict) else {})
+    except RuntimeError as exc:
+        return {"error": str(exc)}

@@ -103,6 +103,35 @@ def test_execute_residency_without_group(dst_dtype):
     assert all(r[2] == "local" for r in res)
 
 
+def test_transfer_registers_host_targets_in_place():
+    """GPU -> CPU with the CPU targets page-locked in place: the D2H copies go straight into
+    them (direct copies in the stage stats), results equal torch slicing, sources untouched."""
+    import reshard as rs
+
+    src_l, dst_l, numel = _layouts(torch.float32)
+    flat = torch.randn(numel)
+    expected = _expected(flat, torch.float32)
+    # the reverse transfer: the row-split pieces on the GPU back into one CPU flat buffer
+    dev = {k: v.cuda() for k, v in expected.items()}
+    before = {k: v.clone() for k, v in dev.items()}
+    back = torch.full((numel,), -777.0)
+    with rs.Transfer(dst_l, src_l, register_host_targets=True) as sync:
+        rep = sync(dev, {0: back})
+        assert rep.host_registration["targets"]["registered"] == [0] and back.is_pinned()
+        assert torch.ops.reshard.last_stage_stats()[5] > 0  # direct D2H rows, no bounce
+        rep = sync(dev, {0: back})
+        assert rep.host_registration["targets"]["registered"] == []
+    assert not back.is_pinned()
+    off = 0
+    for shp in SHAPES:
+        n = math.prod(shp)
+        assert torch.equal(back[off : off + n], flat[off : off + n])
+        assert torch.equal(back[off + n : off + n + 5], torch.full((5,), -777.0))  # gaps
+        off += n + 5
+    for k, v in dev.items():
+        assert torch.equal(v, before[k])
+
+
 def test_transfer_registers_host_sources_in_place():
     import reshard as rs
     from reshard.hostreg import HostRegistry
