@@ -148,8 +148,9 @@ class Plan:
         item = pl.wire_item[pl.s_cls[si], pl.d_cls[di]]
         self._g = dict(sl=pl.s_locs[si], dl=pl.d_locs[di], snd=snd, rcv=rcv, numel=numel, item=item)
         # group id of a storage pair (si * nD + di), for mapping one rank's runs to groups
-        self._g_key = si * len(pl.d_locs) + di
-        self._g_key_order = np.argsort(self._g_key, kind="stable")
+        g_key = si * len(pl.d_locs) + di
+        self._g_key_order = np.argsort(g_key, kind="stable")
+        self._g_keys = g_key[self._g_key_order]
         self._wires = {}  # (src location, dst location) -> wire dtype, filled by schedule()
 
         # Cut each (sender, receiver) stream into rounds of at most `cap` bytes; every
@@ -395,32 +396,33 @@ class Plan:
         by (source storage, target storage) and, inside a pair, in stream order."""
         out = [[] for _ in range(self.num_rounds)]
         g = self._g
-        who = g["snd"] if sender_side else g["rcv"]
-        gsel = np.nonzero(who == rank)[0]
-        if not len(gsel):
-            return out
-        pl = self._planner
+        ng = len(g["sl"])
+        gsel = np.nonzero((g["snd"] if sender_side else g["rcv"]) == rank)[0]
         # group of each run, and the stream position of each group's first run
+        pl = self._planner
         key = _lookup(pl.s_locs, runs[SL], _I64) * len(pl.d_locs)
         key += _lookup(pl.d_locs, runs[DL], _I64)
-        ks = self._g_key[self._g_key_order]
-        run_g = self._g_key_order[np.minimum(np.searchsorted(ks, key), len(ks) - 1)]
+        at = np.minimum(np.searchsorted(self._g_keys, key), max(ng - 1, 0))
+        if runs.shape[1] and (not ng or (self._g_keys[at] != key).any()):
+            raise RuntimeError(f"reshard internal error: rank {rank} has runs of no group")
+        run_g = self._g_key_order[at]
         rnum = runs[LEN] * runs[CNT]
         rpos = np.cumsum(rnum) - rnum
         brk = _segments_of(_rows_equal(run_g))
-        got = np.add.reduceat(rnum, brk) if len(brk) else np.zeros(0, _I64)
-        pos0 = np.zeros(len(g["sl"]), _I64)
+        pos0 = np.zeros(ng, _I64)
         pos0[run_g[brk]] = rpos[brk]
-        want = np.zeros(len(g["sl"]), _I64)
+        # Both ends rebuilt their runs independently; they must add up to the global totals
+        have = np.zeros(ng, _I64)
+        if len(brk):
+            have[run_g[brk]] = np.add.reduceat(rnum, brk)
+        want = np.zeros(ng, _I64)
         want[gsel] = g["numel"][gsel]
-        have = np.zeros(len(g["sl"]), _I64)
-        have[run_g[brk]] = got
-        if (ks[np.minimum(np.searchsorted(ks, key), len(ks) - 1)] != key).any() or (
-            have != want
-        ).any():
+        if (have != want).any():
             raise RuntimeError(
                 f"reshard internal error: rank {rank}'s runs disagree with the plan's totals"
             )
+        if not len(gsel):
+            return out
         segs = self._segs[np.isin(self._segs[:, 0], gsel)]
         descs = self._slice(segs, sender_side, runs, rpos, rnum, pos0)
         m = self._msgs
