@@ -234,10 +234,15 @@ class Plan:
             put([x for tl in tls for x in tl.shape])
             put([len(tl) for tl in tls])
             # each field streamed over chunks of tensors: sha256 sees one byte stream
-            for k in range(5):
-                for c in range(0, len(tls), 4096):
-                    part = [tl._arrays()[k].reshape(-1) for tl in tls[c : c + 4096]]
-                    h.update(memoryview(np.concatenate(part).astype("<i8", copy=False)).cast("B"))
+            # field by field (one sha256 each, all fed in one pass over chunks of tensors)
+            fields = [hashlib.sha256() for _ in range(5)]
+            for c in range(0, len(tls), 4096):
+                arrs = [tl._arrays() for tl in tls[c : c + 4096]]
+                for k, fh in enumerate(fields):
+                    a = np.concatenate([x[k].ravel() for x in arrs]).astype("<i8", copy=False)
+                    fh.update(memoryview(a).cast("B"))
+            for fh in fields:
+                h.update(fh.digest())
         g = self._g
         for k in ("sl", "dl", "snd", "rcv", "numel", "item"):
             put(g[k])
@@ -665,20 +670,23 @@ class _Planner:
         the senders' load (replica balancing)."""
         if not len(si):
             return
-        key = si * len(self.d_locs) + di
-        w = numel.astype(np.float64)
+        nD = len(self.d_locs)
+        key = si * nD + di
         if self._dense:
-            self._acc += np.bincount(key, weights=w, minlength=len(self._acc))
+            delta = np.bincount(key, weights=numel, minlength=len(self._acc))
+            self._acc += delta
+            key = np.nonzero(delta)[0]
+            w = delta[key]
         else:
-            u, inv = np.unique(key, return_inverse=True)
-            self._acc_parts.append((u, np.bincount(inv, weights=w)))
-        if account:
+            key, inv = np.unique(key, return_inverse=True)
+            w = np.bincount(inv, weights=numel)
+            self._acc_parts.append((key, w))
+        if account:  # per storage pair, not per job
+            si, di = key // nD, key % nD
             snd = self.s_rank[si]
             remote = snd != self.d_rank[di]
-            nbytes = (numel * self.d_item[di])[remote]
-            self.load += np.bincount(snd[remote], weights=nbytes, minlength=len(self.load)).astype(
-                _I64
-            )
+            nbytes = (w * self.d_item[di])[remote]
+            self.load += np.rint(np.bincount(snd[remote], nbytes, len(self.load))).astype(_I64)
 
     def _setup(self, tids):
         """Per-batch tensor tables: position of each global tensor id, dim-0 key base, numel."""
@@ -751,25 +759,30 @@ class _Planner:
 
         # direct tensors: totals only. Jobs of a replicated template are summed per
         # (source storage, template) first, then multiplied out over the replicas.
-        jd = np.nonzero(direct[r_ti[pr]])[0]
-        if len(jd):
-            si = s_idx[hold[rstart[pr[jd]]]]
-            tj, vj = pt[jd], jvol[jd]
+        check = self.bad_pair.any()  # some storage pair has no wire dtype: name a tensor
+        jd = direct[r_ti[pr]]
+        jd = slice(None) if jd.all() else np.nonzero(jd)[0]
+        pd = pr[jd]
+        if len(pd):
+            si, tj, vj = s_idx[hold[rstart[pd]]], pt[jd], jvol[jd]
             one = t_cnt[tj] == 1
-            self._check_dtypes(si[one], d_idx[first[tj[one]]], tids[r_ti[pr[jd[one]]]])
-            self._add(si[one], d_idx[first[tj[one]]], vj[one], account=True)
-            many = ~one
-            if many.any():
+            many = np.nonzero(~one)[0]
+            if len(many):
+                one = np.nonzero(one)[0]
                 nT = len(tstart)
                 u, inv = np.unique(si[many] * nT + tj[many], return_inverse=True)
-                w = np.bincount(inv, weights=vj[many].astype(np.float64))
-                w = np.rint(w).astype(_I64)
+                w = np.rint(np.bincount(inv, weights=vj[many])).astype(_I64)
                 us, ut = u // nT, u % nT
                 owner, k = _expand(t_cnt[ut])
                 di = d_idx[dorder[tstart[ut[owner]] + k]]
-                tt = tids[t_ti[ut[owner]]]
-                self._check_dtypes(us[owner], di, tt)
+                if check:
+                    self._check_dtypes(us[owner], di, tids[t_ti[ut[owner]]])
                 self._add(us[owner], di, w[owner], account=True)
+                si, tj, vj, pd = si[one], tj[one], vj[one], pd[one]
+            di = d_idx[first[tj]]
+            if check:
+                self._check_dtypes(si, di, tids[r_ti[pd]])
+            self._add(si, di, vj, account=True)
 
         # replicated source: a holder per (job, target replica), kept as job rows
         c = np.nonzero(~direct[r_ti[pr]])[0]
@@ -779,7 +792,8 @@ class _Planner:
         jr, jt = pr[c][owner], pt[c][owner]
         pj = dorder[tstart[jt] + k]
         jlo, jhi = lo[c][owner], hi[c][owner]
-        self._check_dtypes(s_idx[hold[rstart[jr]]], d_idx[pj], tids[r_ti[jr]])
+        if check:
+            self._check_dtypes(s_idx[hold[rstart[jr]]], d_idx[pj], tids[r_ti[jr]])
         h = self._choose(jr, pj, jlo, jhi, rstart, r_cnt, hold, s_loc, d_loc)
         self._add(s_idx[h], d_idx[pj], (jhi - jlo).prod(axis=1), account=False)
         so = s_off[h] + (s_str[h] * (jlo - s_start[h])).sum(axis=1)
@@ -895,7 +909,8 @@ class _Planner:
             by_d.setdefault(len(tl.shape), []).append((t, tl))
         parts = []
         for d, items in sorted(by_d.items()):
-            cols = [np.concatenate([tl._arrays()[k] for _, tl in items]) for k in range(5)]
+            arrs = [tl._arrays() for _, tl in items]
+            cols = [np.concatenate([a[k] for a in arrs]) for k in range(5)]
             counts = np.array([len(tl._loc) for _, tl in items], _I64)
             tid = np.repeat(np.array([t for t, _ in items], _I64), counts)
             loc, off, start, box, strides = cols
@@ -967,8 +982,6 @@ class _Planner:
 
     def _check_dtypes(self, si, di, tensor_ids):
         """Every (source, target) storage pair that exchanges data needs a wire dtype."""
-        if not self.bad_pair.any() or not len(si):
-            return
         bad = np.nonzero(self.bad_pair[self.s_cls[si], self.d_cls[di]])[0]
         if not len(bad):
             return
