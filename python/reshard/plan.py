@@ -1,9 +1,11 @@
 """Planning: intersect two layouts into copy runs, pick replicas, cut rounds. Pure data.
 
-Runs live in numpy arrays (one row per run), never in Python objects per run. The global
-part (intersection, replica choice, coalescing, rounds) is computed once in `plan()`; the
-per-rank `RankSchedule` the executor walks is derived lazily by `Plan.schedule(rank)`.
-See docs/planning.md for the algorithm and docs/internals.md for the schedule contract.
+`plan()` keeps only global, small tables: element totals per (source storage, target
+storage) pair, the replica choice for tensors whose source has replicas, rounds, segments
+and messages. `Plan.schedule(rank)` builds that rank's copy runs (numpy arrays, one row per
+run) from the pieces on its storages, lazily, in an element order both ends of a pair
+derive alike. See docs/planning.md for the algorithm and docs/internals.md for the
+schedule contract.
 """
 
 from __future__ import annotations
