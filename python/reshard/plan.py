@@ -876,7 +876,9 @@ class _Planner:
                 )
             )
         b = np.nonzero(mine_d)[0]
-        c = np.nonzero(~mine_s)[0]
+        mine_t = np.zeros(len(tids), bool)  # tensors with a target piece here
+        mine_t[d_ti[b]] = True
+        c = np.nonzero(~mine_s & mine_t[s_ti])[0]
         if len(b) and len(c):
             # as receiver: my target pieces x every source piece of another rank
             pc, pb, lo, hi = _intersect(
