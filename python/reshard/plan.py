@@ -718,9 +718,10 @@ class _Planner:
     def _global_batch(self, tids):
         tids = np.asarray(tids, _I64)
         tpos, base, numel = self._setup(tids)
-        s_tid, s_loc, s_off, s_start, s_box, s_str = self._gather(self.src, tids)
-        d_tid, d_loc, d_off, d_start, d_box, d_str = self._gather(self.dst, tids)
-        s_ti, d_ti = tpos[s_tid], tpos[d_tid]
+        S = self._gather(self.src, tids)  # (tid, loc, off, start, box, strides)
+        T = self._gather(self.dst, tids)
+        s_ti, s_loc, s_start, s_box = tpos[S[0]], S[1], S[3], S[4]
+        d_ti, d_loc, d_start, d_box = tpos[T[0]], T[1], T[3], T[4]
         svol = np.bincount(s_ti, weights=s_box.prod(axis=1).astype(np.float64), minlength=len(tids))
         direct = svol == numel
         self.direct[tids] = direct
@@ -750,7 +751,7 @@ class _Planner:
             )
 
         # -- target templates, intersected with the source regions ------------------------
-        dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, d_str)
+        dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, T[5])
         first = dorder[tstart]
         t_ti, t_lo = d_ti[first], d_start[first]
         pr, pt, lo, hi = _intersect(base, r_ti, r_lo, r_hi, t_ti, t_lo, t_lo + d_box[first])
@@ -798,9 +799,7 @@ class _Planner:
             self._check_dtypes(s_idx[hold[rstart[jr]]], d_idx[pj], tids[r_ti[jr]])
         h = self._choose(jr, pj, jlo, jhi, rstart, r_cnt, hold, s_loc, d_loc)
         self._add(s_idx[h], d_idx[pj], (jhi - jlo).prod(axis=1), account=False)
-        so = s_off[h] + (s_str[h] * (jlo - s_start[h])).sum(axis=1)
-        dof = d_off[pj] + (d_str[pj] * (jlo - d_start[pj])).sum(axis=1)
-        return _job_rows(s_loc[h], so, s_str[h], d_loc[pj], dof, d_str[pj], jhi - jlo)
+        return _job_rows(h, pj, jlo, jhi, S, T)
 
     # -- one rank --------------------------------------------------------------------------
     def rank_runs(self, rank):
@@ -836,72 +835,35 @@ class _Planner:
 
     def _rank_batch(self, tids, s_mine, d_mine):
         tpos, base, _ = self._setup(tids)
-        d_tid, d_loc, d_off, d_start, d_box, d_str = self._gather(self.dst, tids)
-        mine_d = d_mine[_lookup(self.d_locs, d_loc, _I64)]
-        s_tid, s_loc, s_off, s_start, s_box, s_str = self._gather(self.src, tids)
-        mine_s = s_mine[_lookup(self.s_locs, s_loc, _I64)]
-        s_ti, d_ti = tpos[s_tid], tpos[d_tid]
+        S = self._gather(self.src, tids)  # (tid, loc, off, start, box, strides)
+        T = self._gather(self.dst, tids)
+        s_ti, s_start, s_box = tpos[S[0]], S[3], S[4]
+        d_ti, d_start, d_box = tpos[T[0]], T[3], T[4]
+        mine_s = s_mine[_lookup(self.s_locs, S[1], _I64)]
+        mine_d = d_mine[_lookup(self.d_locs, T[1], _I64)]
         out, inn = [], []
         a = np.nonzero(mine_s)[0]
         if len(a) and len(d_ti):
             # as sender: my pieces x every target template, multiplied out over replicas
-            dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, d_str)
+            dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, T[5])
             first = dorder[tstart]
-            t_lo = d_start[first]
-            pa, pt, lo, hi = _intersect(
-                base,
-                s_ti[a],
-                s_start[a],
-                s_start[a] + s_box[a],
-                d_ti[first],
-                t_lo,
-                t_lo + d_box[first],
-            )
+            a_lo, t_lo = s_start[a], d_start[first]
+            a_hi, t_hi = a_lo + s_box[a], t_lo + d_box[first]
+            pa, pt, lo, hi = _intersect(base, s_ti[a], a_lo, a_hi, d_ti[first], t_lo, t_hi)
             owner, k = _expand(t_cnt[pt])
-            h, pj = a[pa[owner]], dorder[tstart[pt[owner]] + k]
-            out.append(
-                self._rows(
-                    h,
-                    pj,
-                    lo[owner],
-                    hi[owner],
-                    s_loc,
-                    s_off,
-                    s_start,
-                    s_str,
-                    d_loc,
-                    d_off,
-                    d_start,
-                    d_str,
-                )
-            )
+            pj = dorder[tstart[pt[owner]] + k]
+            out.append(_job_rows(a[pa[owner]], pj, lo[owner], hi[owner], S, T))
         b = np.nonzero(mine_d)[0]
         mine_t = np.zeros(len(tids), bool)  # tensors with a target piece here
         mine_t[d_ti[b]] = True
         c = np.nonzero(~mine_s & mine_t[s_ti])[0]
         if len(b) and len(c):
             # as receiver: my target pieces x every source piece of another rank
-            pc, pb, lo, hi = _intersect(
-                base,
-                s_ti[c],
-                s_start[c],
-                s_start[c] + s_box[c],
-                d_ti[b],
-                d_start[b],
-                d_start[b] + d_box[b],
-            )
-            inn.append(
-                self._rows(
-                    c[pc], b[pb], lo, hi, s_loc, s_off, s_start, s_str, d_loc, d_off, d_start, d_str
-                )
-            )
+            c_lo, b_lo = s_start[c], d_start[b]
+            c_hi, b_hi = c_lo + s_box[c], b_lo + d_box[b]
+            pc, pb, lo, hi = _intersect(base, s_ti[c], c_lo, c_hi, d_ti[b], b_lo, b_hi)
+            inn.append(_job_rows(c[pc], b[pb], lo, hi, S, T))
         return out, inn
-
-    @staticmethod
-    def _rows(h, pj, lo, hi, s_loc, s_off, s_start, s_str, d_loc, d_off, d_start, d_str):
-        so = s_off[h] + (s_str[h] * (lo - s_start[h])).sum(axis=1)
-        do = d_off[pj] + (d_str[pj] * (lo - d_start[pj])).sum(axis=1)
-        return _job_rows(s_loc[h], so, s_str[h], d_loc[pj], do, d_str[pj], hi - lo)
 
     def _gather(self, layout, tids):
         """Pieces of tensors `tids` stacked: (tid, loc, off, start, box, strides), dims padded
@@ -999,9 +961,14 @@ class _Planner:
         )
 
 
-def _job_rows(sl, so, Ss, dl, do, Sd, E):
-    """Jobs (box copies) as rows (sl, so, Ss[D], dl, do, Sd[D], E[D]): _box_runs' inputs."""
-    return np.column_stack([sl, so, Ss, dl, do, Sd, E]).astype(_I64, copy=False)
+def _job_rows(h, pj, lo, hi, S, T):
+    """Jobs (box [lo, hi) from source piece h to target piece pj; S, T: gathered pieces)
+    as rows (sl, so, Ss[D], dl, do, Sd[D], E[D]), the inputs of _box_runs."""
+    _, s_loc, s_off, s_start, _, s_str = S
+    _, d_loc, d_off, d_start, _, d_str = T
+    so = s_off[h] + (s_str[h] * (lo - s_start[h])).sum(axis=1)
+    do = d_off[pj] + (d_str[pj] * (lo - d_start[pj])).sum(axis=1)
+    return np.column_stack([s_loc[h], so, s_str[h], d_loc[pj], do, d_str[pj], hi - lo])
 
 
 def _rows_equal(*cols):
