@@ -169,55 +169,90 @@ def moe_case(layers=61, experts=384, src_ranks=256, ep=32, tp=8):
     return src, dst, time.perf_counter() - t0
 
 
-def measure(src, dst, budget=64 << 20, schedule_rank=0, trace=False):
-    """Plan once untraced (time, peak RSS of this process) and, if `trace`, once more under
-    tracemalloc (numpy reports its buffers to it; it slows allocation, so not timed)."""
+def busiest_rank(p):
+    """The rank that moves the most bytes (sent + received + copied locally)."""
+    load = dict(p.local_bytes())
+    for (s, r), b in p.pair_bytes().items():
+        load[s] = load.get(s, 0) + b
+        load[r] = load.get(r, 0) + b
+    return max(sorted(load), key=lambda r: load[r]) if load else 0
+
+
+def schedule_runs(sc):
+    """Descriptor rows of one rank's schedule (local copies, sends, receives)."""
+    n = sum(len(lc.desc) for lc in sc.local)
+    for msgs in sc.sends + sc.recvs:
+        n += sum(len(s.desc) for m in msgs for s in m.segments)
+    return n
+
+
+def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
+    """What one process of the job pays: `plan()` (every rank runs it), then
+    `schedule(rank)` for the busiest rank. Timed untraced; with `trace`, once more under
+    tracemalloc (numpy reports its buffers to it; it slows allocation, so not timed) for
+    the peak and retained memory of each step. `materialize`: also build every rank's runs
+    (`plan.runs`, what the previous planner held globally) for reference."""
     gc.collect()
     rss0 = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     p = rs.plan(src, dst, budget_bytes_per_peer=budget)
     t_plan = time.perf_counter() - t0
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    busiest = busiest_rank(p)
     t0 = time.perf_counter()
-    p.schedule(schedule_rank)
+    sc = p.schedule(busiest)
     t_sched = time.perf_counter() - t0
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sent = {}
     for (s, _r), b in p.pair_bytes().items():
         sent[s] = sent.get(s, 0) + b
     out = {
         "plan_s": round(t_plan, 3),
+        "busiest_rank": busiest,
+        "schedule_busiest_s": round(t_sched, 3),
+        "plan_plus_schedule_s": round(t_plan + t_sched, 3),
+        "schedule_busiest_runs": schedule_runs(sc),
         "rss_before_plan_bytes": rss0,
         "peak_rss_bytes": maxrss,
-        "schedule_rank0_s": round(t_sched, 3),
         "tensors": len(dst.tensors),
         "src_pieces": sum(len(t) for t in src.tensors.values()),
         "dst_pieces": sum(len(t) for t in dst.tensors.values()),
-        "runs": len(p.runs),
         "jobs": p._stats["jobs"],
+        "storage_pairs": len(p._g["sl"]) + len(p._local_groups[0]),
         "rounds": p.num_rounds,
         "remote_wire_bytes": sum(sent.values()),
         "max_sender_bytes": max(sent.values()) if sent else 0,
         "senders": len(sent),
-        "staging_rank0_nccl": p.staging_bytes(0),
+        "staging_busiest_nccl": p.staging_bytes(busiest),
         "fingerprint": p.fingerprint[:16],
     }
-    del p
+    if materialize:
+        t0 = time.perf_counter()
+        out["runs"] = len(p.runs)
+        out["materialize_all_ranks_s"] = round(time.perf_counter() - t0, 3)
+    del p, sc
     if trace:
         gc.collect()
         tracemalloc.start()
-        rs.plan(src, dst, budget_bytes_per_peer=budget)
-        out["plan_peak_tracemalloc_bytes"] = int(tracemalloc.get_traced_memory()[1])
+        p = rs.plan(src, dst, budget_bytes_per_peer=budget)
+        cur, peak = tracemalloc.get_traced_memory()
+        out["plan_peak_tracemalloc_bytes"] = int(peak)
+        out["plan_retained_tracemalloc_bytes"] = int(cur)
+        tracemalloc.reset_peak()
+        p.schedule(busiest)
+        cur2, peak = tracemalloc.get_traced_memory()
+        out["schedule_peak_tracemalloc_bytes"] = int(peak - cur)
+        out["schedule_retained_tracemalloc_bytes"] = int(cur2 - cur)
         tracemalloc.stop()
     return out
 
 
-def run_case(kind, layers, src_ranks, tp, dp, trace):
+def run_case(kind, layers, src_ranks, tp, dp, trace, materialize):
     """One case in this process (called in a fresh subprocess, so peak RSS is its own)."""
     if kind == "dense":
         src, dst, tb = dense_case(layers, src_ranks, tp, dp)
     else:
         src, dst, tb = moe_case(layers, src_ranks=src_ranks, ep=dp, tp=tp)
-    m = measure(src, dst, trace=trace)
+    m = measure(src, dst, trace=trace, materialize=materialize)
     m.update(
         kind=kind,
         layers=layers,
@@ -229,17 +264,11 @@ def run_case(kind, layers, src_ranks, tp, dp, trace):
     return m
 
 
-def sub(kind, layers, src_ranks, tp, dp, trace=False, env=None):
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--case",
-        kind,
-        str(layers),
-        str(src_ranks),
-        str(tp),
-        str(dp),
-    ] + (["--trace"] if trace else [])
+def sub(kind, layers, src_ranks, tp, dp, trace=False, materialize=False, env=None):
+    cmd = [sys.executable, os.path.abspath(__file__), "--case", kind]
+    cmd += [str(layers), str(src_ranks), str(tp), str(dp)]
+    cmd += ["--trace"] if trace else []
+    cmd += ["--materialize"] if materialize else []
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     if out.returncode:
         return {"kind": kind, "layers": layers, "error": out.stderr[-2000:]}
@@ -249,8 +278,11 @@ def sub(kind, layers, src_ranks, tp, dp, trace=False, env=None):
         layers,
         src_ranks,
         f"{tp}x{dp}",
+        "plan",
         m["plan_s"],
-        "s",
+        "s, schedule(busiest)",
+        m["schedule_busiest_s"],
+        "s, peak RSS",
         m["peak_rss_bytes"] >> 20,
         "MiB",
         flush=True,
@@ -268,14 +300,16 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--case", nargs=5)
     ap.add_argument("--trace", action="store_true")
-    ap.add_argument("--moe-layers", type=int, nargs="*", default=[2, 4, 8, 16])
+    ap.add_argument("--materialize", action="store_true")
+    ap.add_argument("--moe-layers", type=int, nargs="*", default=[2, 4, 8, 16, 61])
     args = ap.parse_args()
     if args.case:
         # a shared machine: fail with MemoryError rather than invite the OOM killer
         cap = int(os.environ.get("PLANNING_BENCH_MAX_GIB", "14")) << 30
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
         kind, *nums = args.case
-        print(json.dumps(run_case(kind, *map(int, nums), trace=args.trace)))
+        nums = map(int, nums)
+        print(json.dumps(run_case(kind, *nums, trace=args.trace, materialize=args.materialize)))
         return
     os.makedirs(OUT, exist_ok=True)
     res = {
@@ -289,15 +323,21 @@ def main():
         }
     }
     if not args.quick:
-        res["dense70b"] = sub("dense", 80, 64, 8, 8, trace=True)
+        res["dense70b"] = sub("dense", 80, 64, 8, 8, trace=True, materialize=True)
         res["dense70b_tuned_malloc"] = sub("dense", 80, 64, 8, 8, env=TUNED_MALLOC)
-        res["moe1t_layers"] = [sub("moe", n, 256, 8, 32, env=TUNED_MALLOC) for n in args.moe_layers]
+        # every rank's runs of the MoE shape (256 schedules) only where that stays cheap
+        res["moe1t_layers"] = [
+            sub("moe", n, 256, 8, 32, trace=True, materialize=n <= 2, env=TUNED_MALLOC)
+            for n in args.moe_layers
+        ]
     layers_sweep = [2, 5, 10] if args.quick else [5, 10, 20, 40, 80]
-    res["sweep_layers"] = [sub("dense", n, 64, 8, 8) for n in layers_sweep]
+    res["sweep_layers"] = [sub("dense", n, 64, 8, 8, materialize=True) for n in layers_sweep]
     ranks_sweep = [(8, 2, 4), (16, 4, 4), (32, 8, 4), (64, 8, 8)]
     if not args.quick:
         ranks_sweep += [(128, 8, 16), (256, 8, 32)]
-    res["sweep_ranks"] = [sub("dense", 10, w, tp, dp) for w, tp, dp in ranks_sweep]
+    res["sweep_ranks"] = [
+        sub("dense", 10, w, tp, dp, materialize=True) for w, tp, dp in ranks_sweep
+    ]
     res["machine"]["loadavg_at_end"] = os.getloadavg()
     suffix = "_quick" if args.quick else ""
     with open(os.path.join(OUT, f"planning{suffix}.json"), "w") as f:
@@ -308,20 +348,28 @@ def main():
 
 def write_md(res, path):
     mib = 1 << 20
+
+    def cell(m, key, scale=1):
+        v = m.get(key)
+        return "" if v is None else v // scale if scale > 1 else v
+
     lines = [
         "# reshard planning benchmark (CPU)",
         "",
         f"machine: {res['machine']}",
         "",
-        "Times are wall seconds of `rs.plan()` on a shared, loaded 2-core box; peak RSS is",
-        "the whole process (layouts included). `tuned malloc` = glibc MALLOC_MMAP/TRIM",
-        "thresholds raised (see planning.py).",
+        "Wall seconds on a shared 2-core box. `plan` is `rs.plan()` (every rank runs it);",
+        "`schedule` is `plan.schedule(rank)` for the busiest rank (most bytes sent + received",
+        "+ copied): together, what one process of the job pays. `all ranks' runs` builds the",
+        "runs of every rank, one rank at a time (`plan.runs`), for reference: the runs the",
+        "previous planner built, all of them, in every rank's `plan()`.",
+        "Peak RSS is the whole process (layouts included); tracemalloc peaks are of the step",
+        "alone. `tuned malloc` = glibc MALLOC_MMAP/TRIM thresholds raised (see planning.py).",
         "",
-    ]
-    lines += [
-        "| case | layers | tensors | src pieces | runs | rounds | plan s | peak RSS MiB |"
-        " tracemalloc MiB |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | layers | tensors | src pieces | jobs | storage pairs | rounds | plan s |"
+        " schedule s | plan + schedule s | busiest rank's runs | all ranks' runs (s) |"
+        " peak RSS MiB | plan peak MiB | schedule peak MiB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = []
     for key in ("dense70b", "dense70b_tuned_malloc"):
@@ -333,34 +381,32 @@ def write_md(res, path):
         if "error" in m:
             lines.append(f"| {key} | {m['layers']} | error: {m['error'][-200:]!r} |")
             continue
-        tm = m.get("plan_peak_tracemalloc_bytes")
+        allr = f"{m['runs']} ({m['materialize_all_ranks_s']})" if "runs" in m else ""
         lines.append(
-            f"| {key} | {m['layers']} | {m['tensors']} | {m['src_pieces']} | "
-            f"{m['runs']} | {m['rounds']} | {m['plan_s']} | "
-            f"{m['peak_rss_bytes'] // mib} | {tm // mib if tm else ''} |"
+            f"| {key} | {m['layers']} | {m['tensors']} | {m['src_pieces']} | {m['jobs']} | "
+            f"{m['storage_pairs']} | {m['rounds']} | {m['plan_s']} | "
+            f"{m['schedule_busiest_s']} | {m['plan_plus_schedule_s']} | "
+            f"{m['schedule_busiest_runs']} | {allr} | {m['peak_rss_bytes'] // mib} | "
+            f"{cell(m, 'plan_peak_tracemalloc_bytes', mib)} | "
+            f"{cell(m, 'schedule_peak_tracemalloc_bytes', mib)} |"
         )
-    lines += [
-        "",
-        "| layers (ZeRO-3 x64 -> TP8 x DP8) | tensors | runs | plan s | peak RSS MiB |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for m in res["sweep_layers"]:
-        if "error" not in m:
-            lines.append(
-                f"| {m['layers']} | {m['tensors']} | {m['runs']} | {m['plan_s']} | "
-                f"{m['peak_rss_bytes'] // mib} |"
-            )
-    lines += [
-        "",
-        "| src ranks (10 dense layers) | tp x dp | runs | plan s | peak RSS MiB |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for m in res["sweep_ranks"]:
-        if "error" not in m:
-            lines.append(
-                f"| {m['src_ranks']} | {m['tp']}x{m['dp_or_ep']} | {m['runs']} | "
-                f"{m['plan_s']} | {m['peak_rss_bytes'] // mib} |"
-            )
+    for title, key, first in (
+        ("layers (ZeRO-3 x64 -> TP8 x DP8)", "sweep_layers", "layers"),
+        ("src ranks (10 dense layers)", "sweep_ranks", "src_ranks"),
+    ):
+        lines += [
+            "",
+            f"| {title} | tensors | plan s | schedule s | all ranks' runs | all ranks' runs s |"
+            " peak RSS MiB |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for m in res[key]:
+            if "error" not in m:
+                lines.append(
+                    f"| {m[first]} | {m['tensors']} | {m['plan_s']} | "
+                    f"{m['schedule_busiest_s']} | {m['runs']} | "
+                    f"{m['materialize_all_ranks_s']} | {m['peak_rss_bytes'] // mib} |"
+                )
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -371,17 +417,23 @@ def plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    sl = [m for m in res["sweep_layers"] if "error" not in m]
-    ax[0].plot([m["tensors"] for m in sl], [m["plan_s"] for m in sl], "o-")
-    ax[0].set_xlabel("tensors (dense, ZeRO-3 x64 -> TP8 x DP8)")
-    ax[0].set_ylabel("plan time (s)")
-    sr = [m for m in res["sweep_ranks"] if "error" not in m]
-    ax[1].plot([m["src_ranks"] for m in sr], [m["plan_s"] for m in sr], "o-")
-    ax[1].set_xlabel("ranks (10 dense layers)")
-    ax[1].set_ylabel("plan time (s)")
-    for a in ax:
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    panels = (
+        ("sweep_layers", "tensors", "tensors (dense, ZeRO-3 x64 -> TP8 x DP8)"),
+        ("sweep_ranks", "src_ranks", "ranks (10 dense layers)"),
+    )
+    for a, (key, x, label) in zip(ax, panels):
+        ms = [m for m in res[key] if "error" not in m]
+        xs = [m[x] for m in ms]
+        a.plot(xs, [m["plan_s"] for m in ms], "o-", label="plan()")
+        a.plot(xs, [m["schedule_busiest_s"] for m in ms], "s-", label="schedule(busiest rank)")
+        a.plot(
+            xs, [m["materialize_all_ranks_s"] for m in ms], "^--", label="every rank's runs (ref.)"
+        )
+        a.set_xlabel(label)
+        a.set_ylabel("seconds")
         a.grid(True, alpha=0.3)
+        a.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

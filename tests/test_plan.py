@@ -613,10 +613,21 @@ def test_describe_and_fingerprint():
 
 
 _FP_SCRIPT = """
-import pickle, sys
+import hashlib, pickle, sys
 import reshard as rs
 src, dst = pickle.load(open(sys.argv[1], "rb"))
 print(rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint)
+# each rank's schedule built alone, in a fresh plan: replica choice and stream order
+for r in (0, 1, 2):
+    sc = rs.plan(src, dst, budget_bytes_per_peer=64).schedule(r)
+    h = hashlib.sha256()
+    for lc in sc.local:
+        h.update(repr((lc.src_location, lc.dst_location, lc.desc.tolist())).encode())
+    for msgs in sc.sends + sc.recvs:
+        for m in msgs:
+            for s in m.segments:
+                h.update(repr((m.peer, s.src_location, s.dst_location, s.desc.tolist())).encode())
+    print(h.hexdigest())
 """
 
 
@@ -638,7 +649,10 @@ def test_fingerprint_equal_across_processes_and_hash_seeds(tmp_path):
     )
     path = tmp_path / "layouts.pkl"
     path.write_bytes(pickle.dumps((src, dst)))
-    here = rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint
+    here = subprocess.run(
+        [sys.executable, "-c", _FP_SCRIPT, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert here.splitlines()[0] == rs.plan(src, dst, budget_bytes_per_peer=64).fingerprint
     for seed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run(
@@ -648,7 +662,7 @@ def test_fingerprint_equal_across_processes_and_hash_seeds(tmp_path):
             text=True,
             check=True,
         )
-        assert out.stdout.strip() == here
+        assert out.stdout == here
 
 
 def test_schedule_is_cached_and_covers_every_round():
@@ -734,3 +748,124 @@ def test_flat_group_to_flat_group_merges_across_tensors_and_batches(monkeypatch)
     monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
     many = check_plan(src, dst)
     assert len(one.runs) == len(many.runs) == 4  # [0,150) [150,225) [225,300) [300,450)
+
+
+# -- lazy per-rank planning -------------------------------------------------------------------
+
+
+def _schedule_key(sc):
+    """Everything a rank's schedule says, as plain data (desc tables included)."""
+    local = [(lc.src_location, lc.dst_location, lc.desc.tolist()) for lc in sc.local]
+    side = [
+        [
+            (
+                m.peer,
+                m.arena_offset,
+                m.nbytes,
+                [
+                    (s.src_location, s.dst_location, str(s.wire_dtype), s.byte_offset, s.numel)
+                    + (s.desc.tolist(),)
+                    for s in m.segments
+                ],
+            )
+            for m in msgs
+        ]
+        for msgs in sc.sends + sc.recvs
+    ]
+    return local, side, sc.send_arena_bytes, sc.recv_arena_bytes
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(layout_pair())
+def test_property_schedule_alone_equals_schedule_among_all(case):
+    # one rank of a real job builds only its own schedule; it must be the one a process
+    # that built every rank's runs (and materialized .runs) hands that rank
+    src, dst, budget = case
+    full = rs.plan(src, dst, budget_bytes_per_peer=budget)
+    assert full.runs.shape[1] == 8  # every rank's runs built first
+    every = {r: _schedule_key(full.schedule(r)) for r in full.ranks()}
+    for r in full.ranks():
+        alone = rs.plan(src, dst, budget_bytes_per_peer=budget)
+        assert _schedule_key(alone.schedule(r)) == every[r]
+        assert alone._runs is None  # nothing beyond rank r was materialized
+        assert alone.fingerprint == full.fingerprint
+
+
+def _streams(plan, rank, src_bufs, dst_expected, sender_side):
+    """{(sender, receiver, src loc, dst loc): logical values in stream order} for one rank's
+    side: what the sender reads for each segment position, or what the receiver's target
+    slots must end up holding."""
+    out = {}
+    sc = plan.schedule(rank)
+    for k in range(plan.num_rounds):
+        for m in sc.sends[k] if sender_side else sc.recvs[k]:
+            for seg in m.segments:
+                si, di = desc_index(seg.desc)
+                vals = np.empty(seg.numel)
+                if sender_side:
+                    vals[di] = src_bufs[seg.src_location][torch.from_numpy(si)].double().numpy()
+                    key = (rank, m.peer)
+                else:
+                    vals[si] = dst_expected[seg.dst_location][di]
+                    key = (m.peer, rank)
+                out.setdefault(key + (seg.src_location, seg.dst_location), []).extend(vals)
+    return out
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(layout_pair())
+def test_property_sender_and_receiver_agree_on_element_order(case):
+    # each end builds its runs of a storage pair from different pieces (its own source
+    # pieces x every target piece, or its own target pieces x every source piece); the
+    # element sequence of the pair's stream must still be the same on both ends
+    src, dst, budget = case
+    names = sorted(dst.tensors)
+    src_bufs = {k: v.double() for k, v in fill_sources(src, names).items()}
+    exp = expected_targets(dst, names, src)
+    p = rs.plan(src, dst, budget_bytes_per_peer=budget)
+    sent, recv = {}, {}
+    for r in p.ranks():
+        sent.update(_streams(p, r, src_bufs, exp, True))
+        recv.update(_streams(p, r, src_bufs, exp, False))
+    assert sent.keys() == recv.keys()
+    for key in sent:
+        assert sent[key] == recv[key], key
+
+
+def test_fingerprint_does_not_depend_on_batching(monkeypatch):
+    shapes = {f"t{i}": (4, 6) for i in range(12)}
+    src = rs.Layout(
+        {
+            n: rs.flat(s, [(3 * i + r, r * 8, (r + 1) * 8, 0) for r in range(3)])
+            for i, (n, s) in enumerate(shapes.items())
+        },
+        {3 * i + r: S(r, 8) for i in range(12) for r in range(3)},
+    )
+    dst = rs.Layout(
+        {n: rs.split(s, 1, [3, 3], [2 * i, 2 * i + 1]) for i, (n, s) in enumerate(shapes.items())},
+        {2 * i + t: S(t, 12) for i in range(12) for t in range(2)},
+    )
+    one = rs.plan(src, dst, budget_bytes_per_peer=64)
+    monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
+    many = rs.plan(src, dst, budget_bytes_per_peer=64)
+    assert one.fingerprint == many.fingerprint
+    assert _schedule_key(one.schedule(1)) == _schedule_key(many.schedule(1))
+
+
+def test_direct_tensors_keep_no_jobs_globally():
+    # ZeRO-3 -> TP: every source element has one holder, so plan() keeps only totals per
+    # storage pair; a replicated source keeps its (chosen) jobs, since the choice is global
+    shp = (8, 12)
+    zero3 = rs.Layout(
+        {"w": rs.flat(shp, [(r, r * 24, (r + 1) * 24, 0) for r in range(4)])},
+        {r: S(r, 24) for r in range(4)},
+    )
+    tp = rs.Layout(
+        {"w": rs.split(shp, 1, [6, 6], [[10, 12], [11, 13]])},
+        {10: S(0, 48), 11: S(1, 48), 12: S(2, 48), 13: S(3, 48)},
+    )
+    p = check_plan(zero3, tp, budget=64)
+    assert len(p._planner.table) == 0 and p._runs is None
+    rep = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(0, 96), 1: S(1, 96)})
+    p = check_plan(rep, tp, budget=64)
+    assert len(p._planner.table) == 4  # one job per column block x two target replicas

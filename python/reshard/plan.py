@@ -1,9 +1,11 @@
 """Planning: intersect two layouts into copy runs, pick replicas, cut rounds. Pure data.
 
-Runs live in numpy arrays (one row per run), never in Python objects per run. The global
-part (intersection, replica choice, coalescing, rounds) is computed once in `plan()`; the
-per-rank `RankSchedule` the executor walks is derived lazily by `Plan.schedule(rank)`.
-See docs/planning.md for the algorithm and docs/internals.md for the schedule contract.
+`plan()` keeps only global, small tables: element totals per (source storage, target
+storage) pair, the replica choice for tensors whose source has replicas, rounds, segments
+and messages. `Plan.schedule(rank)` builds that rank's copy runs (numpy arrays, one row per
+run) from the pieces on its storages, lazily, in an element order both ends of a pair
+derive alike. See docs/planning.md for the algorithm and docs/internals.md for the
+schedule contract.
 """
 
 from __future__ import annotations
@@ -112,154 +114,77 @@ def _segments_of(flags):
 
 
 class Plan:
-    """A deterministic transfer plan: copy runs, replica choice and rounds.
+    """A deterministic transfer plan: replica choice, rounds, and per-rank schedules.
 
     Build it with `plan(src, dst, budget_bytes_per_peer)`. Every rank computes the same plan
-    and the same `fingerprint` from the same layouts.
+    and the same `fingerprint` from the same layouts. `plan()` keeps only global, small
+    tables (element totals per storage pair, segments, messages); the copy runs of one rank
+    are built by `schedule(rank)`, from the pieces on that rank's storages.
     """
 
-    def __init__(self, src, dst, budget, runs, tensors, stats):
+    def __init__(self, src, dst, budget, names, planner):
         self.src = src
         self.dst = dst
         self.budget_bytes_per_peer = budget
-        self._tensors = tensors
-        self._stats = stats
-        self._build_rounds(runs)
+        self._tensors = names
+        self._planner = planner
+        self._stats = planner.stats
+        self._build_rounds(planner.pair_si, planner.pair_di, planner.pair_numel)
         self._cache = {}
+        self._runs = None
         self.fingerprint = self._fingerprint()
 
     # -- global structure ------------------------------------------------------------------
-    def _build_rounds(self, runs):
-        """`runs`: the planner's run table [8, n] in planning order; permuted in place."""
-        src, dst = self.src, self.dst
-        s_locs = np.array(sorted(src.storages), _I64)
-        d_locs = np.array(sorted(dst.storages), _I64)
-        s_rank = np.array([src.storages[int(x)].rank for x in s_locs], _I64)
-        d_rank = np.array([dst.storages[int(x)].rank for x in d_locs], _I64)
-        n = runs.shape[1]
-        # Group by (sender, receiver, src storage, dst storage); a stable sort keeps the
-        # (deterministic) planning order inside a group, which is the stream order. The
-        # key is the rank of the run's storage pair in that order: a small unsigned int,
-        # which numpy sorts stably by radix instead of by comparisons.
-        nS, nD = len(s_locs), len(d_locs)
-        sdt = np.uint16 if nS <= 1 << 16 else np.uint32
-        ddt = np.uint16 if nD <= 1 << 16 else np.uint32
-        if n:
-            si = _lookup(s_locs, runs[SL], sdt)
-            di = _lookup(d_locs, runs[DL], ddt)
-            pair = si.astype(_I64) * nD
-            pair += di
-            del si, di
-            if nS * nD <= 1 << 24:
-                used = np.nonzero(np.bincount(pair, minlength=nS * nD))[0]
-            else:
-                used = np.unique(pair)  # distinct storage pairs (few: at most nS * nD)
-            us, ud = used // nD, used % nD
-            rank_order = np.lexsort((ud, us, d_rank[ud], s_rank[us]))
-            dense = np.empty(len(used), _I64)
-            dense[rank_order] = np.arange(len(used), dtype=_I64)
-            kdt = np.uint16 if len(used) <= 1 << 16 else np.uint32 if len(used) <= 1 << 32 else _I64
-            if nS * nD <= 1 << 24:
-                table = np.zeros(nS * nD, kdt)
-                table[used] = dense
-                key = table[pair]
-            else:
-                key = dense[np.searchsorted(used, pair)].astype(kdt)
-            del pair
-            order = np.argsort(key, kind="stable")
-            skey = key[order]
-            del key
-            brk = np.ones(n, bool)  # a new group starts here
-            brk[1:] = skey[1:] != skey[:-1]
-            # rank ids fit in int32; keeps the per-run arrays small
-            g_us, g_ud = us[rank_order], ud[rank_order]  # storage pair of each dense key
-            snd = s_rank.astype(np.int32)[g_us][skey]
-            rcv = d_rank.astype(np.int32)[g_ud][skey]
-            del skey
-        else:
-            order, brk = np.zeros(0, _I64), np.zeros(0, bool)
-            snd = rcv = np.zeros(0, np.int32)
-        # permute row by row: one extra column of memory instead of a second table
-        col = np.empty(n, _I64)
-        for k in range(8):
-            np.take(runs[k], order, out=col)
-            runs[k] = col
-        del col, order
-        self._r = runs
-        self.sender = snd
-        self.receiver = rcv
+    def _build_rounds(self, si, di, numel):
+        """Groups (sender, receiver, src storage, dst storage) with their element totals ->
+        segments and messages. `si`, `di` index the planner's sorted storage locations."""
+        pl = self._planner
+        snd, rcv = pl.s_rank[si], pl.d_rank[di]
+        order = np.lexsort((di, si, rcv, snd))
+        si, di, numel, snd, rcv = si[order], di[order], numel[order], snd[order], rcv[order]
         local = snd == rcv
-        self._local = local
-
-        # Groups: blocks of remote runs with one (sender, receiver, src, dst) key; a group
-        # is all local or all remote, so its start is a break among the remote runs.
-        ridx = np.nonzero(~local)[0]
-        gstart = np.nonzero(brk[ridx])[0]
-        del brk
-        gend = np.append(gstart[1:], len(ridx))
-        g_first = ridx[gstart] if len(ridx) else np.zeros(0, _I64)
-        rn = runs[LEN, ridx] * runs[CNT, ridx]
-        g_numel = np.add.reduceat(rn, gstart) if len(ridx) else np.zeros(0, _I64)
-        g_sl = runs[SL, g_first]
-        g_dl = runs[DL, g_first]
-        g_snd, g_rcv = snd[g_first], rcv[g_first]
-        # wire itemsize per group from (source dtype, target dtype) classes: few distinct
-        # dtypes, many storage pairs (the planner checked every pair has a wire dtype)
-        sdt = sorted({s.dtype for s in src.storages.values()}, key=str)
-        ddt = sorted({s.dtype for s in dst.storages.values()}, key=str)
-        s_cls = np.array([sdt.index(src.storages[int(x)].dtype) for x in s_locs], _I64)
-        d_cls = np.array([ddt.index(dst.storages[int(x)].dtype) for x in d_locs], _I64)
-        items = np.array([[_wire_itemsize(a, b) for b in ddt] for a in sdt], _I64).reshape(
-            len(sdt), len(ddt)
-        )
-        g_item = items[
-            s_cls[_lookup(s_locs, g_sl, _I64)], d_cls[_lookup(d_locs, g_dl, _I64)]
-        ].reshape(len(g_first))
+        # local element totals per (rank, target storage), for local_bytes()
+        self._local_groups = (snd[local], di[local], numel[local])
+        r = ~local
+        si, di, numel, snd, rcv = si[r], di[r], numel[r], snd[r], rcv[r]
+        item = pl.wire_item[pl.s_cls[si], pl.d_cls[di]]
+        self._g = dict(sl=pl.s_locs[si], dl=pl.d_locs[di], snd=snd, rcv=rcv, numel=numel, item=item)
+        # group id of a storage pair (si * nD + di), for mapping one rank's runs to groups
+        g_key = si * len(pl.d_locs) + di
+        self._g_key_order = np.argsort(g_key, kind="stable")
+        self._g_keys = g_key[self._g_key_order]
         self._wires = {}  # (src location, dst location) -> wire dtype, filled by schedule()
-        # Stream position of each remote run inside the global concatenation of groups.
-        self._rpos = np.cumsum(rn) - rn
-        del rn
-        self._ridx = ridx
-        self._g = dict(
-            run_lo=gstart,
-            run_hi=gend,
-            sl=g_sl,
-            dl=g_dl,
-            snd=g_snd,
-            rcv=g_rcv,
-            numel=g_numel,
-            item=g_item,
-            pos0=self._rpos[gstart] if len(gstart) else np.zeros(0, _I64),
-        )
 
         # Cut each (sender, receiver) stream into rounds of at most `cap` bytes; every
         # segment starts 16-byte aligned inside its message.
         cap = self.budget_bytes_per_peer - self.budget_bytes_per_peer % _ALIGN
         segs = []  # (group, round, byte_offset, elem_lo, elem_hi)
         msgs = []  # (sender, receiver, round, nbytes)
-        pair_new = np.ones(len(g_first), bool)
-        if len(g_first) > 1:
-            pair_new[1:] = (g_snd[1:] != g_snd[:-1]) | (g_rcv[1:] != g_rcv[:-1])
+        ng = len(numel)
+        pair_new = np.ones(ng, bool)
+        if ng > 1:
+            pair_new[1:] = (snd[1:] != snd[:-1]) | (rcv[1:] != rcv[:-1])
         rnd = pos = 0
-        for g in range(len(g_first)):
-            if pair_new[g]:
+        snd_l, rcv_l = snd.tolist(), rcv.tolist()
+        for g, (n, w, new) in enumerate(zip(numel.tolist(), item.tolist(), pair_new.tolist())):
+            if new:
                 if g:
-                    msgs.append((int(g_snd[g - 1]), int(g_rcv[g - 1]), rnd, _align(pos)))
+                    msgs.append((snd_l[g - 1], rcv_l[g - 1], rnd, _align(pos)))
                 rnd = pos = 0
-            n, w, e = int(g_numel[g]), int(g_item[g]), 0
+            e = 0
             while e < n:
                 start = _align(pos)
                 room = (cap - start) // w
                 if room <= 0:
-                    msgs.append((int(g_snd[g]), int(g_rcv[g]), rnd, _align(pos)))
+                    msgs.append((snd_l[g], rcv_l[g], rnd, _align(pos)))
                     rnd, pos = rnd + 1, 0
                     continue
                 take = min(n - e, room)
                 segs.append((g, rnd, start, e, e + take))
                 pos = start + take * w
                 e += take
-        if len(g_first):
-            msgs.append((int(g_snd[-1]), int(g_rcv[-1]), rnd, _align(pos)))
+        if ng:
+            msgs.append((snd_l[-1], rcv_l[-1], rnd, _align(pos)))
         self._segs = np.array(segs, _I64).reshape(-1, 5)
         m = np.array(msgs, _I64).reshape(-1, 4)
         self.num_rounds = int(m[:, 2].max()) + 1 if len(m) else 0
@@ -285,7 +210,10 @@ class Plan:
         self._msgs = np.column_stack([m, send_off, recv_off]) if len(m) else np.zeros((0, 6), _I64)
 
     def _fingerprint(self) -> str:
-        h = hashlib.sha256(b"reshard-plan-v1\0")
+        """sha256 of a canonical encoding of the inputs (budget, storages, every tensor's
+        pieces in name order) and of the global tables (groups, segments, messages, and the
+        jobs of replicated-source tensors). Independent of Python's `hash` and of batching."""
+        h = hashlib.sha256(b"reshard-plan-v2\0")
 
         def put(arr):
             a = np.asarray(arr)
@@ -293,20 +221,37 @@ class Plan:
             a = np.ascontiguousarray(a)
             h.update(f"{a.dtype.str}{a.shape}".encode())
             if a.size:
-                h.update(memoryview(a.reshape(-1)).cast("B"))  # no copy of the run table
+                h.update(memoryview(a.reshape(-1)).cast("B"))
 
         put([self.budget_bytes_per_peer, self.num_rounds])
+        names = self._tensors
+        h.update("\0".join(names).encode())
         for layout in (self.src, self.dst):
             locs = sorted(layout.storages)
             put(locs)
             put([[layout.storages[x].rank, layout.storages[x].numel] for x in locs])
             h.update("\0".join(str(layout.storages[x].dtype) for x in locs).encode())
-        h.update("\0".join(self._tensors).encode())
-        put(self._r)
-        put(self.sender)
-        put(self.receiver)
+            tls = [layout.tensors[n] for n in names]
+            put([len(tl.shape) for tl in tls])
+            put([x for tl in tls for x in tl.shape])
+            put([len(tl) for tl in tls])
+            # each field streamed over chunks of tensors: sha256 sees one byte stream
+            # field by field (one sha256 each, all fed in one pass over chunks of tensors)
+            fields = [hashlib.sha256() for _ in range(5)]
+            for c in range(0, len(tls), 4096):
+                arrs = [tl._arrays() for tl in tls[c : c + 4096]]
+                for k, fh in enumerate(fields):
+                    a = np.concatenate([x[k].ravel() for x in arrs]).astype("<i8", copy=False)
+                    fh.update(memoryview(a).cast("B"))
+            for fh in fields:
+                h.update(fh.digest())
+        g = self._g
+        for k in ("sl", "dl", "snd", "rcv", "numel", "item"):
+            put(g[k])
+        put(np.column_stack(self._local_groups) if len(self._local_groups[0]) else [])
         put(self._segs)
         put(self._msgs)
+        put(self._planner.table)
         return h.hexdigest()
 
     # -- public surface --------------------------------------------------------------------
@@ -334,8 +279,13 @@ class Plan:
     @property
     def runs(self) -> np.ndarray:
         """All copy runs, int64 [n, 8]: (src_location, src_offset, src_stride, dst_location,
-        dst_offset, dst_stride, length, count), grouped by (sender, receiver)."""
-        return self._r.T
+        dst_offset, dst_stride, length, count), by sender rank, then (source storage, target
+        storage). Materialized on first use from every rank's sender side: for tests and
+        small plans; a large job only ever builds its own rank's runs (`schedule`)."""
+        if self._runs is None:
+            parts = [self._planner.rank_runs(r)[0] for r in self.ranks()]
+            self._runs = np.concatenate([np.zeros((8, 0), _I64), *parts], axis=1).T
+        return self._runs
 
     def ranks(self) -> list:
         """Every rank that owns a source or target storage."""
@@ -356,16 +306,10 @@ class Plan:
 
     def local_bytes(self) -> dict:
         """{rank: bytes copied locally (target dtype)}."""
+        rank, di, numel = self._local_groups
         out = {}
-        idx = np.nonzero(self._local)[0]
-        for rank in np.unique(self.sender[idx]).tolist():
-            sel = idx[self.sender[idx] == rank]
-            total = 0
-            for dl in np.unique(self._r[DL, sel]).tolist():
-                item = self.dst.storages[dl].dtype.itemsize
-                m = sel[self._r[DL, sel] == dl]
-                total += int((self._r[LEN, m] * self._r[CNT, m]).sum()) * item
-            out[rank] = total
+        for r, n, item in zip(rank.tolist(), numel.tolist(), self._planner.d_item[di].tolist()):
+            out[r] = out.get(r, 0) + n * item
         return out
 
     def describe(self, max_pairs=16) -> str:
@@ -376,11 +320,11 @@ class Plan:
             sent[s] = sent.get(s, 0) + b
             recv[r] = recv.get(r, 0) + b
         remote = sum(pairs.values())
+        n_local, n_remote = len(self._local_groups[0]), len(self._g["sl"])
         lines = [
             f"reshard plan {self.fingerprint[:16]}: {len(self._tensors)} tensors, "
-            f"{self._r.shape[1]} runs ({int(self._local.sum())} local, "
-            f"{int((~self._local).sum())} remote), budget {_fmt(self.budget_bytes_per_peer)}"
-            f"/peer, {self.num_rounds} rounds",
+            f"{n_local + n_remote} storage pairs ({n_local} local, {n_remote} remote), "
+            f"budget {_fmt(self.budget_bytes_per_peer)}/peer, {self.num_rounds} rounds",
             f"bytes: local {_fmt(sum(local.values()))}, remote {_fmt(remote)} on the wire "
             f"over {len(pairs)} rank pairs",
         ]
@@ -409,30 +353,32 @@ class Plan:
 
     def __repr__(self):
         return (
-            f"Plan({len(self._tensors)} tensors, {len(self.runs)} runs, "
+            f"Plan({len(self._tensors)} tensors, "
+            f"{len(self._g['sl']) + len(self._local_groups[0])} storage pairs, "
             f"{self.num_rounds} rounds, fingerprint={self.fingerprint[:16]})"
         )
 
     # -- per rank --------------------------------------------------------------------------
     def schedule(self, rank) -> RankSchedule:
-        """What `rank` does: local copies, and per round the messages it sends/receives."""
+        """What `rank` does: local copies, and per round the messages it sends/receives.
+        Built on first call from the pieces on this rank's storages only, then cached."""
         rank = int(rank)
         if rank in self._cache:
             return self._cache[rank]
-        runs = self._r
+        out_runs, in_runs = self._planner.rank_runs(rank)
+        pl = self._planner
+        d_rank = pl.d_rank[_lookup(pl.d_locs, out_runs[DL], _I64)]
+        is_local = d_rank == rank
         local = []
-        idx = np.nonzero(self._local & (self.sender == rank))[0]
-        if len(idx):
-            keys = np.take(runs[[SL, DL]], idx, axis=1)
-            brk = np.ones(len(idx), bool)
-            brk[1:] = (keys[:, 1:] != keys[:, :-1]).any(axis=0)
-            starts = np.nonzero(brk)[0]
-            for a, b in zip(starts.tolist(), np.append(starts[1:], len(idx)).tolist()):
-                r = np.take(runs, idx[a:b], axis=1)
-                desc = np.ascontiguousarray(r[[SO, SS, DO, DS, LEN, CNT]].T)
-                local.append(LocalCopy(int(r[SL, 0]), int(r[DL, 0]), desc))
-        sends = self._messages(rank, sender_side=True)
-        recvs = self._messages(rank, sender_side=False)
+        runs = out_runs[:, is_local]
+        if runs.shape[1]:
+            # runs are sorted by (source storage, target storage): one LocalCopy per pair
+            starts = _segments_of(_rows_equal(runs[SL], runs[DL]))
+            for a, b in zip(starts.tolist(), np.append(starts[1:], runs.shape[1]).tolist()):
+                desc = np.ascontiguousarray(runs[[SO, SS, DO, DS, LEN, CNT], a:b].T)
+                local.append(LocalCopy(int(runs[SL, a]), int(runs[DL, a]), desc))
+        sends = self._messages(rank, True, out_runs[:, ~is_local])
+        recvs = self._messages(rank, False, in_runs)
         sched = RankSchedule(
             rank=rank,
             num_rounds=self.num_rounds,
@@ -452,15 +398,40 @@ class Plan:
             self._wires[(sl, dl)] = w
         return w
 
-    def _messages(self, rank, sender_side):
+    def _messages(self, rank, sender_side, runs):
+        """This rank's messages of one side; `runs` are its remote runs of that side, sorted
+        by (source storage, target storage) and, inside a pair, in stream order."""
         out = [[] for _ in range(self.num_rounds)]
         g = self._g
-        who = g["snd"] if sender_side else g["rcv"]
-        gsel = np.nonzero(who == rank)[0]
+        ng = len(g["sl"])
+        gsel = np.nonzero((g["snd"] if sender_side else g["rcv"]) == rank)[0]
+        # group of each run, and the stream position of each group's first run
+        pl = self._planner
+        key = _lookup(pl.s_locs, runs[SL], _I64) * len(pl.d_locs)
+        key += _lookup(pl.d_locs, runs[DL], _I64)
+        at = np.minimum(np.searchsorted(self._g_keys, key), max(ng - 1, 0))
+        if runs.shape[1] and (not ng or (self._g_keys[at] != key).any()):
+            raise RuntimeError(f"reshard internal error: rank {rank} has runs of no group")
+        run_g = self._g_key_order[at]
+        rnum = runs[LEN] * runs[CNT]
+        rpos = np.cumsum(rnum) - rnum
+        brk = _segments_of(_rows_equal(run_g))
+        pos0 = np.zeros(ng, _I64)
+        pos0[run_g[brk]] = rpos[brk]
+        # Both ends rebuilt their runs independently; they must add up to the global totals
+        have = np.zeros(ng, _I64)
+        if len(brk):
+            have[run_g[brk]] = np.add.reduceat(rnum, brk)
+        want = np.zeros(ng, _I64)
+        want[gsel] = g["numel"][gsel]
+        if (have != want).any():
+            raise RuntimeError(
+                f"reshard internal error: rank {rank}'s runs disagree with the plan's totals"
+            )
         if not len(gsel):
             return out
         segs = self._segs[np.isin(self._segs[:, 0], gsel)]
-        descs = self._slice(segs, sender_side)
+        descs = self._slice(segs, sender_side, runs, rpos, rnum, pos0)
         m = self._msgs
         col = 0 if sender_side else 1
         msel = np.nonzero(m[:, col] == rank)[0]
@@ -488,19 +459,16 @@ class Plan:
             lst.sort(key=lambda msg: msg.peer)
         return out
 
-    def _slice(self, segs, sender_side):
+    def _slice(self, segs, sender_side, runs, rpos, rnum, pos0):
         """Per segment, the desc of the run pieces falling in its element range."""
-        g = self._g
         grp = segs[:, 0]
-        glo = g["pos0"][grp] + segs[:, 3]
-        ghi = g["pos0"][grp] + segs[:, 4]
-        rpos = self._rpos
-        rnum = self._r[LEN, self._ridx] * self._r[CNT, self._ridx]
+        glo = pos0[grp] + segs[:, 3]
+        ghi = pos0[grp] + segs[:, 4]
         first = np.searchsorted(rpos + rnum, glo, side="right")
         last = np.searchsorted(rpos, ghi, side="left")
         owner, k = _expand(last - first)
-        ri = first[owner] + k  # index into remote runs
-        run = np.take(self._r, self._ridx[ri], axis=1).T
+        ri = first[owner] + k
+        run = np.take(runs, ri, axis=1).T
         p0 = rpos[ri]
         lo = np.maximum(glo[owner], p0) - p0  # element range inside the run
         hi = np.minimum(ghi[owner], p0 + rnum[ri]) - p0
@@ -618,11 +586,16 @@ def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Pla
                 f"{dst.tensors[name].shape}"
             )
     dst._check_no_aliasing()
-    planner = _Planner(src, dst, names)
-    return Plan(src, dst, budget_bytes_per_peer, planner.run(), names, planner.stats)
+    return Plan(src, dst, budget_bytes_per_peer, names, _Planner(src, dst, names).run())
 
 
 class _Planner:
+    """The geometry behind a Plan. `run()` is the global pass: it intersects every tensor's
+    source regions with its target templates but keeps only element totals per (source
+    storage, target storage) pair (and the jobs of tensors whose source has replicas, whose
+    holder choice is global). `rank_runs(rank)` redoes the intersection for the pieces on
+    one rank's storages and turns those jobs into runs."""
+
     def __init__(self, src, dst, names):
         self.src, self.dst, self.names = src, dst, names
         self.D = max([1] + [len(src.tensors[n].shape) for n in names])
@@ -633,13 +606,32 @@ class _Planner:
         self.s_rank = np.array([src.storages[x].rank for x in s_locs], _I64)
         self.d_rank = np.array([dst.storages[x].rank for x in d_locs], _I64)
         self.d_item = np.array([dst.storages[x].dtype.itemsize for x in d_locs], _I64)
+        # dtype classes: few distinct dtypes, many storages
+        sdt = sorted({s.dtype for s in src.storages.values()}, key=str)
+        ddt = sorted({s.dtype for s in dst.storages.values()}, key=str)
+        self.s_cls = np.array([sdt.index(src.storages[x].dtype) for x in s_locs], _I64)
+        self.d_cls = np.array([ddt.index(dst.storages[x].dtype) for x in d_locs], _I64)
+        self.wire_item = np.array([[_wire_itemsize(a, b) for b in ddt] for a in sdt], _I64).reshape(
+            len(sdt), len(ddt)
+        )
+        self.bad_pair = self.wire_item == 0
         nr = int(max([0, *self.s_rank.tolist(), *self.d_rank.tolist()])) + 1
         self.load = np.zeros(nr, _I64)  # bytes each rank sends, for replica balancing
-        self.stats = {"jobs": 0, "runs_before_coalesce": 0}
+        self.stats = {"jobs": 0}
+        # direct[t]: tensor t's source pieces do not overlap (each element has one holder),
+        # so its jobs are rebuilt per rank; the jobs of the others are kept in `table`
+        self.direct = np.zeros(len(names), bool)
+        self.table = np.zeros((0, 4 + 3 * self.D), _I64)
+        nS, nD = len(s_locs), len(d_locs)
+        self._dense = nS * nD <= 1 << 22
+        self._acc = np.zeros(nS * nD if self._dense else 0, np.float64)
+        self._acc_parts = []
 
-    def run(self):
+    def _batches(self, tids):
+        """Tensors in batches of about _BATCH_PIECES pieces, so temporaries stay small."""
         batches, cur, size = [], [], 0
-        for t, name in enumerate(self.names):
+        for t in tids:
+            name = self.names[t]
             cur.append(t)
             size += len(self.src.tensors[name]) + len(self.dst.tensors[name])
             if size >= _BATCH_PIECES:
@@ -647,57 +639,59 @@ class _Planner:
                 cur, size = [], 0
         if cur:
             batches.append(cur)
-        out = []
-        for b in batches:
-            nxt = self._batch(b)
-            if out and out[-1].shape[1] and nxt.shape[1]:
-                # runs meeting at a batch boundary may continue each other (flat buffers of
-                # consecutive tensors): coalesce just that pair
-                pair = _coalesce(np.concatenate([out[-1][:, -1:], nxt[:, :1]], axis=1))
-                if pair.shape[1] == 1:
-                    out[-1] = out[-1][:, :-1]
-                    nxt = np.concatenate([pair, nxt[:, 1:]], axis=1)
-            out.append(nxt)
-        # np.empty commits pages only as they are written, and each batch is dropped once
-        # copied: peak memory stays one table, not two
-        runs = np.empty((8, sum(o.shape[1] for o in out)), _I64)
-        pos = 0
-        for j in range(len(out)):
-            n = out[j].shape[1]
-            runs[:, pos : pos + n] = out[j]
-            out[j] = None
-            pos += n
-        return runs
+        return batches
 
-    def _gather(self, layout, tids):
-        """Pieces of tensors `tids` stacked: (tid, loc, off, start, box, strides), dims padded
-        in front to D (extent 1, stride 0); empty pieces dropped. One concatenation per
-        ndim, so the cost per tensor is a list append, not numpy calls."""
-        by_d = {}
-        for t in tids:
-            tl = layout.tensors[self.names[t]]
-            by_d.setdefault(len(tl.shape), []).append((t, tl))
-        parts = []
-        for d, items in sorted(by_d.items()):
-            cols = [np.concatenate([tl._arrays()[k] for _, tl in items]) for k in range(5)]
-            counts = np.array([len(tl._loc) for _, tl in items], _I64)
-            tid = np.repeat(np.array([t for t, _ in items], _I64), counts)
-            loc, off, start, box, strides = cols
-            n = len(loc)
-            start, box, strides = (a.reshape(n, d) for a in (start, box, strides))
-            keep = (box > 0).all(axis=1)
-            pad = self.D - d
+    # -- global pass -----------------------------------------------------------------------
+    def run(self):
+        table = []
+        for b in self._batches(range(len(self.names))):
+            rows = self._global_batch(b)
+            if len(rows):
+                table.append(rows)
+        if table:
+            self.table = np.concatenate(table)
+        if self._dense:
+            keys = np.nonzero(self._acc)[0]
+            vals = self._acc[keys]
+        elif self._acc_parts:
+            k = np.concatenate([p[0] for p in self._acc_parts])
+            v = np.concatenate([p[1] for p in self._acc_parts])
+            keys, inv = np.unique(k, return_inverse=True)
+            vals = np.bincount(inv, weights=v)
+        else:
+            keys, vals = np.zeros(0, _I64), np.zeros(0)
+        nD = len(self.d_locs)
+        self.pair_si, self.pair_di = keys // nD, keys % nD
+        # float64 sums of integers below 2**53 are exact
+        self.pair_numel = np.rint(vals).astype(_I64)
+        self._acc = self._acc_parts = None
+        return self
 
-            def p(a, fill, keep=keep, pad=pad):
-                a = a[keep]
-                if pad:
-                    a = np.concatenate([np.full((len(a), pad), fill, _I64), a], axis=1)
-                return a
+    def _add(self, si, di, numel, account):
+        """Add element totals to storage pairs (si, di); `account`: count remote bytes in
+        the senders' load (replica balancing)."""
+        if not len(si):
+            return
+        nD = len(self.d_locs)
+        key = si * nD + di
+        if self._dense:
+            delta = np.bincount(key, weights=numel, minlength=len(self._acc))
+            self._acc += delta
+            key = np.nonzero(delta)[0]
+            w = delta[key]
+        else:
+            key, inv = np.unique(key, return_inverse=True)
+            w = np.bincount(inv, weights=numel)
+            self._acc_parts.append((key, w))
+        if account:  # per storage pair, not per job
+            si, di = key // nD, key % nD
+            snd = self.s_rank[si]
+            remote = snd != self.d_rank[di]
+            nbytes = (w * self.d_item[di])[remote]
+            self.load += np.rint(np.bincount(snd[remote], nbytes, len(self.load))).astype(_I64)
 
-            parts.append((tid[keep], loc[keep], off[keep], p(start, 0), p(box, 1), p(strides, 0)))
-        return [np.concatenate([pt[k] for pt in parts]) for k in range(6)]
-
-    def _batch(self, tids):
+    def _setup(self, tids):
+        """Per-batch tensor tables: position of each global tensor id, dim-0 key base, numel."""
         D = self.D
         shapes = []
         for t in tids:
@@ -708,20 +702,45 @@ class _Planner:
         tpos[tids] = np.arange(len(tids))
         # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch
         base = np.cumsum(shapes[:, 0]) - shapes[:, 0]
-        numel = shapes.prod(axis=1)
+        return tpos, base, shapes.prod(axis=1)
 
-        s_tid, s_loc, s_off, s_start, s_box, s_str = self._gather(self.src, tids)
-        d_tid, d_loc, d_off, d_start, d_box, d_str = self._gather(self.dst, tids)
-        s_ti, d_ti = tpos[s_tid], tpos[d_tid]
+    def _templates(self, d_ti, d_start, d_box, d_str):
+        """Distinct target (box, strides) per tensor; replicas of a template differ only in
+        storage and base offset. Returns (dorder, tstart, t_cnt)."""
+        dorder = np.lexsort(
+            tuple(d_str.T[::-1]) + tuple(d_box.T[::-1]) + tuple(d_start.T[::-1]) + (d_ti,)
+        )
+        tstart = _segments_of(
+            _rows_equal(d_ti[dorder], d_start[dorder], d_box[dorder], d_str[dorder])
+        )
+        return dorder, tstart, np.diff(np.append(tstart, len(dorder)))
+
+    def _global_batch(self, tids):
+        tids = np.asarray(tids, _I64)
+        tpos, base, numel = self._setup(tids)
+        S = self._gather(self.src, tids)  # (tid, loc, off, start, box, strides)
+        T = self._gather(self.dst, tids)
+        s_ti, s_loc, s_start, s_box = tpos[S[0]], S[1], S[3], S[4]
+        d_ti, d_loc, d_start, d_box = tpos[T[0]], T[1], T[3], T[4]
+        svol = np.bincount(s_ti, weights=s_box.prod(axis=1).astype(np.float64), minlength=len(tids))
+        direct = svol == numel
+        self.direct[tids] = direct
 
         # -- source regions: distinct boxes, each with its replica holders ---------------
-        order = np.lexsort(tuple(s_box.T[::-1]) + tuple(s_start.T[::-1]) + (s_ti,))
-        rstart = _segments_of(_rows_equal(s_ti[order], s_start[order], s_box[order]))
-        r_cnt = np.diff(np.append(rstart, len(order)))
-        hold = order  # holders of region r: hold[rstart[r] : rstart[r] + r_cnt[r]]
-        r_ti = s_ti[order[rstart]]
-        r_lo = s_start[order[rstart]]
-        r_hi = r_lo + s_box[order[rstart]]
+        # A direct tensor's pieces are its regions (one holder each); only the others are
+        # grouped by box.
+        dpc = np.nonzero(direct[s_ti])[0]
+        rep = np.nonzero(~direct[s_ti])[0]
+        order = rep[
+            np.lexsort(tuple(s_box[rep].T[::-1]) + tuple(s_start[rep].T[::-1]) + (s_ti[rep],))
+        ]
+        rs_ = _segments_of(_rows_equal(s_ti[order], s_start[order], s_box[order]))
+        hold = np.concatenate([dpc, order])  # holders of region r: hold[rstart[r] : +r_cnt[r]]
+        rstart = np.concatenate([np.arange(len(dpc), dtype=_I64), len(dpc) + rs_])
+        r_cnt = np.diff(np.append(rstart, len(hold)))
+        r_ti = s_ti[hold[rstart]]
+        r_lo = s_start[hold[rstart]]
+        r_hi = r_lo + s_box[hold[rstart]]
         vol = np.bincount(
             r_ti, weights=(r_hi - r_lo).prod(axis=1).astype(np.float64), minlength=len(tids)
         )
@@ -731,95 +750,151 @@ class _Planner:
                 overlapping, r_ti, r_lo, r_hi, rstart, r_cnt
             )
 
-        # -- target templates: distinct (box, strides), each with its replicas ------------
-        # Replicas of a target piece get the same runs up to the storage and base offset,
-        # so the runs are computed once per template and stamped out per replica.
-        dorder = np.lexsort(
-            tuple(d_str.T[::-1]) + tuple(d_box.T[::-1]) + tuple(d_start.T[::-1]) + (d_ti,)
-        )
-        tstart = _segments_of(
-            _rows_equal(d_ti[dorder], d_start[dorder], d_box[dorder], d_str[dorder])
-        )
-        t_cnt = np.diff(np.append(tstart, len(dorder)))
+        # -- target templates, intersected with the source regions ------------------------
+        dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, T[5])
         first = dorder[tstart]
-        t_ti, t_lo, t_box, t_str = d_ti[first], d_start[first], d_box[first], d_str[first]
+        t_ti, t_lo = d_ti[first], d_start[first]
+        pr, pt, lo, hi = _intersect(base, r_ti, r_lo, r_hi, t_ti, t_lo, t_lo + d_box[first])
+        self.stats["jobs"] += int(t_cnt[pt].sum())
+        jvol = (hi - lo).prod(axis=1)
+        d_idx = _lookup(self.d_locs, d_loc, _I64)
+        s_idx = _lookup(self.s_locs, s_loc, _I64)
 
-        # -- intersect templates with source regions --------------------------------------
-        pr, pt, lo, hi = _intersect(base, r_ti, r_lo, r_hi, t_ti, t_lo, t_lo + t_box)
-        self.stats["jobs"] += int((t_cnt[pt]).sum())
-        fixed = r_cnt[pr] == 1
-        out = []
+        # direct tensors: totals only. Jobs of a replicated template are summed per
+        # (source storage, template) first, then multiplied out over the replicas.
+        check = self.bad_pair.any()  # some storage pair has no wire dtype: name a tensor
+        jd = direct[r_ti[pr]]
+        jd = slice(None) if jd.all() else np.nonzero(jd)[0]
+        pd = pr[jd]
+        if len(pd):
+            si, tj, vj = s_idx[hold[rstart[pd]]], pt[jd], jvol[jd]
+            one = t_cnt[tj] == 1
+            many = np.nonzero(~one)[0]
+            if len(many):
+                one = np.nonzero(one)[0]
+                nT = len(tstart)
+                u, inv = np.unique(si[many] * nT + tj[many], return_inverse=True)
+                w = np.rint(np.bincount(inv, weights=vj[many])).astype(_I64)
+                us, ut = u // nT, u % nT
+                owner, k = _expand(t_cnt[ut])
+                di = d_idx[dorder[tstart[ut[owner]] + k]]
+                if check:
+                    self._check_dtypes(us[owner], di, tids[t_ti[ut[owner]]])
+                self._add(us[owner], di, w[owner], account=True)
+                si, tj, vj, pd = si[one], tj[one], vj[one], pd[one]
+            di = d_idx[first[tj]]
+            if check:
+                self._check_dtypes(si, di, tids[r_ti[pd]])
+            self._add(si, di, vj, account=True)
 
-        # fixed source (one holder): runs per template, stamped out per replica
-        f = np.nonzero(fixed)[0]
-        if len(f):
-            fr, ft, flo, fhi = pr[f], pt[f], lo[f], hi[f]
-            h = hold[rstart[fr]]
-            so = s_off[h] + (s_str[h] * (flo - s_start[h])).sum(axis=1)
-            dof = (t_str[ft] * (flo - t_lo[ft])).sum(axis=1)
-            tr = _box_runs(s_loc[h], so, s_str[h], ft, dof, t_str[ft], fhi - flo)
-            self.stats["runs_before_coalesce"] += tr.shape[1] * 1
-            if (t_cnt[ft] > 1).any():  # else the coalesce after stamping does it all
-                tr = _coalesce(tr)
-            out.append(self._stamp(tr, tstart, t_cnt, dorder, d_loc, d_off))
+        # replicated source: a holder per (job, target replica), kept as job rows
+        c = np.nonzero(~direct[r_ti[pr]])[0]
+        if not len(c):
+            return np.zeros((0, 4 + 3 * self.D), _I64)
+        owner, k = _expand(t_cnt[pt[c]])
+        jr, jt = pr[c][owner], pt[c][owner]
+        pj = dorder[tstart[jt] + k]
+        jlo, jhi = lo[c][owner], hi[c][owner]
+        if check:
+            self._check_dtypes(s_idx[hold[rstart[jr]]], d_idx[pj], tids[r_ti[jr]])
+        h = self._choose(jr, pj, jlo, jhi, rstart, r_cnt, hold, s_loc, d_loc)
+        self._add(s_idx[h], d_idx[pj], (jhi - jlo).prod(axis=1), account=False)
+        return _job_rows(h, pj, jlo, jhi, S, T)
 
-        # replicated source: choose a holder per (job, target replica)
-        c = np.nonzero(~fixed)[0]
-        if len(c):
-            owner, k = _expand(t_cnt[pt[c]])
-            jr, jt = pr[c][owner], pt[c][owner]
-            pj = dorder[tstart[jt] + k]
-            jlo, jhi = lo[c][owner], hi[c][owner]
-            h = self._choose(jr, pj, jlo, jhi, rstart, r_cnt, hold, s_loc, d_loc)
-            so = s_off[h] + (s_str[h] * (jlo - s_start[h])).sum(axis=1)
-            dof = d_off[pj] + (d_str[pj] * (jlo - d_start[pj])).sum(axis=1)
-            cr = _box_runs(s_loc[h], so, s_str[h], d_loc[pj], dof, d_str[pj], jhi - jlo)
-            self.stats["runs_before_coalesce"] += cr.shape[1]
-            out.append(_coalesce(cr))
-        runs = (
-            out[0]
-            if len(out) == 1
-            else np.concatenate(out, axis=1)
-            if out
-            else np.zeros((8, 0), _I64)
+    # -- one rank --------------------------------------------------------------------------
+    def rank_runs(self, rank):
+        """(out, in): this rank's runs as sender (local copies included) and as receiver of
+        remote data, each int64 [8, n] sorted by (source storage, target storage) and, in a
+        pair, by the target offset of each job's first element. That order depends only on
+        the job set of the pair, which both ends build alike, so sender and receiver walk
+        the same element sequence whatever else each of them sees."""
+        s_mine = self.s_rank == rank
+        d_mine = self.d_rank == rank
+        out, inn = [], []
+        for b in self._batches(np.nonzero(self.direct)[0].tolist()):
+            o, i = self._rank_batch(np.asarray(b, _I64), s_mine, d_mine)
+            out += o
+            inn += i
+        tab = self.table
+        if len(tab):
+            si = _lookup(self.s_locs, tab[:, 0], _I64)
+            di = _lookup(self.d_locs, tab[:, 2 + self.D], _I64)
+            out.append(tab[s_mine[si]])
+            inn.append(tab[d_mine[di] & ~s_mine[si]])
+        return self._to_runs(out), self._to_runs(inn)
+
+    def _to_runs(self, parts):
+        D = self.D
+        rows = np.concatenate([np.zeros((0, 4 + 3 * D), _I64), *parts])
+        o = np.lexsort((rows[:, 3 + D], rows[:, 2 + D], rows[:, 0]))
+        r = rows[o].T
+        runs = _box_runs(
+            r[0], r[1], r[2 : 2 + D].T, r[2 + D], r[3 + D], r[4 + D : 4 + 2 * D].T, r[4 + 2 * D :].T
         )
-        self._check_dtypes(runs, tids)
-        # across templates (consecutive tensors of one flat buffer) once storages are known
         return _coalesce(runs)
 
-    def _stamp(self, tr, tstart, t_cnt, dorder, d_loc, d_off):
-        """Template runs (DL = template id, DO relative) -> one copy per target replica,
-        ordered template, replica, run; and account the remote bytes for balancing."""
-        tid = tr[DL]
-        if (t_cnt[tid] == 1).all():
-            # no target replicas: the template is the piece, just place it
-            piece = dorder[tstart[tid]]
-            tr[DL] = d_loc[piece]
-            tr[DO] += d_off[piece]
-            self._account(tr)
-            return tr
-        brk = np.ones(tr.shape[1], bool)
-        brk[1:] = tid[1:] != tid[:-1]
-        bstart = np.nonzero(brk)[0]
-        nrun = np.diff(np.append(bstart, tr.shape[1]))
-        reps = t_cnt[tid[bstart]]
-        owner, k = _expand(nrun * reps)
-        rep = k // nrun[owner]
-        ri = bstart[owner] + k % nrun[owner]
-        piece = dorder[tstart[tid[bstart[owner]]] + rep]
-        out = np.take(tr, ri, axis=1)
-        out[DL] = d_loc[piece]
-        out[DO] += d_off[piece]
-        self._account(out)
-        return out
+    def _rank_batch(self, tids, s_mine, d_mine):
+        tpos, base, _ = self._setup(tids)
+        S = self._gather(self.src, tids)  # (tid, loc, off, start, box, strides)
+        T = self._gather(self.dst, tids)
+        s_ti, s_start, s_box = tpos[S[0]], S[3], S[4]
+        d_ti, d_start, d_box = tpos[T[0]], T[3], T[4]
+        mine_s = s_mine[_lookup(self.s_locs, S[1], _I64)]
+        mine_d = d_mine[_lookup(self.d_locs, T[1], _I64)]
+        out, inn = [], []
+        a = np.nonzero(mine_s)[0]
+        if len(a) and len(d_ti):
+            # as sender: my pieces x every target template, multiplied out over replicas
+            dorder, tstart, t_cnt = self._templates(d_ti, d_start, d_box, T[5])
+            first = dorder[tstart]
+            a_lo, t_lo = s_start[a], d_start[first]
+            a_hi, t_hi = a_lo + s_box[a], t_lo + d_box[first]
+            pa, pt, lo, hi = _intersect(base, s_ti[a], a_lo, a_hi, d_ti[first], t_lo, t_hi)
+            owner, k = _expand(t_cnt[pt])
+            pj = dorder[tstart[pt[owner]] + k]
+            out.append(_job_rows(a[pa[owner]], pj, lo[owner], hi[owner], S, T))
+        b = np.nonzero(mine_d)[0]
+        mine_t = np.zeros(len(tids), bool)  # tensors with a target piece here
+        mine_t[d_ti[b]] = True
+        c = np.nonzero(~mine_s & mine_t[s_ti])[0]
+        if len(b) and len(c):
+            # as receiver: my target pieces x every source piece of another rank
+            c_lo, b_lo = s_start[c], d_start[b]
+            c_hi, b_hi = c_lo + s_box[c], b_lo + d_box[b]
+            pc, pb, lo, hi = _intersect(base, s_ti[c], c_lo, c_hi, d_ti[b], b_lo, b_hi)
+            inn.append(_job_rows(c[pc], b[pb], lo, hi, S, T))
+        return out, inn
 
-    def _account(self, runs):
-        snd = self.s_rank[_lookup(self.s_locs, runs[SL], _I64)]
-        di = _lookup(self.d_locs, runs[DL], _I64)
-        remote = snd != self.d_rank[di]
-        nbytes = (runs[LEN] * runs[CNT] * self.d_item[di])[remote]
-        # float weights are exact below 2**53 bytes per rank
-        self.load += np.bincount(snd[remote], weights=nbytes, minlength=len(self.load)).astype(_I64)
+    def _gather(self, layout, tids):
+        """Pieces of tensors `tids` stacked: (tid, loc, off, start, box, strides), dims padded
+        in front to D (extent 1, stride 0); empty pieces dropped. One concatenation per
+        ndim, so the cost per tensor is a list append, not numpy calls."""
+        by_d = {}
+        for t in tids.tolist():
+            tl = layout.tensors[self.names[t]]
+            by_d.setdefault(len(tl.shape), []).append((t, tl))
+        parts = []
+        for d, items in sorted(by_d.items()):
+            arrs = [tl._arrays() for _, tl in items]
+            cols = [np.concatenate([a[k] for a in arrs]) for k in range(5)]
+            counts = np.array([len(tl._loc) for _, tl in items], _I64)
+            tid = np.repeat(np.array([t for t, _ in items], _I64), counts)
+            loc, off, start, box, strides = cols
+            n = len(loc)
+            start, box, strides = (a.reshape(n, d) for a in (start, box, strides))
+            keep = (box > 0).all(axis=1)
+            if keep.all():
+                keep = slice(None)  # a view, not a copy
+            pad = self.D - d
+
+            def p(a, fill, keep=keep, pad=pad):
+                a = a[keep]
+                if pad:
+                    a = np.concatenate([np.full((len(a), pad), fill, _I64), a], axis=1)
+                return a
+
+            parts.append((tid[keep], loc[keep], off[keep], p(start, 0), p(box, 1), p(strides, 0)))
+        return [np.concatenate([pt[k] for pt in parts]) for k in range(6)]
 
     def _choose(self, pr, pj, lo, hi, rstart, r_cnt, hold, s_loc, d_loc):
         """Pick one source piece (holder) per job: local first, then least-loaded sender."""
@@ -871,35 +946,29 @@ class _Planner:
         h[rem] = choice
         return h
 
-    def _check_dtypes(self, runs, tids):
+    def _check_dtypes(self, si, di, tensor_ids):
         """Every (source, target) storage pair that exchanges data needs a wire dtype."""
-        if not runs.shape[1]:
-            return
-        sdt = sorted({s.dtype for s in self.src.storages.values()}, key=str)
-        ddt = sorted({s.dtype for s in self.dst.storages.values()}, key=str)
-        s_cls = np.array([sdt.index(self.src.storages[int(x)].dtype) for x in self.s_locs])
-        d_cls = np.array([ddt.index(self.dst.storages[int(x)].dtype) for x in self.d_locs])
-        bad_pair = np.array([[wire_dtype(a, b) is None for b in ddt] for a in sdt])
-        if not bad_pair.any():
-            return
-        si = np.searchsorted(self.s_locs, runs[SL])
-        di = np.searchsorted(self.d_locs, runs[DL])
-        bad = np.nonzero(bad_pair[s_cls[si], d_cls[di]])[0]
+        bad = np.nonzero(self.bad_pair[self.s_cls[si], self.d_cls[di]])[0]
         if not len(bad):
             return
-        sl, dl = int(runs[SL, bad[0]]), int(runs[DL, bad[0]])
+        i = int(bad[0])
+        sl, dl = int(self.s_locs[si[i]]), int(self.d_locs[di[i]])
         sd, dd = self.src.storages[sl].dtype, self.dst.storages[dl].dtype
-        name = next(
-            self.names[t]
-            for t in tids
-            if (self.dst.tensors[self.names[t]]._loc == dl).any()
-            and (self.src.tensors[self.names[t]]._loc == sl).any()
-        )
         raise LayoutError(
-            f"tensor {name!r}: unsupported dtype pair: source location {sl} is {sd}, "
-            f"target location {dl} is {dd} (casts exist only among float32, bfloat16, "
-            "float16; other dtypes must match)"
+            f"tensor {self.names[int(tensor_ids[i])]!r}: unsupported dtype pair: source "
+            f"location {sl} is {sd}, target location {dl} is {dd} (casts exist only among "
+            "float32, bfloat16, float16; other dtypes must match)"
         )
+
+
+def _job_rows(h, pj, lo, hi, S, T):
+    """Jobs (box [lo, hi) from source piece h to target piece pj; S, T: gathered pieces)
+    as rows (sl, so, Ss[D], dl, do, Sd[D], E[D]), the inputs of _box_runs."""
+    _, s_loc, s_off, s_start, _, s_str = S
+    _, d_loc, d_off, d_start, _, d_str = T
+    so = s_off[h] + (s_str[h] * (lo - s_start[h])).sum(axis=1)
+    do = d_off[pj] + (d_str[pj] * (lo - d_start[pj])).sum(axis=1)
+    return np.column_stack([s_loc[h], so, s_str[h], d_loc[pj], do, d_str[pj], hi - lo])
 
 
 def _rows_equal(*cols):
@@ -917,7 +986,8 @@ def _rows_equal(*cols):
 def _intersect(base, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi):
     """All pairs (i, j) of boxes a_i, b_j of the same tensor that intersect, with the
     intersection. Output-sensitive: pairs are enumerated from dim-0 overlaps found by
-    binary search (one box's dim-0 start lies inside the other's range), then filtered."""
+    binary search (one box's dim-0 start lies inside the other's range), then filtered.
+    The order of the pairs carries no meaning: callers sort what needs an order."""
     ak0 = base[a_ti] + a_lo[:, 0]
     ak1 = base[a_ti] + a_hi[:, 0]
     bk0 = base[b_ti] + b_lo[:, 0]
@@ -939,11 +1009,9 @@ def _intersect(base, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi):
     lo = np.maximum(a_lo[pa], b_lo[pb])
     hi = np.minimum(a_hi[pa], b_hi[pb])
     ok = (hi > lo).all(axis=1)
-    pa, pb, lo, hi = pa[ok], pb[ok], lo[ok], hi[ok]
-    # group by b box (stable: within a box, a boxes in dim-0 order) so neighbouring jobs
-    # are neighbours in storage and coalesce
-    o = np.argsort(pb, kind="stable")
-    return pa[o], pb[o], lo[o], hi[o]
+    if ok.all():
+        return pa, pb, lo, hi
+    return pa[ok], pb[ok], lo[ok], hi[ok]
 
 
 def _disjoint_regions(tensors, r_ti, r_lo, r_hi, rstart, r_cnt):
