@@ -72,8 +72,9 @@ class Report:
         return (
             f"rank {self.rank}/{self.world_size} [{self.transport}] {self.rounds} rounds: "
             f"sent {self.total_bytes_sent} B to {len(self.bytes_sent)} peers, received "
-            f"{self.total_bytes_received} B from {len(self.bytes_received)} peers, local "
-            f"{self.local_bytes} B in {s['total'] * 1e3:.2f} ms ({self.gbps:.3f} GB/s)\n"
+            f"{self.total_bytes_received} B from {len(self.bytes_received)} peers "
+            f"({self.zero_copy_bytes} B of both zero-copy), local {self.local_bytes} B in "
+            f"{s['total'] * 1e3:.2f} ms ({self.gbps:.3f} GB/s)\n"
             f"  phases: {phases or '-'}\n"
             f"  staging held/bound: {held}"
         )
