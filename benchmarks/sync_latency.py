@@ -20,8 +20,10 @@ Methods (same run, each checked bitwise against an independent reference after i
 - to_device (one process): per tensor `target.copy_(source.to(target.device))`.
 
 Metrics per (scenario, model, method): median / p90 / p10 of >= --iters syncs after warm-up
-(per sync, the slowest rank's time), peak extra memory (host: RSS delta per rank sampled by a
-thread during extra syncs, and the bytes the method holds by its own account, max of both;
+(per sync, the slowest rank's time; with --world > 1 the methods' timed syncs are interleaved,
+one sync of each in turn, so a load burst on a shared machine hits every method alike), peak
+extra memory (measured per method alone, before the timed syncs; host: RSS delta per rank
+sampled by a thread during extra syncs, and the bytes the method holds by its own account, max of both;
 device: max_memory_allocated delta), pinned bytes, bytes moved over the transport, GB/s of the
 payload, the physical floor (max of wire bytes / link bandwidth and local bytes / copy
 bandwidth on the slowest rank; PCIe bytes / pinned PCIe bandwidth for CPU<->GPU; bandwidths
@@ -62,6 +64,23 @@ from reshard._launch import RanksFailed, launch  # noqa: E402
 
 QUICK_MODELS = ("gpt-micro", "gpt-mini")
 FULL_MODELS = ("gpt-nano", "gpt-micro", "gpt-mini", "gpt-small", "gpt-125m")
+# The CPU budget rule (gloo): about 1/64 of the source bytes the busiest rank holds, so a full
+# sync takes at most ~64 rounds whatever the model (each round costs gloo a fixed handshake),
+# never below 512 KiB, and at most 16 MiB per peer. Staging (2 send + 2 receive arenas) is then
+# at most 1/16 of that rank's state.
+CPU_BUDGET_RULE = "1/64 of the busiest rank's source bytes, clamped to [512 KiB, 16 MiB]"
+CPU_BUDGET_MIN, CPU_BUDGET_MAX, CPU_BUDGET_ROUNDS = 512 << 10, 16 << 20, 64
+
+
+def cpu_budget(case) -> int:
+    """CPU_BUDGET_RULE for this case, the same on every rank (computed from the layout)."""
+    held: dict = {}
+    for st in case.src_layout.storages.values():
+        held[st.rank] = held.get(st.rank, 0) + st.numel * st.dtype.itemsize
+    budget = max(held.values()) // CPU_BUDGET_ROUNDS // 4096 * 4096
+    return min(CPU_BUDGET_MAX, max(CPU_BUDGET_MIN, budget))
+
+
 MULTI_SCENARIOS = ("rl_weight_sync", "offload_fp32", "offload_bf16", "offload_back", "dp_change")
 SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
 MiB = 1 << 20
@@ -149,7 +168,7 @@ def m_reshard(case, ctx, register=False):
     sync = rs.Transfer(
         case.src_layout,
         case.dst_layout,
-        budget_bytes_per_peer=ctx["budget"],
+        budget_bytes_per_peer=ctx["budget"] or cpu_budget(case),
         group=None if ctx["world"] == 1 else dist.group.WORLD,
         register_host_sources=register,
         register_host_targets=register,
@@ -169,6 +188,8 @@ def m_reshard(case, ctx, register=False):
             "recv_bytes": r.total_bytes_received,
             "local_bytes": r.local_bytes,
             "rounds": r.rounds,
+            "budget_bytes_per_peer": sync.plan.budget_bytes_per_peer,
+            "zero_copy_bytes": r.zero_copy_bytes,
             "seconds": r.seconds,
             "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
                 "registered_bytes", 0
@@ -360,7 +381,40 @@ def link_bandwidth(rank, world, cuda):
     return out
 
 
-def measure_method(case, method, ctx):
+def interleaved_times(case, methods, ctx):
+    """Timed syncs of every method in turn (m0, m1, m2, m0, m1, ...), each method on its own
+    targets after its warm-up: a burst of load on a shared machine then hits every method
+    alike, so the ratios compare like with like. Returns ({method: [seconds]}, {method:
+    targets correct})."""
+    world, cuda = ctx["world"], ctx["cuda"]
+    steps, bufs = {}, {}
+    for m in methods:
+        bufs[m] = case.targets()
+        steps[m], _ = METHODS[m](case, ctx)
+        for _ in range(ctx["warmup"]):
+            steps[m](bufs[m])
+    times = {m: [] for m in methods}
+    for _ in range(ctx["iters"]):
+        for m in methods:
+            _dev_sync(cuda)
+            _barrier(world)
+            t = time.perf_counter()
+            steps[m](bufs[m])
+            _dev_sync(cuda)
+            _barrier(world)
+            times[m].append(time.perf_counter() - t)
+    correct = {m: all(_equal(bufs[m][k], v) for k, v in case.reference.items()) for m in methods}
+    for step in steps.values():
+        if hasattr(step, "close"):
+            step.close()
+    del steps, bufs
+    _trim()
+    return times, correct
+
+
+def measure_method(case, method, ctx, timed=True):
+    """One method alone: first sync, warm-up, timed syncs (unless `timed` is False: the
+    interleaved timing then follows), the memory syncs and the correctness check."""
     world, cuda = ctx["world"], ctx["cuda"]
     bufs = case.targets()
     _trim()
@@ -380,7 +434,7 @@ def measure_method(case, method, ctx):
     for _ in range(max(0, ctx["warmup"] - 1)):
         step(bufs)
     times = []
-    for _ in range(ctx["iters"]):
+    for _ in range(ctx["iters"] if timed else 0):
         _dev_sync(cuda)
         _barrier(world)
         t = time.perf_counter()
@@ -462,11 +516,20 @@ def run_cases(rank, world, cfg, sink):
                 "build_s": build_s,
                 "methods": {},
             }
+            # memory (and the first sync) per method alone, as if it ran by itself; then the
+            # timed syncs, interleaved over the methods where cfg["interleave"]
             for m in cfg["methods"]:
                 if rank == 0:
                     progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
-                r = measure_method(case, m, ctx)
-                rec["methods"][m] = r
+                rec["methods"][m] = measure_method(case, m, ctx, timed=not cfg["interleave"])
+            if cfg["interleave"]:
+                if rank == 0:
+                    progress(f"[{i}/{total}] {scen} {model}: timed syncs, methods interleaved")
+                times, correct = interleaved_times(case, cfg["methods"], ctx)
+                for m, r in rec["methods"].items():
+                    r["times"] = times[m]
+                    r["correct"] = r["correct"] and correct[m]
+            for m, r in rec["methods"].items():
                 if rank == 0:
                     med = statistics.median(r["times"])
                     progress(
@@ -550,6 +613,8 @@ def aggregate(per_rank, meta):
                 row["plan_s"] = max(p["plan_s"] or 0.0 for p in per)
                 row["staging_bound"] = per[0].get("staging_bound")
                 row["rounds"] = per[0].get("rounds")
+                row["budget_bytes_per_peer"] = per[0].get("budget_bytes_per_peer")
+                row["zero_copy_bytes"] = sum(p.get("zero_copy_bytes", 0) for p in per)
                 row["phases_s"] = per[0].get("seconds")
                 row["registered_bytes"] = max(p.get("registered_bytes", 0) for p in per)
             if m == "reshard":
@@ -578,6 +643,10 @@ def _mib(b):
     return f"{b / MiB:.2f}"
 
 
+def _kib(b):
+    return f"{b >> 10}" if b else "-"
+
+
 def _bound(r, meta):
     """reshard's stated staging bound on the side `peak extra` measures (device on CUDA)."""
     b = r.get("staging_bound")
@@ -592,8 +661,19 @@ def markdown(meta, rows):
         "",
         f"torch {meta['torch']}, python {meta['python']}, {meta['cpus']} CPUs, "
         f"load average at start {meta['loadavg']}, {meta['iters']} timed syncs after "
-        f"{meta['warmup']} warm-up, reshard budget {meta['budget_bytes_per_peer'] / MiB:g} MiB "
-        f"per peer. Links measured in this run: "
+        f"{meta['warmup']} warm-up"
+        + (
+            " (interleaved: the methods take turns, one sync each, so load bursts hit all alike)"
+            if meta.get("interleaved")
+            else ""
+        )
+        + ", reshard budget per peer "
+        + (
+            f"{meta['budget_bytes_per_peer'] / MiB:g} MiB"
+            if meta.get("budget_bytes_per_peer")
+            else f"by rule: {meta['budget_rule']} (`budget` column)"
+        )
+        + ". Links measured in this run: "
         + ", ".join(f"{k[:-4]} {v / 1e9:.2f} GB/s" for k, v in meta["links"].items())
         + ".",
         "",
@@ -605,7 +685,9 @@ def markdown(meta, rows):
             if meta["device"] == "cuda"
             else "max over ranks of max(RSS delta, bytes held by the method's own account)"
         )
-        + "; `bound` = reshard's stated staging bound (plan.staging_bytes); `floor` = max(wire "
+        + "; `bound` = reshard's stated staging bound (plan.staging_bytes); `zero-copy` = "
+        "reshard's wire bytes that went straight from a source or into a target (no arena), "
+        "counted on the sending and on the receiving rank (so up to 2x `moved`); `floor` = max(wire "
         "bytes / link, local bytes / copy bandwidth) on the slowest rank (PCIe bytes / pinned "
         "PCIe bandwidth for CPU<->GPU), bandwidths best-of-7 in this run.",
         "",
@@ -620,9 +702,10 @@ def markdown(meta, rows):
         lines += [f"## {scen}", "", rs_[0]["description"], ""]
         lines += [
             "| model | params | method | median ms | p90 ms | spread | x reshard | first ms "
-            "| peak extra MiB | x reshard | bound MiB | pinned MiB | moved MiB | GB/s | floor ms "
-            "| x floor | ok |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| peak extra MiB | x reshard | budget KiB | bound MiB | pinned MiB | moved MiB "
+            "| zero-copy MiB | GB/s | floor ms | x floor | ok |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:"
+            "|---:|---|",
         ]
         for r in rs_:
             lines.append(
@@ -632,7 +715,10 @@ def markdown(meta, rows):
                 f"| {r['first_sync_s'] * 1e3:.1f} "
                 f"| {_mib(r['peak_extra_bytes'])} "
                 f"| {r.get('peak_extra_vs_reshard', float('nan')):.2f} "
-                f"| {_bound(r, meta)} | {_mib(r['pinned_bytes'])} | {_mib(r['bytes_moved'])} | {r['gbps']:.2f} "
+                f"| {_kib(r.get('budget_bytes_per_peer'))} "
+                f"| {_bound(r, meta)} | {_mib(r['pinned_bytes'])} | {_mib(r['bytes_moved'])} "
+                f"| {_mib(r['zero_copy_bytes']) if 'zero_copy_bytes' in r else '-'} "
+                f"| {r['gbps']:.2f} "
                 f"| {(r['floor_s'] or 0) * 1e3:.2f} | {r['vs_floor'] or float('nan'):.2f} "
                 f"| {'yes' if r['correct'] else 'NO'} |"
             )
@@ -730,7 +816,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help=f"comma list of {', '.join(S.MODELS)}")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--budget-mib", type=float, default=None, help="reshard budget per peer")
+    ap.add_argument(
+        "--budget-mib",
+        type=float,
+        default=None,
+        help=f"reshard budget per peer (default: 64 on CUDA; on CPU {CPU_BUDGET_RULE})",
+    )
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; skip later cases")
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--methods", default=None, help="comma list (default: all that apply)")
@@ -771,7 +862,7 @@ def main(argv=None) -> int:
             if m not in methods:
                 ap.error(f"method {m!r} does not apply here; choose from {', '.join(methods)}")
         methods = args.methods.split(",")
-    budget_mib = args.budget_mib or (64 if args.device == "cuda" else 0.5)
+    budget_mib = args.budget_mib or (64 if args.device == "cuda" else None)
     cfg = {
         "device": args.device,
         "scenarios": scenarios,
@@ -779,8 +870,12 @@ def main(argv=None) -> int:
         "methods": methods,
         "iters": args.iters,
         "warmup": max(1, args.warmup),
-        "budget": int(budget_mib * MiB),
+        "budget": int(budget_mib * MiB) if budget_mib else None,  # None: cpu_budget(case)
         "time_budget": args.time_budget,
+        # On the shared CPU box the timed syncs go round-robin over the methods. In one
+        # process on a GPU they stay per method: reshard_registered page-locks the very
+        # sources the others read, which would change what they measure.
+        "interleave": args.world > 1,
     }
     meta = {
         "host": platform.node() if args.device == "cpu" else torch.cuda.get_device_name(),
@@ -796,6 +891,8 @@ def main(argv=None) -> int:
         "iters": args.iters,
         "warmup": cfg["warmup"],
         "budget_bytes_per_peer": cfg["budget"],
+        "budget_rule": None if cfg["budget"] else CPU_BUDGET_RULE,
+        "interleaved": cfg["interleave"],
         "source": "synthetic (DeepSpeed ZeRO-3 / ZeRO-1/2 layouts; no engines)",
         "command": "python benchmarks/sync_latency.py " + " ".join(argv or sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -7,7 +7,9 @@
 Per round k (global order, the same on every rank): pack this rank's messages of round k with
 `copy_runs` into a send arena, post all sends and receives of the round in one
 `batch_isend_irecv`, wait, unpack with `copy_runs` out of the receive arena. Two arenas per
-direction: round k+1 is packed while round k is in flight. Local runs skip transport and arenas.
+direction: round k+1 is packed while round k is in flight. A message that is one contiguous
+range of one buffer in the wire dtype is sent straight from the source (or received straight
+into the target) instead: no copy, no arena bytes. Local runs skip transport and arenas.
 
 Transports: gloo (CPU buffers, host arenas), NCCL (arenas in device memory; CUDA buffers are
 packed on the device; CPU buffers are packed/scattered on the host and moved through one bounded
@@ -85,9 +87,9 @@ class _Desc:
 
 
 class _Group(_Desc):
-    """All segments of one round that share a storage and a wire dtype, fused into one table
-    over the whole arena (viewed as the wire dtype): one copy_runs call per (round, storage,
-    dtype) instead of one per segment. Built once; the arenas never move."""
+    """All packed segments of one round that share a storage and a wire dtype, fused into one
+    table over the whole arena (viewed as the wire dtype): one copy_runs call per (round,
+    storage, dtype) instead of one per segment. Built once; the arenas never move."""
 
     __slots__ = ("view",)
 
@@ -99,6 +101,50 @@ class _Group(_Desc):
 def _wire_view(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     isz = dtype.itemsize
     return arena[: arena.numel() // isz * isz].view(dtype)
+
+
+def _direct_range(msg, side: str, storage_dtype) -> tuple[int, int, int] | None:
+    """(location, first element, elements) when the message is a byte-exact image of one
+    contiguous range of one storage on this side ("send": the source, "recv": the target)
+    in the wire dtype, else None. Such a message travels straight from / into the buffer:
+    no pack or unpack copy and no arena bytes. A cast (bf16 on the wire from fp32), a gap or
+    reordering, a second storage, or alignment padding between segments all disqualify it."""
+    segs = msg.segments
+    nbytes = int(msg.nbytes)
+    if not segs or nbytes == 0:
+        return None
+    attr = "src_location" if side == "send" else "dst_location"
+    loc, wire = getattr(segs[0], attr), segs[0].wire_dtype
+    isz = wire.itemsize
+    if storage_dtype(loc) != wire or nbytes % isz:
+        return None
+    sc, mc = (0, 2) if side == "send" else (2, 0)  # storage / message columns of a desc row
+    rows = []
+    for seg in segs:
+        if getattr(seg, attr) != loc or seg.wire_dtype != wire:
+            return None
+        d = np.asarray(seg.desc, dtype=np.int64).reshape(-1, 6)
+        d = d[(d[:, 4] > 0) & (d[:, 5] > 0)]
+        repeated = d[:, 5] > 1  # a repeated run is one range only if its strides are its length
+        if (repeated & ((d[:, sc + 1] != d[:, 4]) | (d[:, mc + 1] != d[:, 4]))).any():
+            return None
+        msg_at = d[:, mc] + int(seg.byte_offset) // isz
+        rows.append(np.stack([msg_at, d[:, sc], d[:, 4] * d[:, 5]], axis=1))
+    r = np.concatenate(rows)
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    ends = r[:, 0] + r[:, 2]
+    n = nbytes // isz
+    # the rows must tile message elements [0, n) exactly, each at the same storage shift
+    if len(r) == 0 or r[0, 0] != 0 or ends[-1] != n or (r[1:, 0] != ends[:-1]).any():
+        return None
+    shift = r[:, 1] - r[:, 0]
+    if (shift != shift[0]).any():
+        return None
+    return int(loc), int(shift[0]), n
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
 
 
 class _Engine:
@@ -135,9 +181,14 @@ class _Engine:
         ]
         self.arenas = None  # {"send": [..], "recv": [..]} once allocated
         self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
-        self.inflight = []  # the p2p works of the round in flight
+        self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
         self.broken = False  # a call failed after preflight: never reuse these arenas
-        self.rounds = None  # per round: (send ops, recv ops, p2p (peer, is_send, slice) list)
+        # per round: (pack groups, unpack groups, p2p list, bytes sent, bytes received); a p2p
+        # entry is (peer, is_send, arena slice, None, 0, 0) or, for a message that travels
+        # straight from / into a buffer, (peer, is_send, None, location, first byte, end byte)
+        self.rounds = None
+        self.direct_locations = None  # the (side, location) set the rounds were laid out for
+        self.zero_copy_bytes = 0  # wire bytes per call that skip the arenas (sent + received)
         self._written = None
 
     # ------------------------------------------------------------ staging
@@ -182,16 +233,19 @@ class _Engine:
             return 0
         return int(torch.ops.reshard.stage_device_bytes(self.ring.numel()))
 
-    def allocate(self, need_ring: bool):
-        """Allocate (once) and check against the plan's bound; raising here is a preflight
-        reason on this rank, not a crash."""
-        s = self.sched
-        if self.arenas is None:
-            self.arenas = {
-                "send": [self._alloc(int(s.send_arena_bytes), False) for _ in range(self.nbuf)],
-                "recv": [self._alloc(int(s.recv_arena_bytes), False) for _ in range(self.nbuf)],
-            }
-            self._build_rounds()
+    def allocate(self, need_ring: bool, src: dict, dst: dict):
+        """Lay out the rounds and allocate the arenas (once), then check against the plan's
+        bound; raising here is a preflight reason on this rank, not a crash. `src` / `dst` are
+        the validated buffers: a message can skip the arena only where its buffer lives on the
+        arena's device (under NCCL a CPU buffer goes through the ring instead), so the layout
+        is redone only if that set of buffers ever changes."""
+        direct = frozenset(
+            [("send", loc) for loc, t in src.items() if t.device == self.arena_device]
+            + [("recv", loc) for loc, t in dst.items() if t.device == self.arena_device]
+        )
+        if self.arenas is None or direct != self.direct_locations:
+            self.arenas = None
+            self._build_rounds(direct, src, dst)
         if need_ring and self.ring is None:
             self.ring = self._alloc(self.ring_bytes(), True)
         held, bound = self.held(), self.bound(self.ring is not None)
@@ -204,25 +258,62 @@ class _Engine:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return torch.empty(nbytes, dtype=torch.uint8, device=self.arena_device)
 
-    def _build_rounds(self):
-        """Per round: fused pack groups, fused unpack groups, and the p2p arena slices."""
-        self.rounds = []
+    def _build_rounds(self, direct, src, dst):
+        """Per round: which messages travel straight from a source / into a target (one
+        contiguous same-dtype range there, `_direct_range`), where the others sit in a compacted
+        arena, then the arenas themselves, the fused pack / unpack groups and the p2p list.
+        The arenas hold only the packed messages of a round, so they are never larger than the
+        plan's `send_arena_bytes` / `recv_arena_bytes` (the staging bound) and may be empty."""
+        s = self.sched
+        plan_arena = {"send": int(s.send_arena_bytes), "recv": int(s.recv_arena_bytes)}
+        layout, need = [], {"send": 0, "recv": 0}
         for k in range(self.num_rounds):
-            per_dir = []
-            p2p = []
-            for msgs, key in ((self.sched.sends[k], "send"), (self.sched.recvs[k], "recv")):
+            per_dir = {}
+            for key, msgs, bufs in (("send", s.sends[k], src), ("recv", s.recvs[k], dst)):
+                attr = "src_location" if key == "send" else "dst_location"
+                items, cursor = [], 0
+                for m in msgs:
+                    mo, nb = int(m.arena_offset), int(m.nbytes)
+                    if mo < 0 or mo + nb > plan_arena[key]:
+                        raise RuntimeError(
+                            f"plan bug: round {k} {key} message to/from rank {m.peer} spans "
+                            f"arena bytes [{mo}, {mo + nb}) beyond the arena's {plan_arena[key]}"
+                        )
+                    rng = None
+                    if m.segments and (key, getattr(m.segments[0], attr)) in direct:
+                        rng = _direct_range(m, key, lambda loc, b=bufs: b[loc].dtype)
+                    if rng is None:
+                        items.append((m, None, cursor))
+                        need[key] = max(need[key], cursor + nb)
+                        cursor = _align16(cursor + nb)
+                    else:
+                        items.append((m, rng, None))
+                per_dir[key] = items
+            layout.append(per_dir)
+
+        self.arenas = {
+            key: [self._alloc(need[key], False) for _ in range(self.nbuf)] for key in need
+        }
+        self.rounds, self.zero_copy_bytes = [], 0
+        for k, per_dir in enumerate(layout):
+            groups, p2p, nbytes = {}, [], {"send": 0, "recv": 0}
+            for key, items in per_dir.items():
                 arena = self.arenas[key][k % 2]
                 # (location, wire dtype) -> [desc rows shifted into the arena]
                 fused: dict = {}
                 # the arena-side columns: pack writes the arena (dst), unpack reads it (src)
                 col = 2 if key == "send" else 0
-                for m in msgs:
-                    mo, nb = int(m.arena_offset), int(m.nbytes)
-                    if mo < 0 or mo + nb > arena.numel():
-                        raise RuntimeError(
-                            f"plan bug: round {k} {key} message to/from rank {m.peer} spans "
-                            f"arena bytes [{mo}, {mo + nb}) beyond the arena's {arena.numel()}"
+                for m, rng, mo in items:
+                    nb = int(m.nbytes)
+                    nbytes[key] += nb
+                    if rng is not None:
+                        loc, first, n = rng
+                        isz = nb // n
+                        p2p.append(
+                            (m.peer, key == "send", None, loc, first * isz, (first + n) * isz)
                         )
+                        self.zero_copy_bytes += nb
+                        continue
                     for seg in m.segments:
                         wire = seg.wire_dtype
                         off = mo + int(seg.byte_offset)
@@ -236,14 +327,15 @@ class _Engine:
                         d[:, col] += off // wire.itemsize
                         fused.setdefault((loc, wire), []).append(d)
                     if nb:
-                        p2p.append((m.peer, key == "send", arena[mo : mo + nb]))
-                per_dir.append(
-                    [
-                        _Group(loc, np.concatenate(descs), _wire_view(arena, wire))
-                        for (loc, wire), descs in fused.items()
-                    ]
-                )
-            self.rounds.append((per_dir[0], per_dir[1], p2p))
+                        p2p.append((m.peer, key == "send", arena[mo : mo + nb], None, 0, 0))
+                groups[key] = [
+                    _Group(loc, np.concatenate(descs), _wire_view(arena, wire))
+                    for (loc, wire), descs in fused.items()
+                ]
+            self.rounds.append(
+                (groups["send"], groups["recv"], p2p, nbytes["send"], nbytes["recv"])
+            )
+        self.direct_locations = direct
 
     # ------------------------------------------------------------ the rounds
 
@@ -268,11 +360,14 @@ class _Engine:
             sec["h2d"] += h2d
 
         def post(k):
-            ops = []
-            for peer, is_send, buf in self.rounds[k][2]:
+            ops, bufs = [], []
+            for peer, is_send, buf, loc, a, b in self.rounds[k][2]:
+                if buf is None:  # straight from the source / into the target
+                    buf = (src if is_send else dst)[loc].view(torch.uint8)[a:b]
                 fn = dist.isend if is_send else dist.irecv
                 ops.append(dist.P2POp(fn, buf, self.global_peer[peer], self.group))
-            return dist.batch_isend_irecv(ops) if ops else []
+                bufs.append(buf)
+            return (dist.batch_isend_irecv(ops) if ops else [], bufs)
 
         def wait(works):
             t0 = time.perf_counter()
@@ -312,32 +407,32 @@ class _Engine:
 
         # Arena k % 2 serves round k. Round k+1 is packed while round k is in flight and posted
         # before round k is unpacked, so neither pack nor unpack sits between two transports.
+        # (Posting round k+1 before waiting for round k, two rounds in flight, was measured
+        # slower under load on the 2-core gloo box, so one round waits at a time.)
         R = self.num_rounds
         if R == 0:
             local()
-            works = []
         else:
             pack(0)
-            works = post(0)
+            self.inflight = post(0)  # kept if we fail before they complete (see _retire)
         for k in range(R):
-            self.inflight = works  # kept if we fail before they complete (see _retire)
             if k == 0:
                 local()  # overlaps round 0's transport
             if k + 1 < R:
                 pack(k + 1)  # its send arena's last user, round k-1, completed before post(k)
-            wait(works)
+            wait(self.inflight[0])
             # round k+1's receive arena was last unpacked by round k-1 (ordered before this)
-            works = post(k + 1) if k + 1 < R else []
-            self.inflight = works
+            self.inflight = post(k + 1) if k + 1 < R else ([], [])
             unpack(k)
-            log.debug(
-                "reshard rank %d round %d/%d: sent %d B, received %d B",
-                self.rank,
-                k + 1,
-                R,
-                sum(b.numel() for _, s_, b in self.rounds[k][2] if s_),
-                sum(b.numel() for _, s_, b in self.rounds[k][2] if not s_),
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "reshard rank %d round %d/%d: sent %d B, received %d B",
+                    self.rank,
+                    k + 1,
+                    R,
+                    self.rounds[k][3],
+                    self.rounds[k][4],
+                )
         if cuda:
             torch.cuda.current_stream().synchronize()
 
@@ -351,7 +446,7 @@ _GRAVEYARD_MAX = 8
 
 def _retire(engine) -> None:
     engine.broken = True
-    if engine.inflight:
+    if engine.inflight[0]:
         _GRAVEYARD.append(engine)
         del _GRAVEYARD[:-_GRAVEYARD_MAX]
 
@@ -417,7 +512,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
         need_ring, reasons = _local_cross_device(engine, src_ok, dst_ok)
     if not reasons:
         try:
-            engine.allocate(need_ring or _needs_ring(engine, src_ok, dst_ok))
+            engine.allocate(need_ring or _needs_ring(engine, src_ok, dst_ok), src_ok, dst_ok)
         except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
             reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
     try:
@@ -450,6 +545,7 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
             "targets may be partially written"
         ) from exc
     report.peak_staging_bytes = engine.held()
+    report.zero_copy_bytes = engine.zero_copy_bytes
     report.local_bytes = sum(n * dst_ok[dloc].element_size() for dloc, n in engine.local_elems)
     report.seconds["total"] = time.perf_counter() - t_start + plan_seconds
     log.info(

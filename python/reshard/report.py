@@ -24,6 +24,9 @@ class Report:
 
     bytes_sent / bytes_received: wire bytes per peer (group ranks), local copies excluded.
     local_bytes: bytes copied source -> target on this rank without transport (target dtype).
+    zero_copy_bytes: of the wire bytes sent + received, those that went straight from a source
+        buffer or into a target buffer (a message that is one contiguous range of the same
+        dtype there), skipping the pack / unpack copy and the arenas.
     seconds: host wall time per phase (PHASES); "plan" is non-zero only on the call that
         planned. Phases overlap (pack of round k+1 runs while round k is in flight), so they
         need not add up to "total".
@@ -39,6 +42,7 @@ class Report:
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
     local_bytes: int = 0
+    zero_copy_bytes: int = 0
     seconds: dict[str, float] = field(default_factory=_zero_phases)
     peak_staging_bytes: dict[str, int] = field(default_factory=_zero_staging)
     staging_bound: dict[str, int] = field(default_factory=_zero_staging)
@@ -68,8 +72,9 @@ class Report:
         return (
             f"rank {self.rank}/{self.world_size} [{self.transport}] {self.rounds} rounds: "
             f"sent {self.total_bytes_sent} B to {len(self.bytes_sent)} peers, received "
-            f"{self.total_bytes_received} B from {len(self.bytes_received)} peers, local "
-            f"{self.local_bytes} B in {s['total'] * 1e3:.2f} ms ({self.gbps:.3f} GB/s)\n"
+            f"{self.total_bytes_received} B from {len(self.bytes_received)} peers "
+            f"({self.zero_copy_bytes} B of both zero-copy), local {self.local_bytes} B in "
+            f"{s['total'] * 1e3:.2f} ms ({self.gbps:.3f} GB/s)\n"
             f"  phases: {phases or '-'}\n"
             f"  staging held/bound: {held}"
         )

@@ -313,3 +313,105 @@ def w_fuzz(rank, world, seeds, planners):
             ]
             done += 1
     return errs, done
+
+
+def _message_image(msg, side, dtype_of):
+    """Brute force: the storage element behind each element of `msg` on this side ("send": the
+    source, "recv": the target), or None where that is not one storage in the wire dtype."""
+    import numpy as np
+
+    attr = "src_location" if side == "send" else "dst_location"
+    sc, mc = (0, 2) if side == "send" else (2, 0)  # storage / message columns of a desc row
+    locs = {getattr(seg, attr) for seg in msg.segments}
+    wires = {seg.wire_dtype for seg in msg.segments}
+    if len(locs) != 1 or len(wires) != 1:
+        return None
+    loc, wire = locs.pop(), wires.pop()
+    if dtype_of(loc) != wire or msg.nbytes % wire.itemsize:
+        return None
+    image = np.full(msg.nbytes // wire.itemsize, -1, dtype=np.int64)
+    for seg in msg.segments:
+        base = seg.byte_offset // wire.itemsize
+        for row in np.asarray(seg.desc).reshape(-1, 6).tolist():
+            for c in range(row[5]):
+                for j in range(row[4]):
+                    image[base + row[mc] + c * row[mc + 1] + j] = row[sc] + c * row[sc + 1] + j
+    return image
+
+
+def _is_one_range(image) -> bool:
+    import numpy as np
+
+    return image is not None and (image >= 0).all() and (np.diff(image) == 1).all()
+
+
+def _segment_image(seg, side, dtype):
+    """_message_image of a message holding only `seg` (at byte 0)."""
+    one = _refplan.Segment(
+        seg.src_location, seg.dst_location, seg.wire_dtype, 0, seg.numel, seg.desc
+    )
+    msg = _refplan.Message(0, 0, 0, seg.numel * seg.wire_dtype.itemsize, [one])
+    return _message_image(msg, side, lambda loc: dtype)
+
+
+def expected_zero_copy(plan, rank, src_dtype, dst_dtype):
+    """(zero-copy bytes this rank should report, messages that are one contiguous range,
+    messages that are not but partly are (consecutive elements somewhere, or a segment that
+    alone is one range), messages):
+    what the executor's zero-copy rule means, computed element by element from the schedule."""
+    import numpy as np
+
+    sched = plan.schedule(rank)
+    nbytes = direct = partly = total = 0
+    for side, rounds, dt in (("send", sched.sends, src_dtype), ("recv", sched.recvs, dst_dtype)):
+        for msgs in rounds:
+            for m in msgs:
+                total += 1
+                image = _message_image(m, side, lambda loc, dt=dt: dt)
+                if _is_one_range(image):
+                    nbytes += m.nbytes
+                    direct += 1
+                elif image is not None and (image >= 0).all() and (np.diff(image) == 1).any():
+                    partly += 1  # consecutive elements somewhere, but not one range
+                elif any(_is_one_range(_segment_image(seg, side, dt)) for seg in m.segments):
+                    partly += 1  # one of several storages' segments is one range alone
+    return nbytes, direct, partly, total
+
+
+def w_zero_copy(rank, world, planner, cases, calls):
+    """Each case through one Transfer, `calls` times with fresh buffers and values: targets
+    bitwise equal to the reference (poisoned padding intact), sources unchanged, and
+    Report.zero_copy_bytes equal to the element-by-element expectation. Returns per case
+    (errors, zero-copy bytes, direct messages, partly contiguous messages, messages, host
+    staging held, host staging bound, rounds)."""
+    shapes = S.model_shapes()
+    out = []
+    for case in cases:
+        src, dst = build(case, shapes)
+        budget = case[4]
+        if planner == "ref":
+            t = rs.Transfer.from_plan(_refplan.RefPlan(src.layout(), dst.layout(), budget))
+        else:
+            make_plan(planner, src.layout(), dst.layout(), budget)  # skips without a planner
+            t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=budget)
+        want, direct, partly, total = expected_zero_copy(t.plan, rank, src.dtype, dst.dtype)
+        errs = []
+        for i in range(calls):
+            values = S.model_values(shapes, seed=i)
+            e, rep = check_case(rank, planner, case, shapes, values, transfer=t)
+            errs += [f"call {i}: {x}" for x in e]
+            if rep.zero_copy_bytes != want:
+                errs.append(f"{case} call {i}: zero_copy_bytes {rep.zero_copy_bytes} != {want}")
+        out.append(
+            (
+                errs,
+                rep.zero_copy_bytes,
+                direct,
+                partly,
+                total,
+                rep.peak_staging_bytes["host"],
+                rep.staging_bound["host"],
+                rep.rounds,
+            )
+        )
+    return out
