@@ -81,7 +81,7 @@ $(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) csrc/reshard.h
 		-Icsrc $(CORE) tests/c/fuzz_validate.c -o $@
 
 # The same tests again in a build that streams every same-dtype table (the production build
-# streams only destinations of >= 32 MiB; see RS_STREAM_MIN_BYTES in csrc/copy_runs.c).
+# streams only destinations of >= 4 MiB; see RS_STREAM_MIN_BYTES in csrc/copy_runs.c).
 $(BIN)/test_core_stream: tests/c/test_core.c $(CORE) csrc/reshard.h
 	@mkdir -p $(BIN)
 	$(SAN_CC) $(SAN_FLAGS) -DRS_STREAM_MIN_BYTES=1 $(CORE) tests/c/test_core.c -lm -o $@

@@ -494,31 +494,16 @@ static convert_fn pick_convert(rs_dtype s, rs_dtype d) {
 #define RS_PREFETCH_WRITE(p) ((void)(p))
 #endif
 
-/* Runs usually start on a cold page, where the hardware prefetcher does not follow: touch the
- * first lines of the next row while this one is copied (+10% on 100k random 4 KiB runs).
- * Addresses are computed as integers: the lines may lie past a buffer's end (a prefetch never
- * faults), and empty rows, whose offsets are unchecked, are skipped. A streamed destination is
- * not prefetched: that would read the very lines streaming stores avoid reading. */
-static void prefetch_row(const unsigned char *s, size_t ssz, unsigned char *d, size_t dsz,
-                         const rs_run *next, rs_mode mode, int stream) {
-  uintptr_t sp = (uintptr_t)s + (uintptr_t)next->src_offset * ssz;
-  uintptr_t dp = (uintptr_t)d + (uintptr_t)next->dst_offset * dsz;
-  int line;
-  if (next->length == 0 || next->count == 0) return;
-  for (line = 0; line < 4; line++) {
-    if (mode != RS_MODE_UNPACK) RS_PREFETCH_READ((const void *)(sp + 64u * (uintptr_t)line));
-    if (mode != RS_MODE_PACK && !stream) RS_PREFETCH_WRITE((void *)(dp + 64u * (uintptr_t)line));
-  }
-}
-
 /* Same-dtype tables whose destination is at least this large are written with streaming
- * (non-temporal) stores: such a destination cannot stay in the cache anyway, and a streaming
- * store skips the read-for-ownership of every destination line, which costs a third of the
- * memory traffic of a copy. glibc's memcpy streams only within one call above its own
- * threshold (~100 MiB on the benchmark machine), never across 100k separate 4 KiB runs.
+ * (non-temporal) stores. A streaming store skips the read-for-ownership of its destination
+ * line, a third of a copy's memory traffic; glibc's memcpy streams only inside one call above
+ * its own threshold (~100 MiB on the benchmark machine), never across 100k 4 KiB runs. 4 MiB
+ * is past the private L2 caches; the shared LLC did not make up for it on the benchmark VM:
+ * warm 4-64 MiB copies that stayed in it ran at 9-15 GB/s, streamed ones at 15-20 GB/s
+ * (benchmarks/kernels.py). The cost: a reader that follows at once misses the cache.
  * Overridable at compile time so the C tests reach the streaming path with small buffers. */
 #ifndef RS_STREAM_MIN_BYTES
-#define RS_STREAM_MIN_BYTES (INT64_C(32) << 20)
+#define RS_STREAM_MIN_BYTES (INT64_C(4) << 20)
 #endif
 
 /* Copies of at least this many bytes stream; shorter ones (and the unaligned head and the
@@ -530,6 +515,23 @@ static void prefetch_row(const unsigned char *s, size_t ssz, unsigned char *d, s
  * copy: with the stores bypassing the cache, the source's latency is what is left to hide
  * (+10-25% at runs >= 64 KiB; a contiguous copy got 0.9x glibc's memcpy instead of 0.75x). */
 #define RS_STREAM_PREFETCH 1024u
+
+/* Runs usually start on a cold page, where the hardware prefetcher does not follow: touch the
+ * first lines of the next row while this one is copied (+10% on 100k random 4 KiB runs).
+ * Addresses are computed as integers: the lines may lie past a buffer's end (a prefetch never
+ * faults), and empty rows, whose offsets are unchecked, are skipped. A destination that will
+ * be streamed is not prefetched: that would read the very lines streaming stores avoid. */
+static void prefetch_row(const unsigned char *s, size_t ssz, unsigned char *d, size_t dsz,
+                         const rs_run *next, rs_mode mode, int stream) {
+  uintptr_t sp = (uintptr_t)s + (uintptr_t)next->src_offset * ssz;
+  uintptr_t dp = (uintptr_t)d + (uintptr_t)next->dst_offset * dsz;
+  int line, streamed = stream && next->length >= (int64_t)(RS_STREAM_MIN_COPY / dsz);
+  if (next->length == 0 || next->count == 0) return;
+  for (line = 0; line < 4; line++) {
+    if (mode != RS_MODE_UNPACK) RS_PREFETCH_READ((const void *)(sp + 64u * (uintptr_t)line));
+    if (mode != RS_MODE_PACK && !streamed) RS_PREFETCH_WRITE((void *)(dp + 64u * (uintptr_t)line));
+  }
+}
 
 #if defined(__SSE2__)
 /* memcpy with streaming stores for the 64-byte aligned, whole lines of the destination. */
