@@ -226,7 +226,8 @@ def measure_point(run_bytes, count, device, min_time, large, llc):
     res["calls_per_sample"] = calls
     res["seconds"] = {k: quantiles(v)[0] for k, v in t.items()}
     res["spread_pct"] = {k: quantiles(v)[1] for k, v in t.items()}
-    res["samples"] = t
+    res["quartiles"] = {k: statistics.quantiles(v, n=4, method="inclusive") for k, v in t.items()}
+    res["samples"] = t  # dropped before the JSON is written (MBs for the fast points)
     res["gbps"] = {
         k: (large.nbytes if k.startswith("large/") else nbytes) / v / 1e9
         for k, v in res["seconds"].items()
@@ -482,6 +483,8 @@ def main(argv=None):
     out_dir = args.out or os.path.join(HERE, "results", device.type)
     os.makedirs(out_dir, exist_ok=True)
     stem = "kernels_quick" if args.quick else "kernels"
+    for res in results:
+        del res["samples"]
     with open(os.path.join(out_dir, stem + ".json"), "w") as f:
         json.dump({"env": env, "results": results, "targets": checks}, f, indent=1)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
