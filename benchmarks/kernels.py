@@ -27,7 +27,7 @@ ratios computed per repeat from the times of that same repeat, then their median
 CPU steal time of the run are recorded. Output: JSON + a markdown table under
 benchmarks/results/<device>/. This is a script for people, never run in CI.
 
-  python benchmarks/kernels.py            # full sweep (~4 min on 2 cores)
+  python benchmarks/kernels.py            # full sweep (~2.5 min on 2 cores)
   python benchmarks/kernels.py --quick    # a few points, includes the done-when targets
 """
 
@@ -415,7 +415,7 @@ def target_lines(checks):
         ok = "met" if w["ratio"] >= 0.8 else "NOT met"
         line = (
             f"copy_runs vs one large contiguous copy, runs >= 64 KiB (want >= 0.8): worst of "
-            f"{len(checks['large'])} points {w['ratio']:.2f} ({w['point']}): {ok}"
+            f"{len(checks['large'])} ratios (pack and unpack) {w['ratio']:.2f} ({w['point']}): {ok}"
         )
         c = checks["large_min_out_of_cache"]
         if c:
