@@ -80,9 +80,16 @@ $(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) csrc/reshard.h
 	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
 		-Icsrc $(CORE) tests/c/fuzz_validate.c -o $@
 
-# Once per instruction-set level of the bulk casts (csrc/copy_runs.c, RS_CONVERTER).
-ctest: cstrict $(BIN)/test_core
+# The same tests again in a build that streams every same-dtype table (the production build
+# streams only destinations of >= 4 MiB; see RS_STREAM_MIN_BYTES in csrc/copy_runs.c).
+$(BIN)/test_core_stream: tests/c/test_core.c $(CORE) csrc/reshard.h
+	@mkdir -p $(BIN)
+	$(SAN_CC) $(SAN_FLAGS) -DRS_STREAM_MIN_BYTES=1 $(CORE) tests/c/test_core.c -lm -o $@
+
+# test_core once per instruction-set level of the bulk casts (RS_CONVERTER in csrc/copy_runs.c).
+ctest: cstrict $(BIN)/test_core $(BIN)/test_core_stream
 	for cap in default avx2 avx512; do RESHARD_CPU_CAPABILITY=$$cap $(BIN)/test_core || exit 1; done
+	$(BIN)/test_core_stream
 
 # A short libFuzzer run over a scratch copy of the seed corpus (the repo copy stays clean).
 fuzz: $(BIN)/fuzz_validate

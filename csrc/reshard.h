@@ -121,7 +121,9 @@ rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *tot
 /* Copies work elements [begin, end) of a *validated* table (no bounds checks here: call
  * rs_validate first) from src to dst with a cast. prefix comes from rs_prefix. Disjoint
  * slices of a table without overlapping writes may run concurrently. Returns RS_EINVAL
- * for a bad range or mode, RS_EDTYPE for an unsupported pair; never touches memory then. */
+ * for a bad range or mode, RS_EDTYPE for an unsupported pair; never touches memory then.
+ * Same-dtype tables with >= 4 MiB of destination are written with streaming stores, fenced
+ * before returning: the written lines are in memory, not in this core's cache. */
 rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
                         const rs_run *runs, int64_t n, const int64_t *prefix, int64_t begin,
                         int64_t end, rs_mode mode);

@@ -387,6 +387,74 @@ static void test_copy_random(void) {
   free(unpacked);
 }
 
+/* Runs long enough for the streaming path (copy_runs.c streams same-dtype copies of >= 256
+ * bytes when the table's destination is large): byte-unaligned heads and tails on both
+ * sides, lengths around the 64-byte line and 256-byte cut-offs, slices cut mid-run, on a
+ * poisoned destination. `make ctest` also runs this whole file in a build that streams every
+ * table (RS_STREAM_MIN_BYTES=1); the last trial is above the default threshold, so it streams
+ * in either build. */
+static void test_copy_long_runs(void) {
+  enum { MAXN = 64 };
+  static const rs_dtype dtypes[] = {RS_RAW1, RS_F32, RS_RAW8, RS_BF16};
+  rs_run runs[MAXN];
+  int64_t prefix[MAXN + 1];
+  int t;
+  for (t = 0; t < 301; t++) {
+    rs_dtype dt = dtypes[t % 4];
+    size_t es = rs_dtype_size(dt);
+    int big = t == 300; /* 6 MiB of destination: above the default streaming threshold */
+    int64_t max_len = big ? (INT64_C(96) << 10) : 5000 / (int64_t)es;
+    int64_t n = big ? MAXN : 1 + rnd_below(MAXN), sn, dn = 0, total, i, a, b;
+    unsigned char *src, *got, *want;
+    rs_error err;
+    if (big) dt = RS_RAW1, es = 1;
+    for (i = 0; i < n; i++) { /* dst in table order with random gaps; src anywhere */
+      int64_t len = big ? max_len : rnd_below(5) == 0 ? rnd_below(300) : rnd_below(max_len + 1);
+      int64_t count = big ? 1 : 1 + rnd_below(3), stride = len + rnd_below(70);
+      runs[i].src_offset = rnd_below(4096);
+      runs[i].src_stride = rnd_below(2) ? stride : len + rnd_below(9);
+      runs[i].dst_offset = dn + rnd_below(67);
+      runs[i].dst_stride = stride;
+      runs[i].length = len;
+      runs[i].count = count;
+      dn = runs[i].dst_offset + (count - 1) * stride + len;
+    }
+    sn = 4096 + 3 * (max_len + 70); /* reads end before src_offset + 3 * stride */
+    dn += rnd_below(67);
+    src = malloc((size_t)sn * es);
+    got = malloc((size_t)dn * es + 1);
+    want = malloc((size_t)dn * es + 1);
+    for (i = 0; i < sn * (int64_t)es; i++) src[i] = (unsigned char)rnd();
+    memset(want, 0xA5, (size_t)dn * es + 1); /* poison, one byte past the end included */
+    ref_copy(src, dt, want, dt, runs, n);
+    { /* every other trial writes to got + 1: a dst that starts unaligned */
+      unsigned char *d = t % 2 ? got + 1 : got;
+      if (t % 2) {
+        memmove(want + 1, want, (size_t)dn * es);
+        want[0] = 0xA5;
+      }
+      memset(got, 0xA5, (size_t)dn * es + 1);
+      CHECK(rs_copy_runs(src, dt, sn, d, dt, dn, runs, n, RS_CHECK_OVERLAP, &err) == RS_OK, "%s",
+            err.msg);
+      CHECK(memcmp(got, want, (size_t)dn * es + 1) == 0, "long runs, trial %d (%s)", t,
+            rs_dtype_name(dt));
+      /* three slices cut at random points, as threads would */
+      CHECK(rs_prefix(runs, n, prefix, &total, &err) == RS_OK, "%s", err.msg);
+      memset(got, 0xA5, (size_t)dn * es + 1);
+      a = rnd_below(total + 1);
+      b = a + rnd_below(total - a + 1);
+      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, b, total, RS_MODE_RUNS) == RS_OK, "s");
+      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, 0, a, RS_MODE_RUNS) == RS_OK, "s");
+      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, a, b, RS_MODE_RUNS) == RS_OK, "s");
+      CHECK(memcmp(got, want, (size_t)dn * es + 1) == 0, "sliced long runs, trial %d", t);
+    }
+    CHECK(!big || dn * (int64_t)es >= (INT64_C(4) << 20), "big trial is %" PRId64 " bytes", dn);
+    free(src);
+    free(got);
+    free(want);
+  }
+}
+
 static void test_copy_errors_write_nothing(void) {
   float src[8] = {1, 2, 3, 4, 5, 6, 7, 8}, dst[8];
   rs_run rows[2] = {{0, 1, 0, 1, 4, 1}, {0, 1, 6, 1, 4, 1}}; /* row 1 writes dst[9] */
@@ -424,6 +492,7 @@ int main(void) {
   test_overlap_large_sorted_and_transposed();
   test_casts();
   test_copy_random();
+  test_copy_long_runs();
   test_copy_errors_write_nothing();
   printf("test_core: %d checks, %d failures (C core %s)\n", checks, failures, RS_VERSION_STRING);
   return failures != 0;
