@@ -636,8 +636,11 @@ rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype
   if (begin == end) return RS_OK;
   if (!runs || !prefix || !src || !dst || end > prefix[n]) return RS_EINVAL;
   if (src_dtype != dst_dtype) cvt = pick_convert(src_dtype, dst_dtype);
-  /* compared in elements: prefix[n] * dsz could overflow for an unvalidated table */
-  stream = RS_HAVE_STREAM && !cvt && prefix[n] >= RS_STREAM_MIN_BYTES / (int64_t)dsz;
+  /* compared in elements: prefix[n] * dsz could overflow for an unvalidated table. PACK writes
+   * a staging chunk (the pinned ring) that a DMA reads right away: keep it in the cache. On the
+   * H200 host streaming it cut pageable H2D staging from 0.95 to 0.82 of PCIe. */
+  stream = RS_HAVE_STREAM && !cvt && mode != RS_MODE_PACK &&
+           prefix[n] >= RS_STREAM_MIN_BYTES / (int64_t)dsz;
 
   r = find_row(prefix, n, begin);
   k = begin;
