@@ -186,9 +186,9 @@ def check_messages(msgs, arena_bytes, budget, k):
         assert a1 <= b0, "messages overlap in the arena"
 
 
-def check_plan(src, dst, budget=64 << 20):
+def check_plan(src, dst, budget=64 << 20, **plan_kw):
     names = sorted(dst.tensors)
-    p = rs.plan(src, dst, budget_bytes_per_peer=budget)
+    p = rs.plan(src, dst, budget_bytes_per_peer=budget, **plan_kw)
     src_bufs = fill_sources(src, names)
     out, written = simulate(p, src, dst, src_bufs)
     exp = expected_targets(dst, names, src)
@@ -409,6 +409,43 @@ def layout_pair(draw):
 def test_property_plan_executes_to_reference(case):
     src, dst, budget = case
     check_plan(src, dst, budget)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(layout_pair(), st.integers(16, 4096))
+def test_property_rank_budget_caps_every_rank(case, rank_budget):
+    """budget_bytes_per_rank: every rank's staging bound stays within it, and the plan it
+    yields still executes to the reference; a cap too small for the peer count is refused."""
+    src, dst, _ = case
+    try:
+        p = check_plan(src, dst, 64 << 20, budget_bytes_per_rank=rank_budget)
+    except ValueError as exc:
+        assert "too small for this plan" in str(exc) and "peers" in str(exc)
+        return
+    assert p.budget_bytes_per_rank == rank_budget
+    assert p.budget_bytes_per_peer % 16 == 0 and p.budget_bytes_per_peer >= 16
+    for r in p.ranks():
+        assert p.staging_bytes(r, transport="gloo")["host"] <= rank_budget
+        assert p.staging_bytes(r, transport="nccl")["device"] <= rank_budget
+
+
+def test_rank_budget_divides_among_peers():
+    # rank 0 sends to 4 peers and receives from none: 2 * 4 = 8 per-peer shares of the cap
+    shp = (64, 64)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 64 * 64)})
+    dst = rs.Layout(
+        {"w": rs.split(shp, 0, [16] * 4, [1, 2, 3, 4])},
+        {i: S(i, 16 * 64) for i in range(1, 5)},
+    )
+    p = rs.plan(src, dst, budget_bytes_per_rank=8 * 1000)
+    assert p.budget_bytes_per_peer == 992  # floor16(8000 / 8)
+    assert p.staging_bytes(0, transport="gloo")["host"] <= 8000
+    assert "/rank" in p.describe()
+    assert rs.plan(src, dst, 512, budget_bytes_per_rank=1 << 30).budget_bytes_per_peer == 512
+    with pytest.raises(ValueError, match="rank 0 exchanges messages with 4 peers"):
+        rs.plan(src, dst, budget_bytes_per_rank=100)
+    with pytest.raises(ValueError, match="budget_bytes_per_rank must be an int"):
+        rs.plan(src, dst, budget_bytes_per_rank=1.5)
 
 
 # -- explicit cases -------------------------------------------------------------------------

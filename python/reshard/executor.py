@@ -592,11 +592,13 @@ class Transfer:
         budget_bytes_per_peer=64 << 20,
         group=None,
         *,
+        budget_bytes_per_rank=None,
         timeout=DEFAULT_TIMEOUT_S,
         register_host_sources=False,
         register_host_targets=False,
     ):
-        """register_host_sources: page-lock the CPU source buffers in place (cudaHostRegister)
+        """budget_bytes_per_rank: cap each rank's total staging instead of (or as well as)
+        the per-peer budget (see `reshard.plan`). register_host_sources: page-lock the CPU source buffers in place (cudaHostRegister)
         on the first call, so every sync DMAs straight from them (reshard.hostreg);
         register_host_targets: the same for CPU target buffers (GPU -> CPU syncs DMA straight
         into them). Undone by `close()`, on context exit, when a location's storage changes, or
@@ -605,7 +607,12 @@ class Transfer:
         from .plan import plan as make_plan
 
         t0 = time.perf_counter()
-        p = make_plan(src, dst, budget_bytes_per_peer=budget_bytes_per_peer)
+        p = make_plan(
+            src,
+            dst,
+            budget_bytes_per_peer=budget_bytes_per_peer,
+            budget_bytes_per_rank=budget_bytes_per_rank,
+        )
         self._setup(
             p,
             time.perf_counter() - t0,

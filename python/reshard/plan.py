@@ -126,6 +126,7 @@ class Plan:
         self.src = src
         self.dst = dst
         self.budget_bytes_per_peer = budget
+        self.budget_bytes_per_rank = None  # set by plan() when the caller capped the rank
         self._tensors = names
         self._planner = planner
         self._stats = planner.stats
@@ -324,7 +325,13 @@ class Plan:
         lines = [
             f"reshard plan {self.fingerprint[:16]}: {len(self._tensors)} tensors, "
             f"{n_local + n_remote} storage pairs ({n_local} local, {n_remote} remote), "
-            f"budget {_fmt(self.budget_bytes_per_peer)}/peer, {self.num_rounds} rounds",
+            f"budget {_fmt(self.budget_bytes_per_peer)}/peer"
+            + (
+                f" (from {_fmt(self.budget_bytes_per_rank)}/rank)"
+                if self.budget_bytes_per_rank is not None
+                else ""
+            )
+            + f", {self.num_rounds} rounds",
             f"bytes: local {_fmt(sum(local.values()))}, remote {_fmt(remote)} on the wire "
             f"over {len(pairs)} rank pairs",
         ]
@@ -557,7 +564,13 @@ def _fmt(n):
 # -- planning -------------------------------------------------------------------------------
 
 
-def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Plan:
+def plan(
+    src: Layout,
+    dst: Layout,
+    budget_bytes_per_peer: int = 64 << 20,
+    *,
+    budget_bytes_per_rank: int | None = None,
+) -> Plan:
     """Plan moving every tensor of `dst` from its layout in `src` (a subset of src's tensors).
 
     Each target element is read from exactly one source replica: one on the target's own
@@ -566,6 +579,15 @@ def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Pla
     written. Runs are coalesced; messages per (sender, receiver) and round hold at most
     `budget_bytes_per_peer` bytes (16-byte aligned segments), a run larger than that is cut
     across rounds.
+
+    `budget_bytes_per_rank` (optional) caps every rank's total staging instead: with many
+    peers a per-peer budget multiplies (a rank of a 256-rank all-to-all holds up to
+    2 * 2 * 255 * budget_bytes_per_peer of arenas). The per-peer budget then becomes
+    ``min(budget_bytes_per_peer, floor16(budget_bytes_per_rank / (2 * P)))`` where P is the
+    largest number of peers any rank sends to plus receives from, so that
+    ``staging_bytes(rank)`` (arenas, double-buffered) is <= budget_bytes_per_rank on every
+    rank; `plan.budget_bytes_per_peer` is that effective value. A cap that leaves less than
+    16 bytes per peer is a ValueError.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise LayoutError("plan(src, dst): both must be reshard.Layout")
@@ -585,8 +607,51 @@ def plan(src: Layout, dst: Layout, budget_bytes_per_peer: int = 64 << 20) -> Pla
                 f"tensor {name!r}: source shape {src.tensors[name].shape} != target shape "
                 f"{dst.tensors[name].shape}"
             )
+    if budget_bytes_per_rank is not None and (
+        isinstance(budget_bytes_per_rank, bool) or not isinstance(budget_bytes_per_rank, int)
+    ):
+        raise ValueError(f"budget_bytes_per_rank must be an int, got {budget_bytes_per_rank!r}")
     dst._check_no_aliasing()
-    return Plan(src, dst, budget_bytes_per_peer, names, _Planner(src, dst, names).run())
+    planner = _Planner(src, dst, names).run()
+    budget = budget_bytes_per_peer
+    if budget_bytes_per_rank is not None:
+        cap = _per_peer_budget(planner, budget_bytes_per_rank)
+        if cap is not None:
+            budget = min(budget, cap)
+    p = Plan(src, dst, budget, names, planner)
+    p.budget_bytes_per_rank = budget_bytes_per_rank
+    return p
+
+
+def _per_peer_budget(planner, budget_bytes_per_rank):
+    """The per-peer budget that keeps every rank's double-buffered send + receive arenas
+    within `budget_bytes_per_rank`: each arena holds at most one message per peer of at most
+    the per-peer budget, so 2 * (send peers + receive peers) * per-peer <= the rank budget.
+    None when no message crosses ranks (no arenas)."""
+    snd = planner.s_rank[planner.pair_si]
+    rcv = planner.d_rank[planner.pair_di]
+    remote = (snd != rcv) & (planner.pair_numel > 0)
+    pairs = np.unique(np.stack([snd[remote], rcv[remote]]), axis=1)
+    if not pairs.shape[1]:
+        return None  # nothing crosses ranks: nothing is staged
+    peers = np.bincount(pairs[0])
+    recv = np.bincount(pairs[1])
+    n = max(len(peers), len(recv))
+    total = np.zeros(n, _I64)
+    total[: len(peers)] += peers
+    total[: len(recv)] += recv
+    rank = int(np.argmax(total))
+    per_peer = budget_bytes_per_rank // (2 * int(total[rank]))
+    per_peer -= per_peer % _ALIGN
+    if per_peer < _ALIGN:
+        raise ValueError(
+            f"budget_bytes_per_rank={budget_bytes_per_rank} is too small for this plan: rank "
+            f"{rank} exchanges messages with {int(total[rank])} peers (send + receive), which "
+            f"needs at least 2 * {int(total[rank])} * {_ALIGN} = "
+            f"{2 * int(total[rank]) * _ALIGN} bytes (one 16-byte segment per peer, double "
+            "buffered)"
+        )
+    return per_peer
 
 
 class _Planner:

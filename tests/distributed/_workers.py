@@ -257,12 +257,32 @@ def w_balance(rank, world, planner):
     return errs, rep.bytes_sent
 
 
+def w_rank_budget(rank, world):
+    """Transfer(budget_bytes_per_rank=...): ZeRO-3 over every rank -> TP over every rank (each
+    rank exchanges with every other), the staging each rank held within the rank budget."""
+    shapes = S.model_shapes(hidden=16, ffn=24, vocab=40)
+    values = S.model_values(shapes)
+    ranks = list(range(world))
+    case = (("zero3", ranks), ("tp", [ranks]), "fp32", "bf16", None)
+    src, dst = build(case, shapes)
+    cap = 2 * 2 * (world - 1) * 64 + 40  # 64 bytes per peer and direction, plus a remainder
+    t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_rank=cap)
+    errs, rep = check_case(rank, "real", case, shapes, values, transfer=t)
+    if t.plan.budget_bytes_per_peer != 64:
+        errs.append(f"per-peer budget {t.plan.budget_bytes_per_peer}, want 64")
+    held = sum(rep.peak_staging_bytes.values())
+    if held > cap:
+        errs.append(f"rank {rank} held {held} staging bytes > rank budget {cap}")
+    return errs, rep.rounds
+
+
 def w_world4(rank, world, planner, cases):
     """One 4-rank spawn for everything that needs 4 ranks (spawning costs more than checking)."""
     return {
         "correct": w_correct(rank, world, planner, cases, {}),
         "subgroup": w_subgroup(rank, world, planner),
         "balance": w_balance(rank, world, planner),
+        "rank_budget": w_rank_budget(rank, world) if planner == "real" else ([], 0),
     }
 
 

@@ -85,6 +85,10 @@ def test_world4_layouts_subgroups_balance(tmp_path, planner):
     assert sent[2] == sent[3] == 0
     assert min(sent[:2]) > 0 and max(sent[:2]) <= 1.5 * min(sent[:2]), sent
 
+    for errs, rounds in (r["rank_budget"] for r in res):
+        assert not errs, errs[:5]
+        assert planner == "ref" or rounds > 1  # the cap really cut the transfer into rounds
+
 
 @pytest.mark.parametrize("planner", PLANNERS)
 def test_repeated_transfer(tmp_path, planner):
