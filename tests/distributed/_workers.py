@@ -32,12 +32,7 @@ def make_side(spec, shapes, dtype, loc0):
 def make_plan(planner, src, dst, budget, salt=""):
     if planner == "ref":
         return _refplan.RefPlan(src, dst, budget, salt=salt)
-    try:
-        return rs.plan(src, dst, budget_bytes_per_peer=budget)
-    except NotImplementedError as exc:  # the planner has not landed in this checkout
-        import pytest
-
-        pytest.skip(f"reshard.plan not available: {exc}")
+    return rs.plan(src, dst, budget_bytes_per_peer=budget)
 
 
 def build(case, shapes):
@@ -92,7 +87,6 @@ def w_repeat(rank, world, planner, n):
     if planner == "ref":
         t = rs.Transfer.from_plan(_refplan.RefPlan(src.layout(), dst.layout(), 256), timeout=60.0)
     else:
-        make_plan(planner, src.layout(), dst.layout(), 256)  # skips if the planner is missing
         t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=256)
     errs, rss, allocs, ptrs = [], [], [], []
     proc = psutil.Process()

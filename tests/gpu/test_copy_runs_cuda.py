@@ -19,9 +19,13 @@ from gpu_ref import (
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ops = pytest.importorskip("reshard._ops")
+from reshard import _ops as ops  # noqa: E402
+
 if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
-    pytest.skip("reshard was built without CUDA", allow_module_level=True)
+    pytest.fail(
+        "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
+        pytrace=False,
+    )
 
 DEV = "cuda"
 PAIRS = FLOAT_PAIRS + [(t, t) for t in RAW]

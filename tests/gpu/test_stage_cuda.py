@@ -11,9 +11,13 @@ from gpu_ref import FLOAT_PAIRS, RAW, assert_same, poison, random_table, random_
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ops = pytest.importorskip("reshard._ops")
+from reshard import _ops as ops  # noqa: E402
+
 if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
-    pytest.skip("reshard was built without CUDA", allow_module_level=True)
+    pytest.fail(
+        "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
+        pytrace=False,
+    )
 
 DEV = "cuda"
 STATS = (
