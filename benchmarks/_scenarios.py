@@ -21,7 +21,7 @@ import math
 import torch
 
 import reshard as rs
-from reshard.demo import POISON, Rollout, _blocks, _shapes
+from reshard.demo import POISON, Rollout, _shapes
 
 # name -> (hidden, ffn, vocab, layers). The small ones use odd sizes so TP and ZeRO cuts are
 # uneven; the named GPT sizes follow GPT-2/3 (vocab 50257).
@@ -196,27 +196,7 @@ class RolloutTargets:
         }
 
     def write(self, tname, state, name, full, bufs, rank):
-        d = self.r
-        g = next((g for g in d.groups if rank in g), None)
-        if g is None:
-            return
-        t = g.index(rank)
-        (h0, hs), (f0, fs), (v0, vs) = (_blocks(x, d.tp)[t] for x in (d.h, d.f, d.v))
-        if name == "embed":
-            key, off, part = "embed", 0, full[v0 : v0 + vs]
-        elif full.dim() == 1:
-            key, off, part = "norms", d.norms.index(name) * d.h, full
-        else:
-            layer, kind = name.split(".")
-            if kind in ("q", "k", "v"):
-                key, off, part = f"{layer}.qkv", "qkv".index(kind) * hs * d.h, full[h0 : h0 + hs]
-            elif kind == "o":
-                key, off, part = f"{layer}.o", 0, full[:, h0 : h0 + hs]
-            elif kind == "fc1":
-                key, off, part = f"{layer}.fc1", 0, full[f0 : f0 + fs]
-            else:
-                key, off, part = f"{layer}.fc2", 0, full[:, f0 : f0 + fs]
-        bufs[d.loc[(rank, key)]][off : off + part.numel()].view(part.shape).copy_(part)
+        self.r.write_part(name, full, bufs, rank)
 
 
 class Case:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import reshard as rs
-from reshard.demo import Rollout, Zero3, _blocks, _shapes
+from reshard.demo import Rollout, Zero3, _shapes
 
 WORLD = 2
 GB = 1e9
@@ -261,25 +261,7 @@ class WeightSync:
 
     def write_param(self, name, full, bufs):
         """This rank's TP part of a full parameter into its rollout buffers (plain slicing)."""
-        d = self.dst
-        t = next(g for g in d.groups if self.rank in g).index(self.rank)
-        (h0, hs), (f0, fs), (v0, vs) = (_blocks(x, d.tp)[t] for x in (d.h, d.f, d.v))
-        if name == "embed":
-            key, off, part = "embed", 0, full[v0 : v0 + vs]
-        elif full.dim() == 1:
-            key, off, part = "norms", d.norms.index(name) * d.h, full
-        else:
-            layer, kind = name.split(".")
-            if kind in ("q", "k", "v"):
-                key, off, part = f"{layer}.qkv", "qkv".index(kind) * hs * d.h, full[h0 : h0 + hs]
-            elif kind == "o":
-                key, off, part = f"{layer}.o", 0, full[:, h0 : h0 + hs]
-            elif kind == "fc1":
-                key, off, part = f"{layer}.fc1", 0, full[f0 : f0 + fs]
-            else:
-                key, off, part = f"{layer}.fc2", 0, full[:, f0 : f0 + fs]
-        buf = bufs[d.loc[(self.rank, key)]]
-        buf[off : off + part.numel()].view(part.shape).copy_(part)
+        self.dst.write_part(name, full, bufs, self.rank)
 
 
 def m_reshard(ws, budget):

@@ -140,6 +140,32 @@ class Rollout:
             if s.rank == rank
         }
 
+    def write_part(self, name, full, bufs, rank):
+        """Write `rank`'s TP part of the full parameter `name` into its buffers `bufs` (plain
+        torch slicing, as a rollout engine loading a checkpoint would). No-op for a rank
+        outside every TP group."""
+        g = next((g for g in self.groups if rank in g), None)
+        if g is None:
+            return
+        t = g.index(rank)
+        (h0, hs), (f0, fs), (v0, vs) = (_blocks(x, self.tp)[t] for x in (self.h, self.f, self.v))
+        if name == "embed":
+            key, off, part = "embed", 0, full[v0 : v0 + vs]
+        elif full.dim() == 1:
+            key, off, part = "norms", self.norms.index(name) * self.h, full
+        else:
+            layer, kind = name.split(".")
+            if kind in ("q", "k", "v"):
+                key, off = f"{layer}.qkv", "qkv".index(kind) * hs * self.h
+                part = full[h0 : h0 + hs]
+            elif kind == "o":
+                key, off, part = f"{layer}.o", 0, full[:, h0 : h0 + hs]
+            elif kind == "fc1":
+                key, off, part = f"{layer}.fc1", 0, full[f0 : f0 + fs]
+            else:
+                key, off, part = f"{layer}.fc2", 0, full[:, f0 : f0 + fs]
+        bufs[self.loc[(rank, key)]][off : off + part.numel()].view(part.shape).copy_(part)
+
     def reference(self, values, rank):
         """What each of this rank's buffers must hold: plain torch slicing, then bf16."""
         g = next(g for g in self.groups if rank in g)
