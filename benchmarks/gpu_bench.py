@@ -40,6 +40,16 @@ def log(*a):
     print(*a, flush=True)
 
 
+def _rounded(row: dict) -> str:
+    return json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def record(section: str, row: dict) -> None:
+    """Keep one measured row in RESULTS[section] and log it."""
+    RESULTS[section].append(row)
+    log(section, _rounded(row))
+
+
 def time_events(fn, reps=20, warmup=3):
     """Median seconds of fn() measured with CUDA events on the current stream."""
     for _ in range(warmup):
@@ -149,13 +159,7 @@ def bench_copy_runs(quick):
                 "GBps": moved / s / GB,
                 "ratio_d2d": moved / s / GB / d2d,
             }
-            RESULTS["copy_runs"].append(row)
-            log(
-                "copy_runs",
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                ),
-            )
+            record("copy_runs", row)
     # 20,000 runs of 16 KiB: copy_runs against torch's _foreach_copy_ and cat of views
     n_runs, run_elems = 20_000, (16 << 10) // 4
     src = fill_random(torch.empty(2 * n_runs * run_elems, device=DEV))
@@ -223,13 +227,7 @@ def bench_staging(quick):
                 "direct_copies": st[5],
                 "chunks": st[2],
             }
-            RESULTS["staging"].append(row)
-            log(
-                "staging",
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                ),
-            )
+            record("staging", row)
         # D2H: device runs back into host buffers (the reverse table)
         rev = torch.from_numpy(d[:, [2, 3, 0, 1, 4, 5]].copy())
         for name, host, floor in [
@@ -248,13 +246,7 @@ def bench_staging(quick):
                 "direct_copies": st[5],
                 "chunks": st[2],
             }
-            RESULTS["staging"].append(row)
-            log(
-                "staging",
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                ),
-            )
+            record("staging", row)
         del host_pageable, host_pinned, dev, dev_bf16
 
 
@@ -302,13 +294,7 @@ def bench_ring(quick):
                 "of_pcie": wire / s / GB / link,
                 "slots": torch.ops.reshard.last_stage_stats()[0],
             }
-            RESULTS["ring"].append(row)
-            log(
-                "ring",
-                json.dumps(
-                    {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                ),
-            )
+            record("ring", row)
         del ring
     del host, dev, dev_bf16
 
@@ -405,10 +391,7 @@ def bench_model_sync(quick):
     r["ours_pageable_GBps"] = by / r["ours_pageable_s"] / GB
     r["ours_registered_GBps"] = by / r["ours_registered_s"] / GB
     r["per_tensor_pageable_GBps"] = by / r["per_tensor_pageable_s"] / GB
-    log(
-        "model sync",
-        json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
-    )
+    log("model sync", _rounded(r))
 
 
 # ------------------------------------------------------------------------------- output
