@@ -715,6 +715,7 @@ def test_schedule_is_cached_and_covers_every_round():
 
 def test_execute_single_process_with_the_real_op():
     from reshard import _ops as ops
+
     shp = (9, 7)
     src = rs.Layout(
         {"w": rs.flat(shp, [(0, 0, 30, 2), (1, 30, 63, 0)])}, {0: S(0, 32), 1: S(0, 33)}
