@@ -99,7 +99,7 @@ fuzz: $(BIN)/fuzz_validate
 
 # ---------------------------------------------------------------- Python tests
 pytest:
-	$(PYTHON) -m pytest -q -rs tests
+	$(PYTHON) -m pytest -q -rs --durations=12 tests
 
 # ---------------------------------------------------------------- lint / format
 lint: deps-lint

@@ -82,6 +82,11 @@ def _worker(rank, world_size, init_file, backend, group_timeout_s, fn, args, env
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
         )
+        if backend == "gloo":
+            # gloo's init returns on a rank once its own pairs are up, possibly before a peer's
+            # are: a rank that then raises or dies at once would fail that peer's init
+            # ("connectFullMesh failed ... Connection closed by peer"), not the code under test.
+            dist.barrier()
         try:
             record = ("ok", fn(rank, world_size, *args))
         finally:

@@ -29,6 +29,10 @@ def _worker(body, rank, world, backend, store_path, timeout_s, args, out_path):
             world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        if backend == "gloo":
+            # gloo's init can return on one rank before a peer's pairs are up: a rank that failed
+            # at once would surface as that peer's "connectFullMesh failed", hiding its own error
+            dist.barrier()
         try:
             result = body(rank, world, *args)
         finally:
