@@ -6,7 +6,9 @@ Every test that needs ranks uses this (docs/internals.md). Rules it enforces:
 - `destroy_process_group()` in `finally`;
 - a join timeout in the parent: stragglers are killed and reported by rank;
 - every exit code is asserted; a worker's exception is re-raised in the parent with the
-  worker's traceback; `pytest.skip` inside a worker skips the test in the parent.
+  worker's traceback; `pytest.skip` inside a worker skips the test in the parent;
+- a worker that has written its result exits at once (`os._exit(0)`): interpreter
+  finalization with torch's threads alive can abort a process that did its work correctly.
 
 Workers are started with the spawn context, which re-imports the module that defines `fn`:
 keep worker functions at module level in importable test modules, and keep those modules'
@@ -29,6 +31,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -104,6 +107,13 @@ def _worker(rank, world_size, init_file, backend, group_timeout_s, fn, args, env
                 payload = None
             record = ("error", tb, payload)
     _write_result(out_dir, rank, record)
+    # The record is the rank's outcome; end here, skipping interpreter finalization. A torch
+    # thread (gloo work, autograd) that wants the GIL while Python finalizes is unwound through
+    # a noexcept frame and aborts the process ("terminate called without an active exception",
+    # exit -6), which CI saw once in a DeepSpeed test after the rank had returned its result.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(
