@@ -8,6 +8,8 @@ TORCH_WHEEL ?= $(firstword $(wildcard .whl/torch-$(TORCH_VERSION)+cpu-*.whl /opt
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 RUFF_VERSION ?= 0.17.6
 CLANG_FORMAT_VERSION ?= 23.1.5
+# The DeepSpeed the integration's internals were verified against (docs/deepspeed.md).
+DEEPSPEED_VERSION ?= 0.19.8
 SAN_CC ?= $(shell command -v clang >/dev/null 2>&1 && echo clang || echo gcc)
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 25
@@ -50,7 +52,7 @@ deps-test:
 # DeepSpeed's tests (tests/deepspeed) run real engines on the CPU; its CUDA ops stay unbuilt.
 deps-deepspeed: deps-torch
 	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
-		DS_BUILD_OPS=0 $(PIP) install --no-build-isolation deepspeed
+		DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 
 deps-lint:
 	@$(PYTHON) -m ruff --version 2>/dev/null | grep -q "$(RUFF_VERSION)" || \
