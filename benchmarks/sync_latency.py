@@ -34,6 +34,9 @@ measured in the same run, best of 7) and ratios to reshard.
         --scenarios offload_fp32,offload_bf16,offload_back --models gpt-125m,gpt-350m
 
 --json PATH also writes PATH with .md (tables) and _latency.png / _memory.png (plots).
+On the CPU a (scenario, model) whose buffers would not fit in the host's available memory is
+skipped, and the tables say so: `--models` can name sizes up to the largest config and the run
+covers as many as the machine holds.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def cpu_budget(case) -> int:
 MULTI_SCENARIOS = ("rl_weight_sync", "offload_fp32", "offload_bf16", "offload_back", "dp_change")
 SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def progress(msg):
@@ -96,6 +100,34 @@ def progress(msg):
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+_PROCESS_BYTES = 1 << 29  # torch, the extension and Python per rank, roughly
+_nano_bytes: dict = {}
+
+
+def host_bytes_needed(scen, model, world, n_methods):
+    """Host bytes a CPU case holds at its peak over all ranks (they share this machine): the
+    sources, the reference and one target set per method (the interleaved timing keeps them
+    all), plus each process. Scaled by parameter count from gpt-nano's exact buffer sizes."""
+    if scen not in _nano_bytes:
+        nano = S.SCENARIOS[scen]("gpt-nano", 0, world, "cpu")
+
+        def nbytes(bufs):
+            return sum(t.numel() * t.element_size() for t in bufs.values())
+
+        _nano_bytes[scen] = (nbytes(nano.src_buffers), nbytes(nano.reference))
+    src, dst = _nano_bytes[scen]
+    scale = S.model_params(model) / S.model_params("gpt-nano")
+    return int(world * (scale * (src + (n_methods + 1) * dst) + _PROCESS_BYTES))
 
 
 _libc = None
@@ -494,10 +526,24 @@ def run_cases(rank, world, cfg, sink):
         for model in cfg["models"]:
             i += 1
             over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
-            if world > 1:  # every rank must agree to stop at the same case
-                flag = torch.tensor([int(bool(over))])
+            need = 0 if cuda else host_bytes_needed(scen, model, world, len(cfg["methods"]))
+            avail = _mem_available()
+            nofit = need > 0.9 * avail
+            if world > 1:  # every rank must agree to stop at (or skip) the same case
+                flag = torch.tensor([int(bool(over)), int(nofit)])
                 dist.broadcast(flag, src=0)
-                over = bool(flag.item())
+                over, nofit = bool(flag[0]), bool(flag[1])
+            if nofit:
+                if rank == 0:
+                    progress(
+                        f"[{i}/{total}] {scen} {model}: skipped, needs ~{need / GiB:.1f} GiB of "
+                        f"host memory, {avail / GiB:.1f} GiB available"
+                    )
+                out.setdefault("unfit", []).append(
+                    {"scenario": scen, "model": model, "need_bytes": need, "avail_bytes": avail}
+                )
+                sink(out)
+                continue
             if over:
                 if rank == 0:
                     progress(f"time budget {cfg['time_budget']} s spent: skipping the rest")
@@ -713,6 +759,18 @@ def markdown(meta, rows):
         (r["scenario"], r["model"]): r["peak_extra_bytes"] for r in rows if r["method"] == "reshard"
     }
     lines += goal_table(rows)
+    if meta.get("unfit"):
+        lines += [
+            "Not run, would not fit in this machine's memory (estimate: sources + reference + "
+            "one target set per method, over all ranks): "
+            + "; ".join(
+                f"{u['scenario']} {u['model']} needs ~{u['need_bytes'] / GiB:.1f} GiB, "
+                f"{u['avail_bytes'] / GiB:.1f} GiB available"
+                for u in meta["unfit"]
+            )
+            + ".",
+            "",
+        ]
     for scen, rs_ in by_scen.items():
         lines += [f"## {scen}", "", rs_[0]["description"], ""]
         lines += [
@@ -919,6 +977,7 @@ def main(argv=None) -> int:
 
     def finish(per_rank):
         meta["links"] = per_rank[0]["links"]
+        meta["unfit"] = per_rank[0].get("unfit", [])
         rows = aggregate(per_rank, meta)
         if args.json:
             write_outputs(args.json, meta, rows)
