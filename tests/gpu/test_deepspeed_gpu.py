@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))  # _d
 from _spawn import run_ranks  # noqa: E402
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+    pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip(
     "deepspeed",
     reason="DeepSpeed is not installed on this GPU machine (benchmarks/prepare_wheels.sh builds "
