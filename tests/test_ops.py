@@ -215,69 +215,65 @@ def test_stride_zero_reads_broadcast():
     assert dst[:8].float().tolist() == [2.5, 3.5] * 4
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_large_tables_split_across_threads(threads):
+@pytest.fixture
+def torch_threads(request):
+    """torch's intra-op thread count for one test (parametrize indirectly), then restored."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2], indirect=True)
+def test_large_tables_split_across_threads(torch_threads):
     """One huge run and many tiny ones: the byte split cuts runs in the middle, so a bug at
     a chunk boundary shows up as a wrong or missing element."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = np.random.default_rng(threads)
-        n = 3_000_001
-        src = random_values(n, torch.float32, gen)
-        run_and_compare(src, np.array([[1, 0, 0, 0, n - 1, 1]]), torch.bfloat16, n, big=True)
-        # 200k tiny runs of 3, reading backwards, writing every other slot
-        k = 200_000
-        rows = np.zeros((k, 6), dtype=np.int64)
-        rows[:, 0] = (k - 1 - np.arange(k)) * 3
-        rows[:, 2] = np.arange(k) * 5
-        rows[:, 4] = 3
-        rows[:, 5] = 1
-        run_and_compare(src, rows, torch.float16, 5 * k, big=True)
-        # one strided row of 100k segments (a column of a matrix)
-        run_and_compare(
-            src, np.array([[7, 13, 1, 29, 11, 100_000]]), torch.float32, 2_900_000, big=True
-        )
-    finally:
-        torch.set_num_threads(old)
+    gen = np.random.default_rng(torch_threads)
+    n = 3_000_001
+    src = random_values(n, torch.float32, gen)
+    run_and_compare(src, np.array([[1, 0, 0, 0, n - 1, 1]]), torch.bfloat16, n, big=True)
+    # 200k tiny runs of 3, reading backwards, writing every other slot
+    k = 200_000
+    rows = np.zeros((k, 6), dtype=np.int64)
+    rows[:, 0] = (k - 1 - np.arange(k)) * 3
+    rows[:, 2] = np.arange(k) * 5
+    rows[:, 4] = 3
+    rows[:, 5] = 1
+    run_and_compare(src, rows, torch.float16, 5 * k, big=True)
+    # one strided row of 100k segments (a column of a matrix)
+    run_and_compare(
+        src, np.array([[7, 13, 1, 29, 11, 100_000]]), torch.float32, 2_900_000, big=True
+    )
 
 
-@pytest.mark.parametrize("dtype,threads", [(torch.uint8, 2), (torch.float32, 1), (torch.int64, 2)])
-def test_streaming_stores_on_large_destinations(dtype, threads):
+@pytest.mark.parametrize(
+    "dtype,torch_threads",
+    [(torch.uint8, 2), (torch.float32, 1), (torch.int64, 2)],
+    indirect=["torch_threads"],
+)
+def test_streaming_stores_on_large_destinations(dtype, torch_threads):
     """Destinations of >= 4 MiB take the C core's streaming-store path: runs with unaligned
     starts and ends (single bytes for uint8), short runs that stay on memcpy, long runs cut
-    between threads, gaps that must keep their poison. Reference: numpy slices per row."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = np.random.default_rng(7)
-        esize = torch.empty(0, dtype=dtype).element_size()
-        target = (8 << 20) // esize  # destination elements
-        src = random_values(target, dtype, gen)
-        rows, at = [], 0
-        while at < target - 200:  # rows in dst order with gaps; src anywhere
-            length = int(gen.choice([1, 17, 63, 65, 255, 257, 4099, 65_537, 1_000_003]))
-            count = int(gen.integers(1, 4))
-            dst_stride = length + int(gen.integers(0, 70))
-            src_stride = int(gen.integers(0, length + 9))
-            do = at + int(gen.integers(0, 67))
-            if do + (count - 1) * dst_stride + length > target:
-                continue
-            so = int(gen.integers(0, target - (count - 1) * src_stride - length + 1))
-            rows.append([so, src_stride, do, dst_stride, length, count])
-            at = do + (count - 1) * dst_stride + length
-        desc = np.array(rows, dtype=np.int64)[gen.permutation(len(rows))]
-        assert (desc[:, 4] * desc[:, 5]).sum() * esize >= 4 << 20  # the streaming threshold
-        dst = poisoned(target, dtype)
-        want = bits(dst).reshape(-1, esize)
-        src_b = bits(src).reshape(-1, esize)
-        for so, ss, do, ds, length, count in desc.tolist():
-            for c in range(count):
-                want[do + c * ds : do + c * ds + length] = src_b[so + c * ss : so + c * ss + length]
-        assert reshard.copy_runs(src, desc, dst) is dst
-        np.testing.assert_array_equal(bits(dst), want.reshape(-1))
-    finally:
-        torch.set_num_threads(old)
+    between threads, gaps that must keep their poison."""
+    gen = np.random.default_rng(7)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    target = (8 << 20) // esize  # destination elements
+    src = random_values(target, dtype, gen)
+    rows, at = [], 0
+    while at < target - 200:  # rows in dst order with gaps; src anywhere
+        length = int(gen.choice([1, 17, 63, 65, 255, 257, 4099, 65_537, 1_000_003]))
+        count = int(gen.integers(1, 4))
+        dst_stride = length + int(gen.integers(0, 70))
+        src_stride = int(gen.integers(0, length + 9))
+        do = at + int(gen.integers(0, 67))
+        if do + (count - 1) * dst_stride + length > target:
+            continue
+        so = int(gen.integers(0, target - (count - 1) * src_stride - length + 1))
+        rows.append([so, src_stride, do, dst_stride, length, count])
+        at = do + (count - 1) * dst_stride + length
+    desc = np.array(rows, dtype=np.int64)[gen.permutation(len(rows))]
+    assert (desc[:, 4] * desc[:, 5]).sum() * esize >= 4 << 20  # the streaming threshold
+    run_and_compare(src, desc, dtype, target, big=True)
 
 
 # ------------------------------------------------------------------ casts vs torch
