@@ -35,6 +35,13 @@ def make_plan(planner, src, dst, budget, salt=""):
     return rs.plan(src, dst, budget_bytes_per_peer=budget)
 
 
+def make_transfer(planner, src, dst, budget, **kw):
+    """A Transfer over the reference planner's plan or over rs.plan's."""
+    if planner == "ref":
+        return rs.Transfer.from_plan(_refplan.RefPlan(src, dst, budget), **kw)
+    return rs.Transfer(src, dst, budget_bytes_per_peer=budget, **kw)
+
+
 def build(case, shapes):
     src_spec, dst_spec, sdt, ddt = case[:4]
     src = make_side(src_spec, shapes, sdt, 0)
@@ -84,10 +91,7 @@ def w_repeat(rank, world, planner, n):
     shapes = S.model_shapes()
     case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 256)
     src, dst = build(case, shapes)
-    if planner == "ref":
-        t = rs.Transfer.from_plan(_refplan.RefPlan(src.layout(), dst.layout(), 256), timeout=60.0)
-    else:
-        t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=256)
+    t = make_transfer(planner, src.layout(), dst.layout(), 256, timeout=60.0)
     errs, rss, allocs, ptrs = [], [], [], []
     proc = psutil.Process()
     for i in range(n):
@@ -403,11 +407,7 @@ def w_zero_copy(rank, world, planner, cases, calls):
     for case in cases:
         src, dst = build(case, shapes)
         budget = case[4]
-        if planner == "ref":
-            t = rs.Transfer.from_plan(_refplan.RefPlan(src.layout(), dst.layout(), budget))
-        else:
-            make_plan(planner, src.layout(), dst.layout(), budget)  # skips without a planner
-            t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=budget)
+        t = make_transfer(planner, src.layout(), dst.layout(), budget)
         want, direct, partly, total = expected_zero_copy(t.plan, rank, src.dtype, dst.dtype)
         errs = []
         for i in range(calls):
