@@ -34,6 +34,7 @@ import torch.distributed as dist
 from . import _ops  # noqa: F401 - loads the compiled extension: every torch.ops.reshard op used here
 from . import preflight as pf
 from .errors import PreflightError, TransferError
+from .plan import _align
 from .report import Report
 
 log = logging.getLogger("reshard")
@@ -141,10 +142,6 @@ def _direct_range(msg, side: str, storage_dtype) -> tuple[int, int, int] | None:
     if (shift != shift[0]).any():
         return None
     return int(loc), int(shift[0]), n
-
-
-def _align16(n: int) -> int:
-    return (n + 15) // 16 * 16
 
 
 class _Engine:
@@ -285,7 +282,7 @@ class _Engine:
                     if rng is None:
                         items.append((m, None, cursor))
                         need[key] = max(need[key], cursor + nb)
-                        cursor = _align16(cursor + nb)
+                        cursor = _align(cursor + nb)
                     else:
                         items.append((m, rng, None))
                 per_dir[key] = items
@@ -598,8 +595,9 @@ class Transfer:
         register_host_targets=False,
     ):
         """budget_bytes_per_rank: cap each rank's total staging instead of (or as well as)
-        the per-peer budget (see `reshard.plan`). register_host_sources: page-lock the CPU source buffers in place (cudaHostRegister)
-        on the first call, so every sync DMAs straight from them (reshard.hostreg);
+        the per-peer budget (see `reshard.plan`). register_host_sources: page-lock the CPU
+        source buffers in place (cudaHostRegister) on the first call, so every sync DMAs
+        straight from them (reshard.hostreg);
         register_host_targets: the same for CPU target buffers (GPU -> CPU syncs DMA straight
         into them). Undone by `close()`, on context exit, when a location's storage changes, or
         on collection; each Report says what was done in `host_registration` (targets under its

@@ -236,8 +236,7 @@ class Plan:
             put([len(tl.shape) for tl in tls])
             put([x for tl in tls for x in tl.shape])
             put([len(tl) for tl in tls])
-            # each field streamed over chunks of tensors: sha256 sees one byte stream
-            # field by field (one sha256 each, all fed in one pass over chunks of tensors)
+            # one sha256 per field, all fed in one pass over chunks of tensors
             fields = [hashlib.sha256() for _ in range(5)]
             for c in range(0, len(tls), 4096):
                 arrs = [tl._arrays() for tl in tls[c : c + 4096]]
@@ -634,12 +633,7 @@ def _per_peer_budget(planner, budget_bytes_per_rank):
     pairs = np.unique(np.stack([snd[remote], rcv[remote]]), axis=1)
     if not pairs.shape[1]:
         return None  # nothing crosses ranks: nothing is staged
-    peers = np.bincount(pairs[0])
-    recv = np.bincount(pairs[1])
-    n = max(len(peers), len(recv))
-    total = np.zeros(n, _I64)
-    total[: len(peers)] += peers
-    total[: len(recv)] += recv
+    total = np.bincount(pairs.ravel())  # send peers + receive peers (pairs are unique)
     rank = int(np.argmax(total))
     per_peer = budget_bytes_per_rank // (2 * int(total[rank]))
     per_peer -= per_peer % _ALIGN
@@ -742,8 +736,9 @@ class _Planner:
         if self._dense:
             delta = np.bincount(key, weights=numel, minlength=len(self._acc))
             self._acc += delta
-            key = np.nonzero(delta)[0]
-            w = delta[key]
+            if account:
+                key = np.nonzero(delta)[0]
+                w = delta[key]
         else:
             key, inv = np.unique(key, return_inverse=True)
             w = np.bincount(inv, weights=numel)
