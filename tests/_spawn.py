@@ -1,7 +1,8 @@
 """Run a function on N real, spawned torch.distributed ranks (gloo on CPU, NCCL on GPUs).
 
 Every test that needs ranks uses this (docs/internals.md). Rules it enforces:
-- a FileStore under `tmp_path` for rendezvous (never a fixed port, so parallel runs never clash);
+- a FileStore under `tmp_path` for rendezvous (never a fixed port, so parallel runs never clash),
+  through `reshard._launch.init_group`, the demo's and benchmarks' start-up too;
 - a group timeout, so a dead peer turns into an error instead of a hang;
 - `destroy_process_group()` in `finally`;
 - a join timeout in the parent: stragglers are killed and reported by rank;
@@ -28,7 +29,6 @@ cleanly, and returns None in its slot.
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import sys
@@ -72,24 +72,14 @@ def _worker(rank, world_size, init_file, backend, group_timeout_s, fn, args, env
     import torch
     import torch.distributed as dist
 
+    from reshard._launch import init_group  # after the environment: reshard reads it
+
     torch.set_num_threads(int(os.environ.get("RESHARD_TEST_THREADS", "1")))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     record = None
     try:
-        store = dist.FileStore(init_file, world_size)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=group_timeout_s),
-        )
-        if backend == "gloo":
-            # gloo's init returns on a rank once its own pairs are up, possibly before a peer's
-            # are: a rank that then raises or dies at once would fail that peer's init
-            # ("connectFullMesh failed ... Connection closed by peer"), not the code under test.
-            dist.barrier()
+        init_group(backend, init_file, rank, world_size, group_timeout_s)
         try:
             record = ("ok", fn(rank, world_size, *args))
         finally:

@@ -18,21 +18,28 @@ class RanksFailed(RuntimeError):
     """One or more ranks died or raised; the message names each with its traceback."""
 
 
+def init_group(backend, store_path, rank, world, timeout_s):
+    """The default process group over a FileStore at `store_path` (never a port). Under gloo
+    every rank then passes a barrier: gloo's init returns on a rank once its own pairs are up,
+    possibly before a peer's are, and a rank that raised or died at once would fail that peer's
+    init ("connectFullMesh failed ... Connection closed by peer") instead of reporting its own
+    error."""
+    dist.init_process_group(
+        backend,
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    if backend == "gloo":
+        dist.barrier()
+
+
 def _worker(body, rank, world, backend, store_path, timeout_s, args, out_path):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(store_path, world),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        if backend == "gloo":
-            # gloo's init can return on one rank before a peer's pairs are up: a rank that failed
-            # at once would surface as that peer's "connectFullMesh failed", hiding its own error
-            dist.barrier()
+        init_group(backend, store_path, rank, world, timeout_s)
         try:
             result = body(rank, world, *args)
         finally:
