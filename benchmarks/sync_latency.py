@@ -117,17 +117,16 @@ _nano_bytes: dict = {}
 def host_bytes_needed(scen, model, world, n_methods):
     """Host bytes a CPU case holds at its peak over all ranks (they share this machine): the
     sources, the reference and one target set per method (the interleaved timing keeps them
-    all), plus each process. Scaled by parameter count from gpt-nano's exact buffer sizes."""
+    all), plus each process. Scaled by parameter count from gpt-nano's storages."""
     if scen not in _nano_bytes:
         nano = S.SCENARIOS[scen]("gpt-nano", 0, world, "cpu")
-
-        def nbytes(bufs):
-            return sum(t.numel() * t.element_size() for t in bufs.values())
-
-        _nano_bytes[scen] = (nbytes(nano.src_buffers), nbytes(nano.reference))
+        _nano_bytes[scen] = tuple(
+            sum(st.numel * st.dtype.itemsize for st in layout.storages.values())
+            for layout in (nano.src_layout, nano.dst_layout)
+        )
     src, dst = _nano_bytes[scen]
     scale = S.model_params(model) / S.model_params("gpt-nano")
-    return int(world * (scale * (src + (n_methods + 1) * dst) + _PROCESS_BYTES))
+    return int(scale * (src + (n_methods + 1) * dst) + world * _PROCESS_BYTES)
 
 
 _libc = None
@@ -526,7 +525,8 @@ def run_cases(rank, world, cfg, sink):
         for model in cfg["models"]:
             i += 1
             over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
-            need = 0 if cuda else host_bytes_needed(scen, model, world, len(cfg["methods"]))
+            # rank 0 decides (broadcast below): the ranks share this machine's memory
+            need = 0 if cuda or rank else host_bytes_needed(scen, model, world, len(cfg["methods"]))
             avail = _mem_available()
             nofit = need > 0.9 * avail
             if world > 1:  # every rank must agree to stop at (or skip) the same case
@@ -690,12 +690,13 @@ def _mib(b):
 
 
 def _mem_x(b, base):
-    """Peak extra memory of a method against reshard's: a ratio only where reshard's is at least
-    64 KiB (on the H200 reshard's staging is allocated before the timed syncs and its peak extra
-    is a few KiB: a ratio over that says nothing)."""
+    """Peak extra memory `b` of a method against reshard's row `base` (None: no reshard row): a
+    ratio only where reshard's peak is at least 64 KiB (on the H200 reshard's staging exists
+    before the timed syncs and its peak extra is a few KiB: a ratio over that says nothing)."""
     floor = 64 << 10
     if base is None:
         return "-"
+    base = base["peak_extra_bytes"]
     if base >= floor:
         return f"{b / base:.2f}"
     return "both < 64 KiB" if b < floor else f"{b / MiB:.0f} MiB vs < 64 KiB"
@@ -755,10 +756,8 @@ def markdown(meta, rows):
     by_scen: dict = {}
     for r in rows:
         by_scen.setdefault(r["scenario"], []).append(r)
-    base = {
-        (r["scenario"], r["model"]): r["peak_extra_bytes"] for r in rows if r["method"] == "reshard"
-    }
-    lines += goal_table(rows)
+    reshard_rows = {(r["scenario"], r["model"]): r for r in rows if r["method"] == "reshard"}
+    lines += goal_table(rows, reshard_rows)
     if meta.get("unfit"):
         lines += [
             "Not run, would not fit in this machine's memory (estimate: sources + reference + "
@@ -787,7 +786,7 @@ def markdown(meta, rows):
                 f"| {r.get('median_vs_reshard', float('nan')):.2f} "
                 f"| {r['first_sync_s'] * 1e3:.1f} "
                 f"| {_mib(r['peak_extra_bytes'])} "
-                f"| {_mem_x(r['peak_extra_bytes'], base.get((r['scenario'], r['model'])))} "
+                f"| {_mem_x(r['peak_extra_bytes'], reshard_rows.get((r['scenario'], r['model'])))} "
                 f"| {_kib(r.get('budget_bytes_per_peer'))} "
                 f"| {_bound(r, meta)} | {_mib(r['pinned_bytes'])} | {_mib(r['bytes_moved'])} "
                 f"| {_mib(r['zero_copy_bytes']) if 'zero_copy_bytes' in r else '-'} "
@@ -799,10 +798,9 @@ def markdown(meta, rows):
     return "\n".join(lines) + "\n"
 
 
-def goal_table(rows):
+def goal_table(rows, reshard_rows):
     """Each baseline against reshard: latency and peak-extra-memory ratios (the issue's goals:
     >= 2x faster and >= 4x less memory than gather_broadcast on CPU)."""
-    base = {(r["scenario"], r["model"]): r for r in rows if r["method"] == "reshard"}
     out = [
         "## Baselines / reshard",
         "",
@@ -810,13 +808,13 @@ def goal_table(rows):
         "|---|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        b = base.get((r["scenario"], r["model"]))
+        b = reshard_rows.get((r["scenario"], r["model"]))
         if b is None or r["method"] == "reshard":
             continue
         out.append(
             f"| {r['scenario']} | {r['model']} | {r['method']} "
             f"| {r['median_s'] / b['median_s']:.2f} "
-            f"| {_mem_x(r['peak_extra_bytes'], b['peak_extra_bytes'])} "
+            f"| {_mem_x(r['peak_extra_bytes'], b)} "
             f"| {b['vs_floor'] or float('nan'):.2f} |"
         )
     return [*out, ""]
