@@ -321,7 +321,7 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
       ends[i] = dst_end;
     }
   }
-  if (st == RS_OK && check_overlap && n > 1) st = check_cross_overlap(runs, n, ends, err);
+  if (st == RS_OK && ends) st = check_cross_overlap(runs, n, ends, err);
   free(ends);
   return st;
 }
@@ -603,8 +603,13 @@ static void copy_stream(unsigned char *d, const unsigned char *s, size_t n) {
   }
   memcpy(d, s, n);
 }
+/* streaming stores are weakly ordered: make them visible before the caller's join */
+static void store_fence(void) { _mm_sfence(); }
 #define RS_HAVE_STREAM 1
 #else
+/* never called (stream is 0 here): keeps the copy loop free of preprocessor branches */
+static void copy_stream(unsigned char *d, const unsigned char *s, size_t n) { memcpy(d, s, n); }
+static void store_fence(void) {}
 #define RS_HAVE_STREAM 0
 #endif
 
@@ -662,21 +667,17 @@ rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype
                                   : s + (size_t)(R->src_offset + c * R->src_stride + j) * ssz;
       dp = mode == RS_MODE_PACK ? d + (size_t)(k - begin) * dsz
                                 : d + (size_t)(R->dst_offset + c * R->dst_stride + j) * dsz;
-      if (cvt) cvt(sp, dp, take);
-#if RS_HAVE_STREAM
+      if (cvt)
+        cvt(sp, dp, take);
       else if (stream)
         copy_stream(dp, sp, (size_t)take * ssz);
-#endif
       else
         memcpy(dp, sp, (size_t)take * ssz);
       k += take;
     }
     r++;
   }
-#if RS_HAVE_STREAM
-  /* streaming stores are weakly ordered: make them visible before the caller's join */
-  if (stream) _mm_sfence();
-#endif
+  if (stream) store_fence();
   return RS_OK;
 }
 

@@ -140,12 +140,13 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
  *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as x86 F16C)
  *   f16 -> f32: sign and payload kept, quiet bit set;  bf16 -> f32: exact (bits << 16) */
 uint16_t rs_f32_to_bf16(float f);
-/* The instruction set the bulk casts use: 0 baseline, 1 AVX2, 2 AVX-512BW (x86-64 with GCC or
- * clang; 0 elsewhere): the CPU's best, capped by RESHARD_CPU_CAPABILITY=default|avx2|avx512. */
-int rs_cpu_capability(void);
 uint16_t rs_f32_to_f16(float f);
 float rs_bf16_to_f32(uint16_t h);
 float rs_f16_to_f32(uint16_t h);
+
+/* The instruction set the bulk casts use: 0 baseline, 1 AVX2, 2 AVX-512BW (x86-64 with GCC or
+ * clang; 0 elsewhere): the CPU's best, capped by RESHARD_CPU_CAPABILITY=default|avx2|avx512. */
+int rs_cpu_capability(void);
 
 #ifdef __cplusplus
 }

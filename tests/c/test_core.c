@@ -312,6 +312,22 @@ static void ref_copy(const unsigned char *s, rs_dtype sd, unsigned char *d, rs_d
                     d + (size_t)(runs[i].dst_offset + c * runs[i].dst_stride + j) * ds, dd);
 }
 
+/* Poisons buf[0, nbytes), copies the table into d (inside buf) as three rs_copy_slice calls cut
+ * at random points and run out of order, as threads would, and checks buf against want. */
+static void check_three_slices(const unsigned char *src, rs_dtype sd, unsigned char *buf,
+                               unsigned char *d, rs_dtype dd, const rs_run *runs, int64_t n,
+                               const int64_t *prefix, const unsigned char *want, size_t nbytes,
+                               int trial) {
+  int64_t total = prefix[n], a, b;
+  memset(buf, 0xA5, nbytes);
+  a = rnd_below(total + 1);
+  b = a + rnd_below(total - a + 1);
+  CHECK(rs_copy_slice(src, sd, d, dd, runs, n, prefix, b, total, RS_MODE_RUNS) == RS_OK, "slice");
+  CHECK(rs_copy_slice(src, sd, d, dd, runs, n, prefix, 0, a, RS_MODE_RUNS) == RS_OK, "slice");
+  CHECK(rs_copy_slice(src, sd, d, dd, runs, n, prefix, a, b, RS_MODE_RUNS) == RS_OK, "slice");
+  CHECK(memcmp(buf, want, nbytes) == 0, "sliced copy differs, trial %d", trial);
+}
+
 static void test_copy_random(void) {
   enum { SN = 300, DN = 300, MAXN = 10 };
   unsigned char *src = malloc(SN * 8), *got = malloc(DN * 8), *want = malloc(DN * 8);
@@ -325,7 +341,7 @@ static void test_copy_random(void) {
       for (di = 0; di < sizeof all_dtypes / sizeof *all_dtypes; di++) {
         rs_dtype sd = all_dtypes[si], dd = all_dtypes[di];
         size_t ds = rs_dtype_size(dd);
-        int64_t n, total = 0, k, a, b;
+        int64_t n, total = 0, k;
         rs_error err;
         rs_status st;
         if (!rs_dtype_pair_ok(sd, dd)) {
@@ -348,16 +364,7 @@ static void test_copy_random(void) {
 
         /* slices at random cut points give the same result as one call */
         CHECK(rs_prefix(runs, n, prefix, &total, &err) == RS_OK, "%s", err.msg);
-        memset(got, 0xA5, DN * 8);
-        a = rnd_below(total + 1);
-        b = a + rnd_below(total - a + 1);
-        CHECK(rs_copy_slice(src, sd, got, dd, runs, n, prefix, b, total, RS_MODE_RUNS) == RS_OK,
-              "slice");
-        CHECK(rs_copy_slice(src, sd, got, dd, runs, n, prefix, 0, a, RS_MODE_RUNS) == RS_OK,
-              "slice");
-        CHECK(rs_copy_slice(src, sd, got, dd, runs, n, prefix, a, b, RS_MODE_RUNS) == RS_OK,
-              "slice");
-        CHECK(memcmp(got, want, DN * 8) == 0, "sliced copy differs, trial %d", t);
+        check_three_slices(src, sd, got, got, dd, runs, n, prefix, want, DN * 8, t);
 
         /* pack (dense dst) in two slices, then unpack (dense src) in two other slices */
         if (total <= DN) {
@@ -404,7 +411,7 @@ static void test_copy_long_runs(void) {
     size_t es = rs_dtype_size(dt);
     int big = t == 300; /* 6 MiB of destination: above the default streaming threshold */
     int64_t max_len = big ? (INT64_C(96) << 10) : 5000 / (int64_t)es;
-    int64_t n = big ? MAXN : 1 + rnd_below(MAXN), sn, dn = 0, total, i, a, b;
+    int64_t n = big ? MAXN : 1 + rnd_below(MAXN), sn, dn = 0, total, i;
     unsigned char *src, *got, *want;
     rs_error err;
     if (big) dt = RS_RAW1, es = 1;
@@ -440,13 +447,7 @@ static void test_copy_long_runs(void) {
             rs_dtype_name(dt));
       /* three slices cut at random points, as threads would */
       CHECK(rs_prefix(runs, n, prefix, &total, &err) == RS_OK, "%s", err.msg);
-      memset(got, 0xA5, (size_t)dn * es + 1);
-      a = rnd_below(total + 1);
-      b = a + rnd_below(total - a + 1);
-      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, b, total, RS_MODE_RUNS) == RS_OK, "s");
-      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, 0, a, RS_MODE_RUNS) == RS_OK, "s");
-      CHECK(rs_copy_slice(src, dt, d, dt, runs, n, prefix, a, b, RS_MODE_RUNS) == RS_OK, "s");
-      CHECK(memcmp(got, want, (size_t)dn * es + 1) == 0, "sliced long runs, trial %d", t);
+      check_three_slices(src, dt, got, d, dt, runs, n, prefix, want, (size_t)dn * es + 1, t);
     }
     CHECK(!big || dn * (int64_t)es >= (INT64_C(4) << 20), "big trial is %" PRId64 " bytes", dn);
     free(src);
