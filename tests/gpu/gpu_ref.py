@@ -14,6 +14,20 @@ FLOAT_PAIRS = [(a, b) for a in FLOATS for b in FLOATS]
 RAW = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float64, torch.bool)
 
 
+def require_cuda_build() -> None:
+    """Fail the importing test module (not skip it) where a GPU is visible but the extension has
+    no CUDA ops: a CPU-only build on a GPU machine is a broken setup."""
+    import pytest
+
+    import reshard._ops  # noqa: F401 - registers torch.ops.reshard
+
+    if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
+        pytest.fail(
+            "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
+            pytrace=False,
+        )
+
+
 def expand(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(src_index, dst_index) of every element a table copies, in work order."""
     d = np.asarray(desc, dtype=np.int64).reshape(-1, 6)

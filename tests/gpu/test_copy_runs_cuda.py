@@ -15,17 +15,14 @@ from gpu_ref import (
     random_table,
     random_values,
     reference,
+    require_cuda_build,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from reshard import _ops as ops  # noqa: E402
 
-if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
-    pytest.fail(
-        "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
-        pytrace=False,
-    )
+require_cuda_build()
 
 DEV = "cuda"
 PAIRS = FLOAT_PAIRS + [(t, t) for t in RAW]

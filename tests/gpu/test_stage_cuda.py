@@ -7,17 +7,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gpu_ref import FLOAT_PAIRS, RAW, assert_same, poison, random_table, random_values, reference
+from gpu_ref import (
+    FLOAT_PAIRS,
+    RAW,
+    assert_same,
+    poison,
+    random_table,
+    random_values,
+    reference,
+    require_cuda_build,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from reshard import _ops as ops  # noqa: E402
 
-if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
-    pytest.fail(
-        "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
-        pytrace=False,
-    )
+require_cuda_build()
 
 DEV = "cuda"
 STATS = (
