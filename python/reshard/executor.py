@@ -170,6 +170,11 @@ class _Engine:
             for round_msgs in msgs:
                 for m in round_msgs:
                     acc[m.peer] = acc.get(m.peer, 0) + int(m.nbytes)
+        # the locations messages read / write: per call, only their buffers' devices matter
+        self.message_locations = tuple(
+            frozenset(getattr(seg, attr) for rm in msgs for m in rm for seg in m.segments)
+            for msgs, attr in ((s.sends, "src_location"), (s.recvs, "dst_location"))
+        )
         self.local = [
             (lc.src_location, lc.dst_location, _Desc(lc.src_location, lc.desc)) for lc in s.local
         ]
@@ -452,17 +457,12 @@ def _needs_ring(engine, src_ok, dst_ok) -> bool:
     """CPU buffers in messages under NCCL go through stage_h2d/stage_d2h and the ring."""
     if engine.transport != "nccl":
         return False
-    for msgs, bufs, attr in (
-        (engine.sched.sends, src_ok, "src_location"),
-        (engine.sched.recvs, dst_ok, "dst_location"),
-    ):
-        for round_msgs in msgs:
-            for m in round_msgs:
-                for seg in m.segments:
-                    t = bufs.get(getattr(seg, attr))
-                    if t is not None and t.device.type == "cpu":
-                        return True
-    return False
+    return any(
+        bufs[loc].device.type == "cpu"
+        for locs, bufs in zip(engine.message_locations, (src_ok, dst_ok), strict=True)
+        for loc in locs
+        if loc in bufs
+    )
 
 
 def _local_cross_device(engine, src_ok, dst_ok) -> tuple[bool, list[str]]:
