@@ -15,7 +15,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,14 +42,13 @@ def _rank(rank, world, cfg):
         times[kib] = []
     for _ in range(cfg["iters"]):
         for kib in cfg["budgets"]:
-            dist.barrier()
-            t = time.perf_counter()
-            reps[kib] = syncs[kib](case.src_buffers, bufs[kib])
-            dist.barrier()
-            times[kib].append(time.perf_counter() - t)
+            seconds, reps[kib] = SL.timed_sync(
+                lambda b, s=syncs[kib]: s(case.src_buffers, b), bufs[kib], world, cuda=False
+            )
+            times[kib].append(seconds)
     out = {}
     for kib in cfg["budgets"]:
-        ok = all(SL._equal(bufs[kib][k], v) for k, v in case.reference.items())
+        ok = SL.targets_correct(case, bufs[kib])
         r = reps[kib]
         out[kib] = {
             "times": times[kib],

@@ -367,6 +367,30 @@ def _dev_sync(cuda):
         torch.cuda.synchronize()
 
 
+def timed_sync(step, bufs, world, cuda):
+    """One sync, timed as the slowest rank sees it (device work and every rank fenced on both
+    sides). Returns (seconds, what the step returned)."""
+    _dev_sync(cuda)
+    _barrier(world)
+    t = time.perf_counter()
+    out = step(bufs)
+    _dev_sync(cuda)
+    _barrier(world)
+    return time.perf_counter() - t, out
+
+
+def targets_correct(case, bufs) -> bool:
+    """Every target buffer bitwise equal to the reference, and no other buffer."""
+    return set(bufs) == set(case.reference) and all(
+        _equal(bufs[k], v) for k, v in case.reference.items()
+    )
+
+
+def _close(step):
+    if hasattr(step, "close"):
+        step.close()
+
+
 def link_bandwidth(rank, world, cuda):
     """Bytes/s of the transports, measured here: gloo send/recv between ranks 0 and 1 (both
     directions at once, per direction), host copy (bytes copied / s), pinned H2D / D2H. Best
@@ -427,17 +451,10 @@ def interleaved_times(case, methods, ctx):
     times = {m: [] for m in methods}
     for _ in range(ctx["iters"]):
         for m in methods:
-            _dev_sync(cuda)
-            _barrier(world)
-            t = time.perf_counter()
-            steps[m](bufs[m])
-            _dev_sync(cuda)
-            _barrier(world)
-            times[m].append(time.perf_counter() - t)
-    correct = {m: all(_equal(bufs[m][k], v) for k, v in case.reference.items()) for m in methods}
+            times[m].append(timed_sync(steps[m], bufs[m], world, cuda)[0])
+    correct = {m: targets_correct(case, bufs[m]) for m in methods}
     for step in steps.values():
-        if hasattr(step, "close"):
-            step.close()
+        _close(step)
     del steps, bufs
     _trim()
     return times, correct
@@ -464,15 +481,7 @@ def measure_method(case, method, ctx, timed=True):
     first = time.perf_counter() - t0
     for _ in range(max(0, ctx["warmup"] - 1)):
         step(bufs)
-    times = []
-    for _ in range(ctx["iters"] if timed else 0):
-        _dev_sync(cuda)
-        _barrier(world)
-        t = time.perf_counter()
-        step(bufs)
-        _dev_sync(cuda)
-        _barrier(world)
-        times.append(time.perf_counter() - t)
+    times = [timed_sync(step, bufs, world, cuda)[0] for _ in range(ctx["iters"] if timed else 0)]
     with ctx["sampler"].window() as sampler:
         for _ in range(3):
             step(bufs)
@@ -483,12 +492,10 @@ def measure_method(case, method, ctx, timed=True):
         "plan_s": ctx.get("plan_s"),
         "rss_extra_bytes": max(0, sampler.peak - base_rss),
         "device_extra_bytes": (torch.cuda.max_memory_allocated() - base_dev) if cuda else 0,
-        "correct": all(_equal(bufs[k], v) for k, v in case.reference.items())
-        and set(bufs) == set(case.reference),
+        "correct": targets_correct(case, bufs),
         **info(),
     }
-    if hasattr(step, "close"):
-        step.close()
+    _close(step)
     del step, info, bufs
     _trim()
     return out
@@ -513,8 +520,7 @@ def run_cases(rank, world, cfg, sink):
     for m in cfg["methods"]:
         step, _ = METHODS[m](warm, ctx)
         step(warm.targets())
-        if hasattr(step, "close"):
-            step.close()
+        _close(step)
     del warm, step
     _trim()
     total = len(cfg["scenarios"]) * len(cfg["models"])
