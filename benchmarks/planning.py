@@ -169,10 +169,10 @@ def moe_case(layers=61, experts=384, src_ranks=256, ep=32, tp=8):
     return src, dst, time.perf_counter() - t0
 
 
-def busiest_rank(p):
+def busiest_rank(p, pair_bytes):
     """The rank that moves the most bytes (sent + received + copied locally)."""
     load = dict(p.local_bytes())
-    for (s, r), b in p.pair_bytes().items():
+    for (s, r), b in pair_bytes.items():
         load[s] = load.get(s, 0) + b
         load[r] = load.get(r, 0) + b
     return max(sorted(load), key=lambda r: load[r]) if load else 0
@@ -197,13 +197,14 @@ def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
     t0 = time.perf_counter()
     p = rs.plan(src, dst, budget_bytes_per_peer=budget)
     t_plan = time.perf_counter() - t0
-    busiest = busiest_rank(p)
+    pair_bytes = p.pair_bytes()
+    busiest = busiest_rank(p, pair_bytes)
     t0 = time.perf_counter()
     sc = p.schedule(busiest)
     t_sched = time.perf_counter() - t0
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     sent = {}
-    for (s, _r), b in p.pair_bytes().items():
+    for (s, _r), b in pair_bytes.items():
         sent[s] = sent.get(s, 0) + b
     out = {
         "plan_s": round(t_plan, 3),
@@ -217,7 +218,7 @@ def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
         "src_pieces": sum(len(t) for t in src.tensors.values()),
         "dst_pieces": sum(len(t) for t in dst.tensors.values()),
         "jobs": p._stats["jobs"],
-        "storage_pairs": len(p._g["sl"]) + len(p._local_groups[0]),
+        "storage_pairs": p.num_storage_pairs,
         "rounds": p.num_rounds,
         "remote_wire_bytes": sum(sent.values()),
         "max_sender_bytes": max(sent.values()) if sent else 0,

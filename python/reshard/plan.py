@@ -277,6 +277,11 @@ class Plan:
         return {"device": 0, "host_pinned": 0, "host": arenas}
 
     @property
+    def num_storage_pairs(self) -> int:
+        """(source storage, target storage) pairs that exchange elements, local ones included."""
+        return len(self._g["sl"]) + len(self._local_groups[0])
+
+    @property
     def runs(self) -> np.ndarray:
         """All copy runs, int64 [n, 8]: (src_location, src_offset, src_stride, dst_location,
         dst_offset, dst_stride, length, count), by sender rank, then (source storage, target
@@ -360,7 +365,7 @@ class Plan:
     def __repr__(self):
         return (
             f"Plan({len(self._tensors)} tensors, "
-            f"{len(self._g['sl']) + len(self._local_groups[0])} storage pairs, "
+            f"{self.num_storage_pairs} storage pairs, "
             f"{self.num_rounds} rounds, fingerprint={self.fingerprint[:16]})"
         )
 
