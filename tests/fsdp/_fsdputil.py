@@ -11,10 +11,11 @@ LR = 1e-2
 BETAS = (0.9, 0.99)
 
 
-def make_net(seed, dtype=None):
+def make_net(seed, dtype=None, hidden=11):
     """Uneven sizes on purpose: with dp 2..4 the last ranks get fewer rows, `scale` (1 row) and
     `gate` (2 rows) leave some ranks with an empty shard. The root keeps `head`, `gate`,
-    `scale` and a LayerNorm with a frozen weight (the root stays unsharded after forward)."""
+    `scale` and a LayerNorm with a frozen weight (the root stays unsharded after forward).
+    `hidden`: fc1's outputs (even for tensor parallelism, which DTensor needs even)."""
     import torch
 
     torch.manual_seed(seed)
@@ -22,8 +23,8 @@ def make_net(seed, dtype=None):
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc1 = torch.nn.Linear(13, 11)
-            self.fc2 = torch.nn.Linear(11, 7)
+            self.fc1 = torch.nn.Linear(13, hidden)
+            self.fc2 = torch.nn.Linear(hidden, 7)
             self.norm = torch.nn.LayerNorm(7)
             self.head = torch.nn.Linear(7, 5)
             self.gate = torch.nn.Parameter(torch.randn(2, 5))

@@ -87,16 +87,20 @@ def _segments(shape, mesh_shape, coord, ops):
 
 
 def _placement_ops(name, placements, ndim):
-    """DTensor placements -> the ops `_segments` applies, left to right."""
+    """DTensor placements -> the ops `_segments` applies, left to right.
+
+    Mesh dims are numbered as in `_mesh_ranks` (dim 0: the mesh's instances), so placement i
+    acts on mesh dim i + 1.
+    """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     ops = []
     for mesh_dim, p in enumerate(placements):
         if isinstance(p, _StridedShard):  # before Shard: keep the check order explicit
-            ops.append((mesh_dim, "strided", p.dim % ndim, int(p.split_factor)))
+            ops.append((mesh_dim + 1, "strided", p.dim % ndim, int(p.split_factor)))
         elif isinstance(p, Shard):
-            ops.append((mesh_dim, "shard", p.dim % ndim, 1))
+            ops.append((mesh_dim + 1, "shard", p.dim % ndim, 1))
         elif isinstance(p, Replicate):
             continue
         else:
@@ -105,7 +109,35 @@ def _placement_ops(name, placements, ndim):
                 "moves stored elements; a Partial value is not materialized on any rank): "
                 "redistribute() it to Shard or Replicate first"
             )
-    return ops
+    return tuple(ops)
+
+
+def _mesh_ranks(mesh):
+    """Global ranks of every instance of `mesh`: shape (instances, *mesh.shape).
+
+    A mesh sliced from a larger one (`mesh["dp"]` of a dp x tp mesh) has one instance per
+    coordinate of the dims sliced away, and `mesh.mesh` shows only this rank's; a DTensor on
+    it is taken as replicated over the instances (as FSDP x TP and DDP x TP keep the tensors
+    their TP dim does not shard). Every rank derives the same table without communicating.
+    """
+    shape = tuple(mesh.mesh.shape)
+    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+    if layout is None or rank_map is None:
+        import torch.distributed as dist
+
+        if mesh.mesh.numel() != dist.get_world_size():
+            raise UnsupportedError(
+                "a DTensor on a sliced device mesh needs torch's DeviceMesh._layout (torch >= "
+                "2.9) to know the mesh's other instances"
+            )
+        return mesh.mesh.reshape(1, *shape).cpu().numpy().astype(np.int64)
+    full = layout.remap_to_tensor(rank_map).reshape(-1, *shape)
+    mine = mesh.mesh
+    if not any(bool((row == mine).all()) for row in full):
+        raise UnsupportedError(
+            f"device mesh {mine.tolist()} is not one of its layout's instances {full.tolist()}"
+        )
+    return full.cpu().numpy().astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -115,7 +147,7 @@ class _Entry:
     name: str
     shape: tuple
     dtype: object
-    mesh_ranks: np.ndarray  # global rank at each mesh coordinate
+    mesh_ranks: np.ndarray  # global rank at each (instance, *mesh coordinate): _mesh_ranks
     ops: tuple
 
 
@@ -226,8 +258,7 @@ def _entry(name, dt, ops=None):
     shape = tuple(dt.shape)
     if ops is None:
         ops = _placement_ops(name, spec.placements, len(shape))
-    ranks = spec.mesh.mesh.cpu().numpy().astype(np.int64)
-    return _Entry(name, shape, dt.dtype, ranks, tuple(ops))
+    return _Entry(name, shape, dt.dtype, _mesh_ranks(spec.mesh), tuple(ops))
 
 
 def _views(entries, where, locals_):

@@ -109,11 +109,11 @@ def _ops(name, p, fp):
     ops = _dt._placement_ops(name, spec.placements, p.ndim)
     strided = [op for op in ops if op[1] == "strided"]
     if strided:
-        fsdp_order = [op for op in ops if op[1] != "strided"]
-        fsdp_order += [(m, "shard", d, 1) for m, _, d, _ in strided]
-        mesh_shape = tuple(spec.mesh.mesh.shape)
         import numpy as np
 
+        fsdp_order = [op for op in ops if op[1] != "strided"]
+        fsdp_order += [(m, "shard", d, 1) for m, _, d, _ in strided]
+        mesh_shape = _dt._mesh_ranks(spec.mesh).shape
         for coord in np.ndindex(*mesh_shape):
             a = _dt._segments(tuple(p.shape), mesh_shape, coord, ops)
             b = _dt._segments(tuple(p.shape), mesh_shape, coord, fsdp_order)
