@@ -234,3 +234,216 @@ def test_dtensor_placements(tmp_path):
 
 def test_fsdp_2d_meshes(tmp_path):
     assert run_ranks(_fsdp_2d_worker, 4, tmp_path, env=ENV, timeout=300)[0]
+
+
+# ------------------------------------------------------------------------ weight sync, restore
+
+
+def _sync_restore_worker(rank, world, modes, budget):
+    """Weight sync into TP=2 rollout buffers; snapshot -> restore -> the next step matches."""
+    import torch
+    from _dsutil import assert_bitwise, check_targets, tp_targets
+    from _fsdputil import (
+        batch,
+        full_params,
+        make_fsdp,
+        poison_padding,
+        reference,
+        steps_of,
+        train,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import reshard as rs
+
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+    for mode, dtype in modes:
+        dt = getattr(torch, dtype) if dtype else None
+        tag = f"{mode} {dtype} dp {world}"
+        a, opt_a = make_fsdp(mesh, seed=0, mode=mode, dtype=dt)
+        b, opt_b = make_fsdp(mesh, seed=7, mode=mode, dtype=dt)  # other init, other data
+        train(a, opt_a, 2, seed=1, rank=rank, dtype=dt)
+        train(b, opt_b, 2, seed=2, rank=rank, dtype=dt)
+
+        # weight sync: FSDP2 params -> bf16 TP=2 rollout buffers on ranks 0 and 1 (poisoned)
+        live = _describe(a, opt_a, "param")
+        dst, bufs = tp_targets(live, [0, 1], dtype=torch.bfloat16)
+        undo, intact, _ = poison_padding(a)
+        try:
+            rs.Transfer(live.layout, dst, budget_bytes_per_peer=budget)(live, bufs)
+        finally:
+            undo()
+        check_targets(dst, bufs, full_params(a), f"{tag} weight sync")
+
+        # snapshot A into TP shards over every rank (source dtype), restore into B
+        want = {k: reference(a, opt_a, k) for k in KINDS}
+        before = reference(b, opt_b, "param")
+        assert any(not torch.equal(before[n], want["param"][n]) for n in before), tag
+        undo, intact, _ = poison_padding(b)
+        try:
+            for kind in KINDS:
+                src = _describe(a, opt_a, kind)
+                snap, snap_bufs = tp_targets(src, list(range(world)))
+                rs.Transfer(src.layout, snap, budget_bytes_per_peer=budget)(src, snap_bufs)
+                dst = _describe(b, opt_b, kind)
+                rs.Transfer(snap, dst.layout, budget_bytes_per_peer=budget)(snap_bufs, dst)
+            assert intact(), f"{tag}: FSDP2 padding was written"
+        finally:
+            undo()
+        assert steps_of(a, opt_a) == steps_of(b, opt_b)  # both stepped twice
+        for kind in KINDS:
+            got = reference(b, opt_b, kind)
+            for n in want[kind]:
+                assert_bitwise(got[n], want[kind][n], f"{tag} restored {kind} {n}")
+        # the next step of B equals the uninterrupted A's, bitwise
+        x = batch(100 + rank, dt)
+        losses = []
+        for net, opt in ((a, opt_a), (b, opt_b)):
+            loss = net(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_bitwise(losses[1], losses[0], f"{tag} step-3 loss")
+        for kind in KINDS:
+            ra, rb = reference(a, opt_a, kind), reference(b, opt_b, kind)
+            for n in ra:
+                assert_bitwise(rb[n], ra[n], f"{tag} after step 3 {kind} {n}")
+        done.append(tag)
+    return done
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_weight_sync_and_restore(world, tmp_path):
+    modes = [("fp32", None), ("fp32", "bfloat16"), ("mp", None), ("offload", None)]
+    if world == 3:
+        modes = modes[1:3]
+    out = run_ranks(_sync_restore_worker, world, tmp_path, args=(modes, 256), env=ENV, timeout=300)
+    assert len(out[0]) == len(modes)
+
+
+# --------------------------------------------------------------------------- elastic resize
+
+
+def _resize_worker(rank, world, configs, budget):
+    """dp=N -> dp=M of params and both moments inside one world; the resized run's next step
+    equals a control at dp=M whose state torch itself scattered from A's full tensors."""
+    import torch
+    import torch.distributed as dist
+    from _dsutil import assert_bitwise
+    from _fsdputil import (
+        batch,
+        broadcast_layout,
+        make_fsdp,
+        poison_padding,
+        reference,
+        steps_of,
+        train,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    done = []
+    for n_src, n_dst, mode, dtype in configs:
+        dt = getattr(torch, dtype) if dtype else None
+        tag = f"{mode} {dtype} dp {n_src} -> {n_dst}"
+        # every rank builds both meshes (group creation is collective); rank 0 is in both
+        mesh_a = DeviceMesh("cpu", list(range(n_src)))
+        mesh_b = DeviceMesh("cpu", list(range(n_dst)))
+        in_a, in_b = rank < n_src, rank < n_dst
+        a = b = c = None
+        if in_a:
+            a, opt_a = make_fsdp(mesh_a, seed=0, mode=mode, dtype=dt)
+            train(a, opt_a, 2, seed=3, rank=rank, dtype=dt)
+        if in_b:
+            b, opt_b = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # fresh: never stepped
+            c, opt_c = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # the control
+        box = [None, None]
+        if rank == 0:
+            box = [{k: reference(a, opt_a, k) for k in KINDS}, steps_of(a, opt_a)]
+        # A's full tensors on every rank: the reference (a collective of A's mesh, then a copy)
+        if in_a and rank != 0:
+            for k in KINDS:
+                reference(a, opt_a, k)
+        dist.broadcast_object_list(box, src=0)
+        want, steps = box
+        step = set(steps.values())
+        assert len(step) == 1, steps
+        step = step.pop()
+
+        # B has no moments yet: make them (zeros, with A's step count), then poison everything
+        if in_b:
+            rsfsdp.init_adam_state(opt_b, step)
+            with torch.no_grad():
+                for p in b.parameters():
+                    p._local_tensor.fill_(float("nan"))
+                    for k in MOMENTS if p.requires_grad else ():
+                        opt_b.state[p][k]._local_tensor.fill_(float("nan"))
+            undo, intact, _ = poison_padding(b)
+        for kind in KINDS:
+            src = _describe(a, opt_a, kind) if in_a else None
+            dst = _describe(b, opt_b, kind) if in_b else None
+            # ranks outside a mesh get that side's layout from rank 0 (it is in both)
+            src_layout = broadcast_layout(src.layout if src else None)
+            dst_layout = broadcast_layout(dst.layout if dst else None)
+            sync = rs.Transfer(src_layout, dst_layout, budget_bytes_per_peer=budget)
+            sync(src if in_a else {}, dst if in_b else {})
+        if in_b:
+            assert intact(), f"{tag}: FSDP2 padding was written"
+            undo()
+            for kind in KINDS:
+                got = reference(b, opt_b, kind)
+                assert sorted(got) == sorted(want[kind])
+                for n in got:
+                    assert_bitwise(got[n], want[kind][n], f"{tag} resized {kind} {n}")
+
+            # the control: torch's own state creation (a step with lr 0 and zero grads), then
+            # A's full tensors scattered by distribute_tensor, A's step count
+            for p in c.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            lrs = [g["lr"] for g in opt_c.param_groups]
+            for g in opt_c.param_groups:
+                g["lr"] = 0.0
+            opt_c.step()
+            opt_c.zero_grad()
+            for g, lr in zip(opt_c.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            with torch.no_grad():
+                for n, p in c.named_parameters():
+                    pairs = [(p, want["param"][n])]
+                    if opt_c.state.get(p):
+                        opt_c.state[p]["step"].fill_(step)
+                        pairs += [(opt_c.state[p][k], want[k][n]) for k in MOMENTS]
+                    for t, full in pairs:
+                        t._local_tensor.copy_(
+                            distribute_tensor(full.to(t.dtype), mesh_b, t.placements).to_local()
+                        )
+            # one step of B and of the control on the same data (per dp rank of M): bitwise
+            x = batch(500 + rank, dt)
+            losses = []
+            for net, opt in ((b, opt_b), (c, opt_c)):
+                loss = net(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert_bitwise(losses[0], losses[1], f"{tag} next loss")
+            for kind in KINDS:
+                rb, rc = reference(b, opt_b, kind), reference(c, opt_c, kind)
+                for n in rc:
+                    assert_bitwise(rb[n], rc[n], f"{tag} after the next step {kind} {n}")
+            assert steps_of(b, opt_b) == steps_of(c, opt_c)
+        dist.barrier()
+        done.append(tag)
+    return done
+
+
+def test_elastic_resize(tmp_path):
+    configs = [(3, 2, "fp32", None), (2, 3, "fp32", "bfloat16"), (3, 2, "offload", None)]
+    out = run_ranks(_resize_worker, 3, tmp_path, args=(configs, 256), env=ENV, timeout=400)
+    assert len(out[0]) == len(configs)
