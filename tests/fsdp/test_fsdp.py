@@ -447,3 +447,100 @@ def test_elastic_resize(tmp_path):
     configs = [(3, 2, "fp32", None), (2, 3, "fp32", "bfloat16"), (3, 2, "offload", None)]
     out = run_ranks(_resize_worker, 3, tmp_path, args=(configs, 256), env=ENV, timeout=400)
     assert len(out[0]) == len(configs)
+
+
+# ------------------------------------------------------------------------ readiness, errors
+
+
+def _errors_worker(rank, world):
+    import copy
+
+    import torch
+    from _dsutil import replicated_targets
+    from _fsdputil import BETAS, LR, batch, make_fsdp, make_net, param_groups, shard, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    import reshard as rs
+    from reshard.errors import NotReadyError, PreflightError, UnsupportedError
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    seen = []
+
+    def expect(exc, match, fn, *args):
+        with pytest.raises(exc, match=match):
+            fn(*args)
+        seen.append(match)
+
+    def refused_everywhere(src, match):
+        """A transfer from `src` is refused on every rank and writes no target."""
+        dst, bufs = replicated_targets(src, list(range(world)))
+        expect(PreflightError, match, rs.Transfer(src.layout, dst), src, bufs)
+        assert all(bool(b.isnan().all()) for b in bufs.values())
+
+    # not FSDP2 / bad arguments
+    expect(UnsupportedError, "fully_shard", rsfsdp.describe, make_net(0), "param")
+    partial = shard(make_net(0), mesh, root=False)  # the root's own params stay plain
+    expect(UnsupportedError, "not managed by fully_shard", rsfsdp.describe, partial, "param")
+    net, opt = make_fsdp(mesh)
+    expect(ValueError, "kind must be one of", rsfsdp.describe, net, "grad")
+    expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
+    foreign = torch.optim.AdamW(make_net(1).parameters())
+    train(net, opt, 1, seed=1, rank=rank)
+    expect(UnsupportedError, "not this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign)
+    sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
+    train(net, sgd, 1, seed=2, rank=rank)
+    expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", sgd)
+
+    # between forward and backward the root's parameters are unsharded: describe refuses, a
+    # state described before refuses in preflight on every rank
+    live = rsfsdp.describe(net, "param")
+    loss = net(batch(rank)).float().pow(2).mean()
+    expect(NotReadyError, "not sharded", rsfsdp.describe, net, "param")
+    expect(NotReadyError, "not sharded", live.check)
+    refused_everywhere(live, "not sharded")
+    loss.backward()
+    opt.step()
+    assert live.reasons() == []
+
+    # reshard_after_forward=False keeps every group unsharded after a forward
+    keep = shard(make_net(2), mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        keep(batch(rank))
+    expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", rsfsdp.describe, keep, "param")
+    for m in keep.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    assert rsfsdp.describe(keep, "param").reasons() == []
+
+    # replaced storage: the optimizer's load_state_dict, the module's load_state_dict(assign)
+    moments = rsfsdp.describe(net, "exp_avg", opt)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    expect(NotReadyError, "replaced since describe", moments.check)
+    # only rank 0 passes the stale state, the others a fresh one: every rank still refuses
+    fresh = rsfsdp.describe(net, "exp_avg", opt)
+    refused_everywhere(moments if rank == 0 else fresh, "replaced since describe")
+    assert fresh.reasons() == []
+    live = rsfsdp.describe(net, "param")
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(state)  # in place: the same storage
+    assert live.reasons() == []
+    net.load_state_dict(state, assign=True)  # new parameter objects
+    expect(NotReadyError, "replaced since describe", live.check)
+
+    # moments of a fresh optimizer: not ready until the first step or init_adam_state()
+    net, _ = make_fsdp(mesh, seed=3)
+    opt = torch.optim.AdamW(param_groups(net), lr=LR, betas=BETAS)
+    expect(NotReadyError, "no optimizer state yet", rsfsdp.describe, net, "exp_avg_sq", opt)
+    rsfsdp.init_adam_state(opt, 5)
+    live = rsfsdp.describe(net, "exp_avg_sq", opt)
+    assert all(float(s["step"]) == 5 for s in opt.state.values())
+    assert all(bool((b == 0).all()) for b in live.buffers.values())
+    expect(UnsupportedError, "Adam/AdamW", rsfsdp.init_adam_state, sgd, 1)
+    return seen
+
+
+def test_readiness_and_errors(tmp_path):
+    seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
+    assert len(seen) == 15, seen

@@ -79,7 +79,8 @@ def _sharded_params(module):
             f"FSDP2 parameters are not sharded: {', '.join(unsharded[:8])}"
             f"{' ...' if len(unsharded) > 8 else ''} (between forward and backward, after a "
             "forward with reshard_after_forward=False, or after unshard()): the safe boundary "
-            "is after optimizer.step(), before the next forward; or call module.reshard()"
+            "is after optimizer.step(), before the next forward; or call reshard() on every FSDP "
+            "module"
         )
     by_id = {id(fp.sharded_param): fp for fp in fsdp_params}
     out, plain = [], []
