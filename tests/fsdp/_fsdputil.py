@@ -89,25 +89,24 @@ def make_fsdp(mesh, seed=0, mode="fp32", dtype=None, adamw=True):
     return net, opt
 
 
-def batch(seed, dtype=None):
+def batch(seed, dtype=None, device=None):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(3, 13, generator=g)
-    return x if dtype is None else x.to(dtype)
+    return torch.randn(3, 13, generator=g).to(device=device, dtype=dtype)
 
 
-def step(net, opt, seed, dtype=None):
-    loss = net(batch(seed, dtype)).float().pow(2).mean()
+def step(net, opt, seed, dtype=None, device=None):
+    loss = net(batch(seed, dtype, device)).float().pow(2).mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
     return loss.detach()
 
 
-def train(net, opt, steps, seed, rank, dtype=None, first=0):
+def train(net, opt, steps, seed, rank, dtype=None, first=0, device=None):
     for s in range(first, first + steps):
-        step(net, opt, seed * 1000 + s * 10 + rank, dtype)
+        step(net, opt, seed * 1000 + s * 10 + rank, dtype, device)
 
 
 def full_params(net):

@@ -45,60 +45,31 @@ def _check_views(net, opt, live, kind):
 # ------------------------------------------------------------------------------- geometry
 
 
-def _geometry_worker(rank, world, modes):
-    import torch
+def _check_geometry(net, opt, tag):
+    """Every kind's layout, assembled from this rank's views and the peers', equals
+    full_tensor() bitwise; identical on every rank; views of the live tensors; FSDP2's padding
+    (poisoned) is never read. Returns the number of padding elements poisoned here."""
     from _dsutil import assemble, assert_bitwise
-    from _fsdputil import (
-        full_moments,
-        make_fsdp,
-        poison_padding,
-        reference,
-        same_layout_everywhere,
-        train,
-    )
-    from torch.distributed.device_mesh import init_device_mesh
+    from _fsdputil import poison_padding, reference, same_layout_everywhere
 
-    from reshard.errors import NotReadyError
-
-    mesh = init_device_mesh("cpu", (world,))
-    done = []
-    for mode, dtype in modes:
-        dt = getattr(torch, dtype) if dtype else None
-        tag = f"{mode} {dtype} dp {world}"
-        net, opt = make_fsdp(mesh, seed=1, mode=mode, dtype=dt)
-        for kind in MOMENTS:
-            with pytest.raises(NotReadyError, match="no optimizer state yet"):
-                _describe(net, opt, kind)
-        train(net, opt, 2, seed=2, rank=rank, dtype=dt)
-        assert full_moments(net, opt, "exp_avg")  # the optimizer stepped
-        undo, intact, npad = poison_padding(net)
-        try:
-            for kind in KINDS:
-                live = _describe(net, opt, kind)
-                assert same_layout_everywhere(live.layout), f"{tag} {kind}: layouts differ"
-                want = reference(net, opt, kind)
-                assert sorted(live.layout.tensors) == sorted(want)
-                assert live.check() is None
-                _check_views(net, opt, live, kind)
-                got = assemble(live.layout, live.buffers)
-                for n in want:
-                    assert_bitwise(got[n], want[n], f"{tag} {kind} {n}")
-                if "offload" in mode:
-                    assert all(b.device.type == "cpu" for b in live.buffers.values())
-            assert intact()
-        finally:
-            undo()
-        done.append((tag, npad))
-    return done
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_layouts_match_full_tensor(world, tmp_path):
-    modes = [("fp32", None), ("fp32", "bfloat16"), ("mp", None), ("offload", None)]
-    modes.append(("offload_mp", None))
-    out = run_ranks(_geometry_worker, world, tmp_path, args=(modes,), env=ENV, timeout=300)
-    assert len(out[0]) == len(modes)
-    assert sum(n for r in out for _, n in r) > 0  # padding existed and was poisoned
+    undo, intact, npad = poison_padding(net)
+    try:
+        for kind in KINDS:
+            live = _describe(net, opt, kind)
+            assert same_layout_everywhere(live.layout), f"{tag} {kind}: layouts differ"
+            want = reference(net, opt, kind)
+            assert sorted(live.layout.tensors) == sorted(want)
+            assert live.check() is None
+            _check_views(net, opt, live, kind)
+            got = assemble(live.layout, live.buffers)
+            for n in want:
+                assert_bitwise(got[n], want[n], f"{tag} {kind} {n}")
+            if "offload" in tag:
+                assert all(b.device.type == "cpu" for b in live.buffers.values())
+        assert intact()
+    finally:
+        undo()
+    return npad
 
 
 # ------------------------------------------------------------------- DTensor placements, 2-D
@@ -171,18 +142,8 @@ def _placements_worker(rank, world):
     return sorted(full)
 
 
-def _check_against_full(net, opt, tag):
-    from _dsutil import assemble, assert_bitwise
-    from _fsdputil import reference, same_layout_everywhere
-
-    for kind in KINDS:
-        live = _describe(net, opt, kind)
-        assert same_layout_everywhere(live.layout), f"{tag} {kind}: layouts differ"
-        want = reference(net, opt, kind)
-        got = assemble(live.layout, live.buffers)
-        assert sorted(got) == sorted(want)
-        for n in want:
-            assert_bitwise(got[n], want[n], f"{tag} {kind} {n}")
+def _placements_and_2d_worker(rank, world):
+    return _placements_worker(rank, world), _fsdp_2d_worker(rank, world)
 
 
 def _fsdp_2d_worker(rank, world):
@@ -206,7 +167,7 @@ def _fsdp_2d_worker(rank, world):
     net, opt = make_fsdp(hsdp, seed=3)
     assert isinstance(net.fc1.weight.placements[0], Replicate)
     train(net, opt, 2, seed=4, rank=hsdp["replicate"].get_local_rank())
-    _check_against_full(net, opt, "HSDP")
+    _check_geometry(net, opt, "HSDP")
 
     # FSDP x TP: fc1 column-parallel, fc2 row-parallel (10 over tp 2: DTensor's TP ops need
     # even shards), then FSDP over dp (5 rows -> 3 + 2, 7 rows -> 4 + 3); the data-parallel
@@ -218,7 +179,7 @@ def _fsdp_2d_worker(rank, world):
     opt = torch.optim.AdamW(param_groups(net), lr=LR, betas=BETAS)
     assert isinstance(net.fc1.weight.placements[0], _StridedShard), net.fc1.weight.placements
     train(net, opt, 2, seed=6, rank=mesh["dp"].get_local_rank())  # same data across tp
-    _check_against_full(net, opt, "FSDPxTP")
+    _check_geometry(net, opt, "FSDPxTP")
     # weight sync out of FSDP x TP into bf16 TP=2 rollout buffers on ranks 0 and 1
     live = rsfsdp.describe(net, "param")
     dst, bufs = tp_targets(live, [0, 1], dtype=torch.bfloat16)
@@ -227,13 +188,9 @@ def _fsdp_2d_worker(rank, world):
     return True
 
 
-def test_dtensor_placements(tmp_path):
-    out = run_ranks(_placements_worker, 4, tmp_path, env=ENV, timeout=300)
-    assert len(out[0]) == 11
-
-
-def test_fsdp_2d_meshes(tmp_path):
-    assert run_ranks(_fsdp_2d_worker, 4, tmp_path, env=ENV, timeout=300)[0]
+def test_dtensor_placements_and_2d_meshes(tmp_path):
+    names, fsdp_2d = run_ranks(_placements_and_2d_worker, 4, tmp_path, env=ENV, timeout=400)[0]
+    assert len(names) == 11 and fsdp_2d
 
 
 # ------------------------------------------------------------------------ weight sync, restore
@@ -255,6 +212,7 @@ def _sync_restore_worker(rank, world, modes, budget):
     from torch.distributed.device_mesh import init_device_mesh
 
     import reshard as rs
+    from reshard.errors import NotReadyError
 
     mesh = init_device_mesh("cpu", (world,))
     done = []
@@ -263,8 +221,12 @@ def _sync_restore_worker(rank, world, modes, budget):
         tag = f"{mode} {dtype} dp {world}"
         a, opt_a = make_fsdp(mesh, seed=0, mode=mode, dtype=dt)
         b, opt_b = make_fsdp(mesh, seed=7, mode=mode, dtype=dt)  # other init, other data
+        for kind in MOMENTS:
+            with pytest.raises(NotReadyError, match="no optimizer state yet"):
+                _describe(a, opt_a, kind)
         train(a, opt_a, 2, seed=1, rank=rank, dtype=dt)
         train(b, opt_b, 2, seed=2, rank=rank, dtype=dt)
+        npad = _check_geometry(a, opt_a, tag)
 
         # weight sync: FSDP2 params -> bf16 TP=2 rollout buffers on ranks 0 and 1 (poisoned)
         live = _describe(a, opt_a, "param")
@@ -310,17 +272,19 @@ def _sync_restore_worker(rank, world, modes, budget):
             ra, rb = reference(a, opt_a, kind), reference(b, opt_b, kind)
             for n in ra:
                 assert_bitwise(rb[n], ra[n], f"{tag} after step 3 {kind} {n}")
-        done.append(tag)
+        done.append((tag, npad))
     return done
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_weight_sync_and_restore(world, tmp_path):
+def test_layouts_weight_sync_and_restore(world, tmp_path):
     modes = [("fp32", None), ("fp32", "bfloat16"), ("mp", None), ("offload", None)]
+    modes.append(("offload_mp", None))
     if world == 3:
-        modes = modes[1:3]
-    out = run_ranks(_sync_restore_worker, world, tmp_path, args=(modes, 256), env=ENV, timeout=300)
+        modes = modes[1:4]
+    out = run_ranks(_sync_restore_worker, world, tmp_path, args=(modes, 256), env=ENV, timeout=400)
     assert len(out[0]) == len(modes)
+    assert sum(n for r in out for _, n in r) > 0  # padding existed and was poisoned
 
 
 # --------------------------------------------------------------------------- elastic resize
