@@ -309,7 +309,7 @@ class LiveDTensors:
         if replaced:
             return [
                 f"storage replaced since describe() at locations {replaced} (load_state_dict, "
-                "re-fully_shard, a new tensor assigned?): describe() again"
+                "a new tensor assigned?): describe() again"
             ]
         return []
 

@@ -183,7 +183,8 @@ def describe(module, kind: str, optimizer=None, group=None):
         if held - known:
             raise UnsupportedError(
                 f"the optimizer holds {len(held - known)} tensors that are not this module's "
-                "FSDP2 sharded parameters (was it built before fully_shard()?)"
+                "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
+                "replaced since?)"
             )
         chosen = [(n, p, fp) for n, p, fp in params if id(p) in held]
         what = f"FSDP2 {kind}"
@@ -198,8 +199,8 @@ def describe(module, kind: str, optimizer=None, group=None):
             missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
             if missing:
                 raise NotReadyError(
-                    f"parameters {missing[:8]} were replaced since describe() (fully_shard() "
-                    "again, load_state_dict(assign=True)?): describe() again"
+                    f"parameters {missing[:8]} were replaced since describe() "
+                    "(load_state_dict(assign=True)?): describe() again"
                 )
             return [p._local_tensor for p in described]
     else:
