@@ -49,13 +49,15 @@ define DEPS_SYSTEM_SH
 set -eo pipefail
 probe=$$(mktemp -d)
 trap 'rm -rf "$$probe"' EXIT
-printf 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' \
+echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }' \
 	>"$$probe/fuzz.c"
 fuzz_links() {
 	"$(FUZZ_CC)" -fsanitize=fuzzer,address,undefined "$$probe/fuzz.c" -o "$$probe/fuzz" \
 		>"$$probe/log" 2>&1
 }
-clang_version() { "$(FUZZ_CC)" --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -n 1; }
+clang_version() {
+	"$(FUZZ_CC)" --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -n 1
+}
 listed() { local IFS=';'; echo "$$*" | sed 's/;/; /g'; }
 pkgs=() missing=()
 if ! command -v cc >/dev/null || ! command -v c++ >/dev/null; then
@@ -74,7 +76,8 @@ elif ! fuzz_links; then
 	missing+=("the libFuzzer/sanitizer runtime of $$("$(FUZZ_CC)" --version | head -n 1)") runtime=yes
 fi
 if [ $${#missing[@]} -eq 0 ]; then
-	echo "deps-system: cc, c++, readelf, Python.h, $(FUZZ_CC) $$(clang_version) with libFuzzer/ASan/UBSan: present"
+	echo "deps-system: present: cc, c++, readelf, Python.h," \
+		"$(FUZZ_CC) $$(clang_version) with libFuzzer/ASan/UBSan"
 	exit 0
 fi
 fail() {
@@ -95,7 +98,8 @@ echo "deps-system: apt-get update"
 if [ -n "$$runtime" ]; then
 	# The clang that will be installed (the `clang` package depends on clang-<major>).
 	if command -v "$(FUZZ_CC)" >/dev/null; then major=$$(clang_version)
-	else major=$$(apt-cache depends "$(FUZZ_CC)" 2>/dev/null | sed -n 's/.*Depends: clang-\([0-9]*\)$$/\1/p' | head -n 1 || true)
+	else major=$$(apt-cache depends "$(FUZZ_CC)" 2>/dev/null |
+			sed -n 's/.*Depends: clang-\([0-9]*\)$$/\1/p' | head -n 1 || true)
 		major=$${major:-$$(echo "$(FUZZ_CC)" | sed -n 's/^clang-\([0-9]*\)$$/\1/p')}
 	fi
 	# Older releases ship the runtime inside clang's own packages: no separate package there.
@@ -104,7 +108,8 @@ if [ -n "$$runtime" ]; then
 	fi
 fi
 echo "deps-system: apt-get install $${pkgs[*]}"
-"$${as_root[@]}" DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$${pkgs[@]}" ||
+"$${as_root[@]}" DEBIAN_FRONTEND=noninteractive \
+	apt-get install -y -q --no-install-recommends "$${pkgs[@]}" ||
 	fail "apt-get install $${pkgs[*]} failed (output above)"
 if ! fuzz_links; then
 	cat "$$probe/log" >&2
