@@ -138,8 +138,9 @@ deps-test:
 		2>/dev/null || $(PIP) install numpy hypothesis pytest pytest-timeout setuptools wheel
 
 # DeepSpeed's tests (tests/deepspeed) run real engines on the CPU; its CUDA ops stay unbuilt.
+# Looked up, not imported: importing DeepSpeed takes seconds.
 deps-deepspeed: deps-torch deps-test
-	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
+	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('deepspeed'))" || \
 		DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 
 deps-lint:
