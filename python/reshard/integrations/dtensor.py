@@ -261,18 +261,23 @@ def _entry(name, dt, ops=None):
     return _Entry(name, shape, dt.dtype, _mesh_ranks(spec.mesh), tuple(ops))
 
 
-def _views(entries, where, locals_):
-    """{location: view} of this rank's storages: `locals_[i]` is entry i's local tensor."""
+def _mine(entries, where):
+    """[(entry index, location, local shape)] of the storages this rank owns."""
     import torch.distributed as dist
 
     me = dist.get_rank()
-    out = {}
-    for e, mine, local in zip(entries, where, locals_, strict=True):
-        for loc, coord in mine.items():
+    out = []
+    for i, (e, locs) in enumerate(zip(entries, where, strict=True)):
+        for loc, coord in locs.items():
             if int(e.mesh_ranks[coord]) == me:
                 segs = _segments(e.shape, e.mesh_ranks.shape, coord, e.ops)
-                out[loc] = _local_view(e.name, local, _local_shape(segs))
+                out.append((i, loc, _local_shape(segs)))
     return out
+
+
+def _views(entries, mine, locals_):
+    """{location: view} of this rank's storages: `locals_[i]` is entry i's local tensor."""
+    return {loc: _local_view(entries[i].name, locals_[i], shape) for i, loc, shape in mine}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,12 +327,13 @@ class LiveDTensors:
 
 def _live(what, entries, locals_fn, group):
     layout, where = _build(entries, group)
-    buffers = _views(entries, where, locals_fn())
+    mine = _mine(entries, where)
+    buffers = _views(entries, mine, locals_fn())
     return LiveDTensors(
         layout=layout,
         buffers=buffers,
         what=what,
-        _resolve=lambda: _views(entries, where, locals_fn()),
+        _resolve=lambda: _views(entries, mine, locals_fn()),
         _identity={loc: _identity(t) for loc, t in buffers.items()},
     )
 

@@ -39,7 +39,14 @@ def _fsdp_params(module):
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
-        for group in m._get_fsdp_state()._fsdp_param_groups:
+        try:
+            groups = m._get_fsdp_state()._fsdp_param_groups
+        except AttributeError as exc:
+            raise UnsupportedError(
+                f"this torch's FSDP2 keeps its state differently ({exc}): reshard reads "
+                "FSDPState._fsdp_param_groups as torch 2.13 keeps it"
+            ) from None
+        for group in groups:
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
                 seen.add(id(group))
                 out += group.fsdp_params
@@ -51,23 +58,24 @@ def _fsdp_params(module):
     return out
 
 
-def _param_label(module, fp):
-    prefix = {id(m): n for n, m in module.named_modules()}.get(id(fp._module_info.module), "?")
-    return f"{prefix}.{fp._module_info.param_name}" if prefix else fp._module_info.param_name
-
-
 def _unsharded(module, fsdp_params):
+    """'name (STATE)' of every FSDPParam not in its sharded state."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    return [
-        f"{_param_label(module, fp)} ({fp.sharded_state.name})"
-        for fp in fsdp_params
-        if fp.sharded_state != ShardedState.SHARDED
-    ]
+    bad = [fp for fp in fsdp_params if fp.sharded_state != ShardedState.SHARDED]
+    if not bad:
+        return []
+    prefix = {id(m): n for n, m in module.named_modules()}
+    out = []
+    for fp in bad:
+        info = fp._module_info
+        at = prefix.get(id(info.module), "?")
+        out.append(f"{at + '.' if at else ''}{info.param_name} ({fp.sharded_state.name})")
+    return out
 
 
 def _sharded_params(module):
-    """[(name, sharded param DTensor)] of every FSDP-managed parameter; NotReadyError if unsharded.
+    """[(name, sharded DTensor)] of every parameter; NotReadyError if any is unsharded.
 
     Names are `module.named_parameters()` names: while sharded, the module's registered
     parameters are FSDP2's sharded DTensors themselves.
@@ -89,7 +97,7 @@ def _sharded_params(module):
         if fp is None:
             plain.append(name)
         else:
-            out.append((name, p, fp))
+            out.append((name, p))
     if plain:
         raise UnsupportedError(
             f"parameters {plain[:8]} are not managed by fully_shard() under this module: call "
@@ -98,7 +106,7 @@ def _sharded_params(module):
     return out
 
 
-def _ops(name, p, fp):
+def _ops(name, p):
     """The parameter's placements as geometry ops, cross-checked against FSDP2's own sharding.
 
     FSDP2 over TP shards the TP-local tensor, which DTensor expresses as `_StridedShard` on the
@@ -179,23 +187,23 @@ def describe(module, kind: str, optimizer=None, group=None):
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
         held = {id(q) for g in optimizer.param_groups for q in g["params"]}
-        known = {id(p) for _, p, _ in params}
+        known = {id(p) for _, p in params}
         if held - known:
             raise UnsupportedError(
                 f"the optimizer holds {len(held - known)} tensors that are not this module's "
                 "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
                 "replaced since?)"
             )
-        chosen = [(n, p, fp) for n, p, fp in params if id(p) in held]
+        chosen = [(n, p) for n, p in params if id(p) in held]
         what = f"FSDP2 {kind}"
-    entries = [_dt._entry(n, p, _ops(n, p, fp)) for n, p, fp in chosen]
-    names = [n for n, _, _ in chosen]
+    entries = [_dt._entry(n, p, _ops(n, p)) for n, p in chosen]
+    names = [n for n, _ in chosen]
     if kind == "param":
         # the parameter objects themselves: re-fully_shard / an assign-load replaces them
-        described = [p for _, p, _ in chosen]
+        described = [p for _, p in chosen]
 
         def locals_():
-            now = {n: p for n, p, _ in _sharded_params(module)}
+            now = dict(_sharded_params(module))
             missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
             if missing:
                 raise NotReadyError(
@@ -205,7 +213,7 @@ def describe(module, kind: str, optimizer=None, group=None):
             return [p._local_tensor for p in described]
     else:
         opt_name = type(optimizer).__name__
-        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p, _ in chosen]
+        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
 
         def locals_():
             _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
@@ -246,7 +254,8 @@ def init_adam_state(optimizer, step) -> None:
         for p in group["params"]:
             state = optimizer.state[p]
             with torch.no_grad():
-                if not state:
+                if not state:  # torch's own order and construction (Adam._init_group)
+                    state["step"] = None
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     if group.get("amsgrad"):
