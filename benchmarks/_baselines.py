@@ -86,6 +86,7 @@ def m_reshard(case, ctx, register=False):
         return {
             "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
             "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
+            "staging_bytes": dict(r.peak_staging_bytes),
             "staging_bound": r.staging_bound,
             "recv_bytes": r.total_bytes_received,
             "local_bytes": r.local_bytes,

@@ -126,8 +126,9 @@ def write_results(json_path, record, markdown=None, plot=None) -> str:
     os.replace(tmp, json_path)
     stem = json_path[:-5] if json_path.endswith(".json") else json_path
     if markdown is not None:
+        text = markdown(record)
         with open(stem + ".md", "w") as f:
-            f.write(markdown(record))
+            f.write(text)
     if plot is not None:
         try:
             plot(stem, record)

@@ -832,7 +832,7 @@ def main(argv=None) -> int:
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
-        if "budget_bytes_per_peer" in data["results"][0]:
+        if "method" not in data["results"][0]:  # a --budgets-kib sweep
             C.write_results(args.from_json, data, budget_markdown)
             print(budget_markdown(data))
         else:
