@@ -10,7 +10,7 @@ in the same process on the same buffers:
   index        torch.index_select(src, 0, idx, out=dense) / dense-> index_copy_ (unpack)
   same-size    one out.copy_(src) of the same number of bytes
   large copy   (runs >= 64 KiB) one contiguous copy of LARGE_BYTES, the faster per repeat of
-               torch's copy_ and glibc's memcpy on every thread: the issue's reference
+               torch's copy_ and glibc's memcpy on every thread: the reference
                "bandwidth of a single large contiguous copy"
 
 Method: buffers are filled (so pre-faulted) before timing; each op runs untimed twice; then
@@ -367,13 +367,13 @@ def markdown(results, env, checks):
             f"| {r(res, 'unpack vs same-size')} | {r(res, 'unpack vs large copy')} "
             f"| {g(res, 'same-size')} |"
         )
-    lines += ["", "Targets (issue #2):", ""]
+    lines += ["", "Targets:", ""]
     lines += [f"- {line}" for line in target_lines(checks)]
     return "\n".join(lines) + "\n"
 
 
 def targets(results):
-    """The done-when checks of the foundation issue, from the measured points: every point
+    """The targets, checked on the measured points: every point
     with runs >= 64 KiB counts, in cache or not, pack and unpack."""
     out = {"foreach": None, "large": [], "large_min": None, "large_min_out_of_cache": None}
     for res in results:

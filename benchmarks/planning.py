@@ -195,7 +195,7 @@ def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
     `schedule(rank)` for the busiest rank. Timed untraced; with `trace`, once more under
     tracemalloc (numpy reports its buffers to it; it slows allocation, so not timed) for
     the peak and retained memory of each step. `materialize`: also build every rank's runs
-    (`plan.runs`, what the previous planner held globally) for reference."""
+    (`plan.runs`: what materializing every rank's runs would cost) for reference."""
     gc.collect()
     rss0 = psutil.Process().memory_info().rss
     t0 = time.perf_counter()

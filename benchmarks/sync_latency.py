@@ -59,6 +59,7 @@ import gc
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import threading
@@ -682,6 +683,73 @@ def plot(stem, meta, rows):
         plt.close(fig)
 
 
+def summary_table(meta, rows):
+    """One line per (scenario, model): reshard's median (p90) and first sync, each other
+    method's median and its ratio to reshard, peak extra memory, and reshard's floor: the
+    compact form docs/performance.md shows."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    others = [m for m in methods if m != "reshard"]
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["scenario"], r["model"]), {})[r["method"]] = r
+    head = ["scenario", "model", "params", "budget KiB", "reshard ms (p90)", "reshard first ms"]
+    head += [f"{m} ms" for m in others] + [f"{m} / reshard" for m in others]
+    head += ["reshard extra MiB (bound)"] + [f"{m} extra MiB" for m in others]
+    head += ["floor ms", "reshard x floor", "ok"]
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
+    for (scen, model), case in by_case.items():
+        b = case.get("reshard")
+        if b is None:
+            continue
+        cells = [scen, model, f"{b['params'] / 1e6:.1f}M", _kib(b.get("budget_bytes_per_peer"))]
+        cells += [f"{b['median_s'] * 1e3:.2f} ({b['p90_s'] * 1e3:.2f})"]
+        cells += [f"{b['first_sync_s'] * 1e3:.1f}"]
+        cells += [f"{case[m]['median_s'] * 1e3:.2f}" if m in case else "-" for m in others]
+        cells += [
+            f"{case[m]['median_s'] / b['median_s']:.2f}" if m in case else "-" for m in others
+        ]
+        cells += [f"{_mib(b['peak_extra_bytes'])} ({_bound(b, meta)})"]
+        cells += [_mib(case[m]["peak_extra_bytes"]) if m in case else "-" for m in others]
+        cells += [f"{(b['floor_s'] or 0) * 1e3:.2f}", f"{b['vs_floor'] or float('nan'):.2f}"]
+        cells += ["yes" if all(r["correct"] for r in case.values()) else "NO"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+_DOC_BLOCK = re.compile(
+    r"(<!-- sync_latency (summary|tiny|budget) (\S+) -->\n)(.*?)(<!-- end -->)", re.S
+)
+
+
+def update_docs(path) -> int:
+    """Regenerate every `<!-- sync_latency KIND RESULTS.json -->` ... `<!-- end -->` block of
+    a markdown file from that results file (KIND: summary, tiny or budget)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def render(m):
+        with open(os.path.join(root, m.group(3))) as f:
+            data = json.load(f)
+        if m.group(2) == "budget":
+            table = "\n".join(budget_markdown(data).splitlines()[-len(data["results"]) - 2 :])
+            text = table + "\n"
+        elif m.group(2) == "tiny":
+            reshard_rows = {
+                (r["scenario"], r["model"]): r for r in data["results"] if r["method"] == "reshard"
+            }
+            text = "\n".join(tiny_table(data["results"], reshard_rows)[2:])
+        else:
+            text = summary_table(data["meta"], data["results"])
+        return m.group(1) + text + m.group(5)
+
+    with open(path) as f:
+        doc = f.read()
+    new, n = _DOC_BLOCK.subn(render, doc)
+    with open(path, "w") as f:
+        f.write(new)
+    print(f"{path}: {n} generated tables")
+    return 0
+
+
 # ------------------------------------------------------------------ budget sweep
 
 
@@ -828,7 +896,14 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=None, help="comma list (default: all that apply)")
     ap.add_argument("--json", default=None, help="write PATH (+ .md, _latency/_memory.png)")
     ap.add_argument("--from-json", default=None, help="re-render PATH's .md and plots only")
+    ap.add_argument(
+        "--docs",
+        default=None,
+        help="regenerate the results tables of a markdown file (docs/performance.md)",
+    )
     args = ap.parse_args(argv)
+    if args.docs:
+        return update_docs(args.docs)
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
