@@ -154,16 +154,20 @@ def spawn(
         p.start()
         procs.append(p)
     deadline = time.monotonic() + timeout_s
-    failed = False
+    failed, recorded = False, set()
     try:
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if not failed and any(
-                (p.exitcode not in (None, 0) and r not in expect_killed)
-                or (os.path.exists(_record_path(run_dir, r)) and _load(run_dir, r)[0] == "error")
-                for r, p in enumerate(procs)
-            ):
-                failed = True
-                deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
+            for r, p in enumerate(procs):
+                if failed:
+                    break
+                crashed = p.exitcode not in (None, 0) and r not in expect_killed
+                raised = False
+                if r not in recorded and os.path.exists(_record_path(run_dir, r)):
+                    recorded.add(r)
+                    raised = _load(run_dir, r)[0] == "error"
+                if crashed or raised:
+                    failed = True
+                    deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
             time.sleep(0.02)
     finally:
         hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
