@@ -508,3 +508,17 @@ def _errors_worker(rank, world):
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
     assert len(seen) == 15, seen
+
+
+def test_demo_fsdp_mode():
+    """`python -m reshard.demo --mode fsdp`: a real FSDP2 + CPUOffloadPolicy model, verified
+    bitwise in-process against DTensor.full_tensor()."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "reshard.demo", "--mode", "fsdp", "--layers", "1"]
+    cmd += ["--hidden", "34", "--ffn", "50", "--vocab", "101", "--steps", "2", "--budget", "512"]
+    env = dict(os.environ, **ENV)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]

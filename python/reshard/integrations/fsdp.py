@@ -217,7 +217,7 @@ def describe(module, kind: str, optimizer=None, group=None):
 
         def locals_():
             _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
-            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p, _ in chosen]
+            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
             replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
             if replaced:
                 raise NotReadyError(
