@@ -181,6 +181,7 @@ class Stream:
         self.fingerprint = digest.hexdigest()[:32]
         self._buffer = None  # the receivers' buffer, allocated on the first call
         self._buffer_error = None
+        self._active = False  # a call is being iterated (calls are not reentrant)
         self.report = None  # the last completed call's Report
 
     # ------------------------------------------------------------------ construction
@@ -434,6 +435,18 @@ class Stream:
 
     def _run(self, src_buffers):
         bufs, hooks = self._buffers_and_hooks(src_buffers)
+        if self._active:
+            raise RuntimeError(
+                "this Stream is already being iterated: finish (or close) that iteration "
+                "first; its buffer holds the tensors it yields"
+            )
+        self._active = True
+        try:
+            yield from self._iterate(bufs, hooks)
+        finally:
+            self._active = False
+
+    def _iterate(self, bufs, hooks):
         t_start = time.perf_counter()
         self._allocate_buffer()
         cuda_device = self.device.index if self.device.type == "cuda" else None

@@ -116,6 +116,18 @@ def test_early_break_then_full_call():
     assert W.consume(s, bufs, want, True, "after break") == []
 
 
+def test_not_reentrant():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    first = s(bufs)
+    next(first)
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        next(s(bufs))
+    rest = [n for n, _ in first]
+    assert len(rest) == len(s.names) - 1
+    assert len(list(s(bufs))) == len(s.names)  # usable again once the first call ended
+
+
 def test_validation_errors():
     values, layout, bufs = _local()
     with pytest.raises(ValueError, match="not in the source layout"):
