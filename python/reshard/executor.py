@@ -170,11 +170,6 @@ class _Engine:
         self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
         self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
         self.broken = False  # a call failed after preflight: never reuse these arenas
-        self.sched = None  # built by prepare(), inside the collective preflight
-        self.arenas = None  # {"send": [..], "recv": [..]} once allocated
-        self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
-        self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
-        self.broken = False  # a call failed after preflight: never reuse these arenas
 
     def prepare(self) -> list[str]:
         """Build this rank's schedule and everything derived from it (once); return the
@@ -194,7 +189,8 @@ class _Engine:
         for p in peers:
             if not 0 <= p < self.world_size:
                 continue  # a reason of check_schedule
-            self.global_peer[p] = dist.get_global_rank(self.group, p) if self.group else p
+            group = self.group
+            self.global_peer[p] = dist.get_global_rank(group, p) if group is not None else p
         self.bytes_sent, self.bytes_received = {}, {}
         for msgs, acc in ((s.sends, self.bytes_sent), (s.recvs, self.bytes_received)):
             for round_msgs in msgs:

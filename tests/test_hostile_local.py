@@ -1,7 +1,7 @@
 """Hostile input in one process (no process group): random layouts, dtypes and budgets with
 one corruption of the buffers, the arguments, the timeout or the schedule. A refused call
 writes no byte; a clean one gives exactly the reference; nothing else is raised. The same
-cases run on spawned gloo ranks in tests/distributed/test_hostile.py.
+cases run on spawned gloo ranks in tests/distributed/test_hostile_ranks.py.
 
 Also the focused checks of what preflight refuses on its own: element types the C core does
 not copy, descriptor arithmetic, storages smaller than their views, timeouts, targets that
@@ -161,6 +161,22 @@ def test_a_schedule_that_writes_an_element_twice_is_refused():
     with pytest.raises(rs.PreflightError, match=r"writes elements \[3, 4\) twice"):
         rs.execute(bad, {0: torch.arange(6.0)}, db)
     assert bool((db[10] == S.POISON).all())
+
+
+def test_local_copy_source_and_target_share_memory():
+    """The target's unwritten padding overlaps the source: no written byte touches the
+    source, but the copy op refuses overlapping extents, so preflight must refuse first."""
+    f32 = torch.float32
+    src = rs.Layout({"w": rs.flat((6,), [(0, 0, 6, 0)])}, {0: rs.Storage(0, f32, 6)})
+    dst = rs.Layout({"w": rs.flat((6,), [(10, 0, 6, 2)])}, {10: rs.Storage(0, f32, 8)})
+    plan = rs.plan(src, dst)
+    base = torch.full((12,), S.POISON)
+    base[:6] = torch.arange(6.0)
+    sb, db = {0: base[:6]}, {10: base[4:]}  # target elements 0, 1 (padding) = source 4, 5
+    before = base.clone()
+    with pytest.raises(rs.PreflightError, match="shares memory with source location 0"):
+        rs.execute(plan, sb, db)
+    assert torch.equal(base, before)
 
 
 # ------------------------------------------------------------------ storages
