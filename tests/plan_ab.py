@@ -101,7 +101,10 @@ def compare_plans(src, dst, budget, rank_budget, old_layout, old_plan, batch):
     kw = {} if rank_budget is None else {"budget_bytes_per_rank": rank_budget}
     new_mod = sys.modules[rs.plan.__module__]
     results = []
-    for make, mod, a, b in ((old_plan.plan, old_plan, old_src, old_dst), (rs.plan, new_mod, src, dst)):
+    for make, mod, a, b in (
+        (old_plan.plan, old_plan, old_src, old_dst),
+        (rs.plan, new_mod, src, dst),
+    ):
         saved = mod._BATCH_PIECES
         mod._BATCH_PIECES = batch or saved
         try:
@@ -131,7 +134,9 @@ def compare_builders(old, rng, n):
         numel = int(np.prod(shape))
         cuts = sorted(int(x) for x in rng.integers(0, numel + 1, int(rng.integers(0, 5))))
         edges = [0, *cuts, numel]
-        runs = [(i, a, b, int(rng.integers(0, 3))) for i, (a, b) in enumerate(zip(edges, edges[1:]))]
+        runs = [
+            (i, a, b, int(rng.integers(0, 3))) for i, (a, b) in enumerate(zip(edges, edges[1:]))
+        ]
         assert same_tl(rs.flat(shape, runs), old.flat(shape, runs)), ("flat", shape, runs)
         dim = int(rng.integers(0, d))
         parts = int(rng.integers(1, 4))
