@@ -295,3 +295,20 @@ def test_threads_share_one_transfer_in_process():
     for t in threads:
         t.join(60)
     assert not errors, errors[:3]
+
+
+def test_strided_run_is_not_extended_across_a_different_target_gap():
+    """Rows 0-3 of a [5, 3] tensor at target row stride 5, row 4 alone 3 elements after row
+    3's end: the source rows are evenly spaced, the target's are not, so the planner must not
+    fold row 4 into the strided run of rows 0-3 (it would land at 20, not 18)."""
+    f32 = torch.float32
+    src = rs.Layout({"w": rs.flat((5, 3), [(0, 0, 15, 0)])}, {0: rs.Storage(0, f32, 15)})
+    pieces = [rs.Piece(10, 0, (0, 0), (4, 3), (5, 1)), rs.Piece(10, 18, (4, 0), (1, 3), (3, 1))]
+    dst = rs.Layout({"w": rs.TensorLayout((5, 3), pieces)}, {10: rs.Storage(0, f32, 24)})
+    w = torch.arange(15.0).reshape(5, 3)
+    want = torch.full((24,), S.POISON)
+    want[:20].view(4, 5)[:, :3] = w[:4]
+    want[18:21] = w[4]
+    db = {10: torch.full((24,), S.POISON)}
+    rs.execute(rs.plan(src, dst), {0: w.reshape(-1).clone()}, db)
+    assert torch.equal(db[10], want), db[10].tolist()

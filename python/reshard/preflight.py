@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -154,95 +155,117 @@ def _desc(obj) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(obj, dtype=np.int64)).reshape(-1, 6)
 
 
+class _ScheduleCheck:
+    """The reasons one rank's schedule cannot run: see `check_schedule`."""
+
+    def __init__(self, rank, world_size, src_storages, dst_storages, arena_bytes):
+        self.rank, self.world_size = rank, world_size
+        self.storages = {"source": src_storages, "target": dst_storages}
+        self.arena_bytes = arena_bytes  # {"send": bytes, "recv": bytes}
+        self.reasons: list[str] = []
+        self.writes: dict[int, list] = {}  # target location -> write-side tables
+
+    def storage(self, side, loc):
+        st = self.storages[side].get(loc)
+        if st is None:
+            self.reasons.append(f"the schedule names {side} location {loc}, which the layout lacks")
+        return st
+
+    def rows_ok(self, what, desc, off_col, numel) -> bool:
+        bad = np.flatnonzero(_bad_rows(desc, off_col, numel))
+        if bad.size:
+            i = int(bad[0])
+            self.reasons.append(
+                f"{what}: descriptor row {i} {desc[i].tolist()} is negative, overflows int64 or "
+                f"reaches outside the {int(numel)} elements there"
+            )
+        return not bad.size
+
+    def local_copy(self, lc) -> None:
+        s = self.storage("source", lc.src_location)
+        t = self.storage("target", lc.dst_location)
+        if s is None or t is None:
+            return
+        what = f"local copy {lc.src_location} -> {lc.dst_location}"
+        why = copy_support(torch_dtype(s.dtype), torch_dtype(t.dtype))
+        if why:
+            self.reasons.append(f"{what}: {why}")
+        d = _desc(lc.desc)
+        ok = self.rows_ok(what + " (source side)", d, 0, s.numel)
+        if self.rows_ok(what + " (target side)", d, 2, t.numel) and ok:
+            self.writes.setdefault(lc.dst_location, []).append(d)
+
+    def message(self, side, k, m) -> None:
+        peer, nbytes, at = int(m.peer), int(m.nbytes), int(m.arena_offset)
+        what = f"round {k} {side} message {'to' if side == 'send' else 'from'} rank {peer}"
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            self.reasons.append(f"{what}: peer {peer} is not another rank of the group")
+        if at < 0 or nbytes < 0 or at + nbytes > self.arena_bytes[side]:
+            self.reasons.append(
+                f"{what}: bytes [{at}, {at + nbytes}) lie outside the schedule's "
+                f"{self.arena_bytes[side]}-byte {side} arena"
+            )
+        spans = sorted(filter(None, (self.segment(side, what, nbytes, seg) for seg in m.segments)))
+        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            self.reasons.append(f"{what}: two segments share message bytes")
+
+    def segment(self, side, what, nbytes, seg) -> tuple[int, int] | None:
+        """Checks one segment; returns its message byte span when it fits the message."""
+        s = self.storage("source", seg.src_location)
+        t = self.storage("target", seg.dst_location)
+        if s is None or t is None:
+            return None
+        wire, n, at = seg.wire_dtype, int(seg.numel), int(seg.byte_offset)
+        what = f"{what}, segment {seg.src_location} -> {seg.dst_location}"
+        pair = (torch_dtype(s.dtype), wire) if side == "send" else (wire, torch_dtype(t.dtype))
+        why = copy_support(*pair)
+        if why:
+            self.reasons.append(f"{what}: {why}")
+        if n < 0 or at < 0 or at % wire.itemsize or at + n * wire.itemsize > nbytes:
+            self.reasons.append(
+                f"{what}: {n} elements of {wire} at byte {at} do not fit the message's "
+                f"{nbytes} bytes aligned"
+            )
+            return None
+        d = _desc(seg.desc)
+        if side == "send":
+            ok = self.rows_ok(what + " (source side)", d, 0, s.numel)
+            ok = self.rows_ok(what + " (message side)", d, 2, n) and ok
+            hit = _overlapping_writes(d, 2) if ok else None
+            if hit:
+                self.reasons.append(f"{what}: two rows write message elements {hit}")
+        else:
+            ok = self.rows_ok(what + " (message side)", d, 0, n)
+            if self.rows_ok(what + " (target side)", d, 2, t.numel) and ok:
+                self.writes.setdefault(seg.dst_location, []).append(d)
+        return at, at + n * wire.itemsize
+
+    def double_writes(self) -> None:
+        for loc, tables in self.writes.items():
+            hit = _overlapping_writes(np.concatenate(tables), 2)
+            if hit:
+                self.reasons.append(
+                    f"target location {loc}: the schedule writes elements [{hit[0]}, {hit[1]}) "
+                    "twice"
+                )
+
+
 def check_schedule(sched, rank: int, world_size: int, src_storages, dst_storages) -> list[str]:
     """Everything the kernels and the executor would refuse mid-transfer, checked for this
     rank's whole schedule before anything is written: element types the C core copies, every
     descriptor row inside its buffers (no negative field, no int64 overflow), segments inside
-    their messages, peers inside the group, and target elements written at most once.
-    Depends only on the plan: the executor computes it once per plan and rank."""
-    reasons: list[str] = []
-
-    def storage(storages, side, loc):
-        st = storages.get(loc)
-        if st is None:
-            reasons.append(f"the schedule names {side} location {loc}, which the layout lacks")
-        return st
-
-    def rows_ok(what, desc, off_col, numel):
-        bad = np.flatnonzero(_bad_rows(desc, off_col, numel))
-        if bad.size:
-            reasons.append(
-                f"{what}: descriptor row {int(bad[0])} {desc[int(bad[0])].tolist()} is negative, "
-                f"overflows int64 or reaches outside the {int(numel)} elements there"
-            )
-            return False
-        return True
-
-    writes: dict[int, list] = {}  # target location -> write-side tables (dst columns)
+    their messages and messages inside the arenas, peers inside the group, and target elements
+    written at most once. Depends only on the plan: computed once per plan and rank."""
+    arena = {"send": int(sched.send_arena_bytes), "recv": int(sched.recv_arena_bytes)}
+    check = _ScheduleCheck(rank, world_size, src_storages, dst_storages, arena)
     for lc in sched.local:
-        s = storage(src_storages, "source", lc.src_location)
-        t = storage(dst_storages, "target", lc.dst_location)
-        if s is None or t is None:
-            continue
-        what = f"local copy {lc.src_location} -> {lc.dst_location}"
-        why = copy_support(torch_dtype(s.dtype), torch_dtype(t.dtype))
-        if why:
-            reasons.append(f"{what}: {why}")
-        d = _desc(lc.desc)
-        if rows_ok(what + " (source side)", d, 0, s.numel) and rows_ok(
-            what + " (target side)", d, 2, t.numel
-        ):
-            writes.setdefault(lc.dst_location, []).append(d)
+        check.local_copy(lc)
     for side, rounds in (("send", sched.sends), ("recv", sched.recvs)):
         for k, msgs in enumerate(rounds):
             for m in msgs:
-                peer, nbytes = int(m.peer), int(m.nbytes)
-                what = f"round {k} {side} message {'to' if side == 'send' else 'from'} rank {peer}"
-                if not 0 <= peer < world_size or peer == rank:
-                    reasons.append(f"{what}: peer {peer} is not another rank of the group")
-                if int(m.arena_offset) < 0 or nbytes < 0:
-                    reasons.append(f"{what}: negative arena offset or size")
-                spans = []
-                for seg in m.segments:
-                    s = storage(src_storages, "source", seg.src_location)
-                    t = storage(dst_storages, "target", seg.dst_location)
-                    if s is None or t is None:
-                        continue
-                    wire, n, at = seg.wire_dtype, int(seg.numel), int(seg.byte_offset)
-                    swhat = f"{what}, segment {seg.src_location} -> {seg.dst_location}"
-                    pair = (torch_dtype(s.dtype), wire) if side == "send" else None
-                    pair = pair or (wire, torch_dtype(t.dtype))
-                    why = copy_support(*pair)
-                    if why:
-                        reasons.append(f"{swhat}: {why}")
-                    if n < 0 or at < 0 or at % wire.itemsize or at + n * wire.itemsize > nbytes:
-                        reasons.append(
-                            f"{swhat}: {n} elements of {wire} at byte {at} do not fit the "
-                            f"message's {nbytes} bytes aligned"
-                        )
-                        continue
-                    spans.append((at, at + n * wire.itemsize))
-                    d = _desc(seg.desc)
-                    if side == "send":
-                        ok = rows_ok(swhat + " (source side)", d, 0, s.numel)
-                        ok = rows_ok(swhat + " (message side)", d, 2, n) and ok
-                        hit = _overlapping_writes(d, 2) if ok else None
-                        if hit:
-                            reasons.append(f"{swhat}: two rows write message elements {hit}")
-                    else:
-                        ok = rows_ok(swhat + " (message side)", d, 0, n)
-                        if rows_ok(swhat + " (target side)", d, 2, t.numel) and ok:
-                            writes.setdefault(seg.dst_location, []).append(d)
-                spans.sort()
-                if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
-                    reasons.append(f"{what}: two segments share message bytes")
-    for loc, tables in writes.items():
-        hit = _overlapping_writes(np.concatenate(tables), 2)
-        if hit:
-            reasons.append(
-                f"target location {loc}: the schedule writes elements [{hit[0]}, {hit[1]}) twice"
-            )
-    return reasons
+                check.message(side, k, m)
+    check.double_writes()
+    return check.reasons
 
 
 # ---------------------------------------------------------------- written ranges (aliasing)
@@ -582,3 +605,121 @@ def agree(
         f"({', '.join(map(str, sorted(failures)))}); nothing was written:\n" + "\n".join(lines),
         failures,
     )
+
+
+# ---------------------------------------------------------------- one call's preflight
+
+DEFAULT_TIMEOUT_S = 300.0
+# The longest wait a timeout may ask for (a year): beyond it datetime arithmetic overflows.
+MAX_TIMEOUT_S = 365 * 86400.0
+
+
+def timeout_error(timeout) -> Exception | None:
+    """The error an unusable `timeout` (seconds for any one wait) deserves, else None."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        return TypeError(
+            f"timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        return ValueError(
+            f"timeout must be a finite number of seconds > 0, got {timeout!r} (every wait is "
+            "bounded: a dead peer must become an error, never a hang)"
+        )
+    if timeout > MAX_TIMEOUT_S:
+        return ValueError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
+    return None
+
+
+def staging_needs(transport, message_locations, local_pairs, src_ok, dst_ok):
+    """(whether the pinned ring is needed, reasons). Under NCCL, CPU buffers in messages go
+    through stage_h2d / stage_d2h and the ring; local copies between CPU and CUDA do too, and
+    local copies across any other pair of devices are refused."""
+    need_ring, reasons = False, []
+    if transport == "nccl":
+        need_ring = any(
+            bufs[loc].device.type == "cpu"
+            for side, bufs in (("send", src_ok), ("recv", dst_ok))
+            for loc in message_locations[side]
+            if loc in bufs
+        )
+    for sloc, dloc in local_pairs:
+        s, d = src_ok.get(sloc), dst_ok.get(dloc)
+        if s is None or d is None or s.device == d.device:
+            continue
+        if {s.device.type, d.device.type} == {"cpu", "cuda"} and torch.cuda.is_available():
+            need_ring = True
+        else:
+            reasons.append(
+                f"source location {sloc} ({s.device}) -> target location {dloc} ({d.device}): "
+                "local copies across devices are supported only between CPU and CUDA"
+            )
+    return need_ring, reasons
+
+
+def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], dict, dict]:
+    """Every check of this rank before the collective exchange: (reasons, src_ok, dst_ok).
+    `ctx` is the executor's engine for this plan and rank (`prepare()` builds and checks the
+    schedule, `allocate()` the staging). Nothing here raises: an exception (a list where a
+    dict belongs, a schedule that cannot be built, an allocation) is a reason of this rank,
+    so every rank learns of it."""
+    reasons, src_ok, dst_ok = [], {}, {}
+    bad_timeout = timeout_error(timeout)
+    if bad_timeout:
+        reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
+    try:
+        reasons += ctx.prepare()
+        src = as_buffer_set(src_buffers, "src")
+        dst = as_buffer_set(dst_buffers, "dst")
+        more, src_ok, dst_ok = local_checks(
+            ctx.plan,
+            ctx.rank,
+            ctx.world_size,
+            ctx.transport,
+            src,
+            dst,
+            checks,
+            ctx.written,
+            ctx.local_pairs,
+        )
+        reasons += more
+        # Staging is allocated after every other local check passed (it needs validated
+        # buffers to know whether the pinned ring is needed).
+        if not reasons:
+            need_ring, more = staging_needs(
+                ctx.transport, ctx.message_locations, ctx.local_pairs, src_ok, dst_ok
+            )
+            reasons += more
+        if not reasons:
+            try:
+                ctx.allocate(src_ok, dst_ok, need_ring)
+            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
+                reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
+        reasons.append(f"{type(exc).__name__}: {exc}")
+    return reasons, src_ok, dst_ok
+
+
+def run(ctx, src_buffers, dst_buffers, checks, timeout):
+    """One call's whole preflight: `collect`, then `agree` (and its commit) over `ctx.group`.
+    Returns (src_ok, dst_ok, fingerprint, timeout seconds for the rounds) when every rank may
+    write; raises the same PreflightError on every rank otherwise. An unusable timeout is a
+    reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
+    reasons, src_ok, dst_ok = collect(ctx, src_buffers, dst_buffers, checks, timeout)
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
+    try:
+        fingerprint = ctx.plan.fingerprint
+    except Exception as exc:  # noqa: BLE001 - a reason like any other
+        fingerprint = f"unavailable on rank {ctx.rank}"
+        reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
+    device = ctx.exchange_device if ctx.transport == "nccl" else torch.device("cpu")
+    try:
+        agree(reasons, fingerprint, ctx.group, ctx.rank, ctx.world_size, device, timeout_s)
+    except PreflightError:
+        raise
+    except Exception as exc:  # the exchange itself failed: a peer died or timed out
+        raise PreflightError(
+            f"preflight exchange failed on rank {ctx.rank} ({type(exc).__name__}: {exc}); "
+            "nothing was written on this rank",
+            {ctx.rank: [str(exc)]},
+        ) from exc
+    return src_ok, dst_ok, fingerprint, timeout_s

@@ -99,7 +99,7 @@ def w_repeat(rank, world, planner, n):
         e, rep = check_case(rank, planner, case, shapes, values, transfer=t)
         errs += [f"call {i}: {x}" for x in e]
         allocs.append(t.engine_allocations)
-        ptrs.append(tuple(a.data_ptr() for v in t._engine.arenas.values() for a in v))
+        ptrs.append(tuple(a.data_ptr() for v in t._engine.staging.arenas.values() for a in v))
         if i in (9, n - 1):
             rss.append(proc.memory_info().rss)
     return errs, rss, allocs, len(set(ptrs)), rep.rounds
@@ -121,9 +121,9 @@ PREFLIGHT_KINDS = (
 def w_preflight(rank, world, planner, kinds):
     """For each kind and each failing rank: every rank must raise the same PreflightError
     naming the failing rank, and no target byte may change anywhere."""
-    import reshard.executor as ex
+    from reshard.staging import Staging
 
-    real_alloc = ex._Engine._alloc
+    real_alloc = Staging._alloc
     shapes = S.model_shapes()
     values = S.model_values(shapes)
     case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
@@ -166,7 +166,7 @@ def w_preflight(rank, world, planner, kinds):
                     def no_memory(self, nbytes, pinned):
                         raise torch.OutOfMemoryError(f"cannot allocate {nbytes} bytes (injected)")
 
-                    ex._Engine._alloc = no_memory
+                    Staging._alloc = no_memory
                 elif kind == "device":  # a buffer on a device the gloo transport cannot use
                     sb[sloc] = sb[sloc].to("meta")
             try:
@@ -176,7 +176,7 @@ def w_preflight(rank, world, planner, kinds):
             except rs.PreflightError as exc:
                 msg, failures = str(exc), exc.failures
             finally:
-                ex._Engine._alloc = real_alloc
+                Staging._alloc = real_alloc
             if f"rank {bad}:" not in msg:
                 errs.append(f"{kind} on rank {bad}: message does not name it: {msg}")
             if kind != "fingerprint" and set(failures) != {bad}:

@@ -1,0 +1,205 @@
+"""A rank's schedule as typed rounds: a pure function, no tensors allocated but descriptor tables.
+
+`build_rounds(sched, direct, dtype_of)` decides, per round, which messages travel straight
+from a source / into a target buffer (`direct_range`: the message is a byte image of one
+contiguous range of one buffer in the wire dtype), where every other message sits in the
+round's compacted arena, and fuses the packed segments of a round that share a storage and
+a wire dtype into one descriptor table over the whole arena (one `copy_runs` call each). The
+staging module (`reshard.staging`) allocates arenas of the sizes this returns; the run loop
+(`reshard.executor`) walks the rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SEND, RECV = "send", "recv"
+ALIGN = 16  # arena offsets of packed messages: every wire dtype's vector width divides it
+
+
+def align_up(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def desc_array(desc) -> np.ndarray:
+    """A descriptor table as a contiguous int64 [n, 6] array."""
+    return np.ascontiguousarray(np.asarray(desc, dtype=np.int64)).reshape(-1, 6)
+
+
+@dataclass(frozen=True, eq=False)
+class Table:
+    """One `copy_runs` call: `desc` (a CPU int64 tensor, kept alive so the CUDA op's cache of
+    its device copy stays hot) between the storage `location` and the arena viewed as
+    `wire_dtype` (pack: storage -> arena; unpack: arena -> storage)."""
+
+    location: int
+    wire_dtype: torch.dtype
+    desc: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class LocalTable:
+    """A local copy: source storage -> target storage, no transport, no arena."""
+
+    src_location: int
+    dst_location: int
+    desc: torch.Tensor
+    elements: int  # elements written into the target
+
+
+@dataclass(frozen=True)
+class DirectRange:
+    """Bytes [first_byte, end_byte) of the buffer at `location`: a message sent from / received
+    into the buffer itself."""
+
+    location: int
+    first_byte: int
+    end_byte: int
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One point-to-point operation of a round: a packed message at `arena_offset` of the
+    round's arena, or a `direct` range of a buffer."""
+
+    peer: int  # group rank
+    send: bool
+    nbytes: int
+    arena_offset: int | None
+    direct: DirectRange | None
+
+
+@dataclass(frozen=True, eq=False)
+class Round:
+    index: int
+    pack: tuple[Table, ...]
+    unpack: tuple[Table, ...]
+    wires: tuple[Wire, ...]
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass(frozen=True, eq=False)
+class Rounds:
+    """Everything the run loop needs for one set of direct-capable buffers."""
+
+    rounds: tuple[Round, ...]
+    send_arena_bytes: int  # what one send arena must hold (packed messages of a round)
+    recv_arena_bytes: int
+    zero_copy_bytes: int  # wire bytes per call (sent + received) that skip the arenas
+
+
+def local_tables(sched) -> tuple[LocalTable, ...]:
+    out = []
+    for lc in sched.local:
+        d = desc_array(lc.desc)
+        out.append(
+            LocalTable(
+                lc.src_location,
+                lc.dst_location,
+                torch.from_numpy(d),
+                int((d[:, 4] * d[:, 5]).sum()),
+            )
+        )
+    return tuple(out)
+
+
+def direct_range(msg, side: str, storage_dtype) -> DirectRange | None:
+    """The range of one buffer on this side (SEND: the source, RECV: the target) that `msg`
+    is a byte-exact image of in the wire dtype, else None. Such a message travels straight
+    from / into the buffer: no pack or unpack copy and no arena bytes. A cast (bf16 on the
+    wire from fp32), a gap or reordering, a second storage, or alignment padding between
+    segments all disqualify it."""
+    segs = msg.segments
+    nbytes = int(msg.nbytes)
+    if not segs or nbytes == 0:
+        return None
+    attr = "src_location" if side == SEND else "dst_location"
+    loc, wire = getattr(segs[0], attr), segs[0].wire_dtype
+    isz = wire.itemsize
+    if storage_dtype(loc) != wire or nbytes % isz:
+        return None
+    sc, mc = (0, 2) if side == SEND else (2, 0)  # storage / message columns of a desc row
+    rows = []
+    for seg in segs:
+        if getattr(seg, attr) != loc or seg.wire_dtype != wire:
+            return None
+        d = desc_array(seg.desc)
+        d = d[(d[:, 4] > 0) & (d[:, 5] > 0)]
+        repeated = d[:, 5] > 1  # a repeated run is one range only if its strides are its length
+        if (repeated & ((d[:, sc + 1] != d[:, 4]) | (d[:, mc + 1] != d[:, 4]))).any():
+            return None
+        msg_at = d[:, mc] + int(seg.byte_offset) // isz
+        rows.append(np.stack([msg_at, d[:, sc], d[:, 4] * d[:, 5]], axis=1))
+    r = np.concatenate(rows)
+    r = r[np.argsort(r[:, 0], kind="stable")]
+    ends = r[:, 0] + r[:, 2]
+    n = nbytes // isz
+    # the rows must tile message elements [0, n) exactly, each at the same storage shift
+    if len(r) == 0 or r[0, 0] != 0 or ends[-1] != n or (r[1:, 0] != ends[:-1]).any():
+        return None
+    shift = r[:, 1] - r[:, 0]
+    if (shift != shift[0]).any():
+        return None
+    first = int(shift[0])
+    return DirectRange(int(loc), first * isz, (first + n) * isz)
+
+
+def _round(index, sched, direct, dtype_of):
+    """One round's wires and fused tables, plus the arena bytes each direction needs."""
+    tables = {SEND: {}, RECV: {}}  # (location, wire dtype) -> [desc rows shifted into the arena]
+    wires, need = [], {SEND: 0, RECV: 0}
+    nbytes = {SEND: 0, RECV: 0}
+    zero_copy = 0
+    for side, msgs in ((SEND, sched.sends[index]), (RECV, sched.recvs[index])):
+        attr = "src_location" if side == SEND else "dst_location"
+        arena_col = 2 if side == SEND else 0  # pack writes the arena (dst), unpack reads it
+        cursor = 0
+        for m in msgs:
+            nb = int(m.nbytes)
+            nbytes[side] += nb
+            rng = None
+            if m.segments and (side, getattr(m.segments[0], attr)) in direct:
+                rng = direct_range(m, side, dtype_of[side])
+            if rng is not None:
+                wires.append(Wire(int(m.peer), side == SEND, nb, None, rng))
+                zero_copy += nb
+                continue
+            for seg in m.segments:
+                wire = seg.wire_dtype
+                off = cursor + int(seg.byte_offset)
+                d = np.array(desc_array(seg.desc), copy=True)
+                d[:, arena_col] += off // wire.itemsize
+                tables[side].setdefault((getattr(seg, attr), wire), []).append(d)
+            if nb:
+                wires.append(Wire(int(m.peer), side == SEND, nb, cursor, None))
+            need[side] = max(need[side], cursor + nb)
+            cursor = align_up(cursor + nb)
+
+    def fused(side):
+        return tuple(
+            Table(loc, wire, torch.from_numpy(np.concatenate(parts)))
+            for (loc, wire), parts in tables[side].items()
+        )
+
+    rnd = Round(index, fused(SEND), fused(RECV), tuple(wires), nbytes[SEND], nbytes[RECV])
+    return rnd, need, zero_copy
+
+
+def build_rounds(sched, direct: frozenset, dtype_of: dict) -> Rounds:
+    """`sched`: the rank's schedule (checked by `preflight.check_schedule`). `direct`: the
+    (SEND | RECV, location) pairs whose buffers may be read / written by the transport itself
+    (they live on the arenas' device). `dtype_of`: {SEND: fn(location) -> source dtype, RECV:
+    fn(location) -> target dtype}. The arenas hold only the packed messages of a round, so they
+    are never larger than the schedule's send/recv_arena_bytes and may be empty."""
+    rounds, zero_copy = [], 0
+    need = {SEND: 0, RECV: 0}
+    for k in range(int(sched.num_rounds)):
+        rnd, n, z = _round(k, sched, direct, dtype_of)
+        rounds.append(rnd)
+        zero_copy += z
+        need = {side: max(need[side], n[side]) for side in need}
+    return Rounds(tuple(rounds), need[SEND], need[RECV], zero_copy)
