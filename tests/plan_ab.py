@@ -96,20 +96,30 @@ def plan_key(p):
     }
 
 
+def batch_constant(module):
+    """(module, name) of the planner's batch size: `module` (a single-module planner) or the
+    current planning package."""
+    if module is not None and hasattr(module, "_BATCH_PIECES"):
+        return module, "_BATCH_PIECES"
+    return importlib.import_module("reshard.planning.intersect"), "BATCH_PIECES"
+
+
 def compare_plans(src, dst, budget, rank_budget, old_layout, old_plan, batch):
     old_src, old_dst = to_old(src, old_layout), to_old(dst, old_layout)
     kw = {} if rank_budget is None else {"budget_bytes_per_rank": rank_budget}
-    new_mod = sys.modules[rs.plan.__module__]
     results = []
-    for make, mod, a, b in ((old_plan.plan, old_plan, old_src, old_dst), (rs.plan, new_mod, src, dst)):
-        saved = mod._BATCH_PIECES
-        mod._BATCH_PIECES = batch or saved
+    for make, (mod, attr), a, b in (
+        (old_plan.plan, batch_constant(old_plan), old_src, old_dst),
+        (rs.plan, batch_constant(None), src, dst),
+    ):
+        saved = getattr(mod, attr)
+        setattr(mod, attr, batch or saved)
         try:
             results.append(plan_key(make(a, b, budget, **kw)))
         except ValueError as exc:  # LayoutError included: both must refuse alike
             results.append(("refused", type(exc).__name__, str(exc)))
         finally:
-            mod._BATCH_PIECES = saved
+            setattr(mod, attr, saved)
     assert results[0] == results[1], diff(*results)
 
 
@@ -131,7 +141,9 @@ def compare_builders(old, rng, n):
         numel = int(np.prod(shape))
         cuts = sorted(int(x) for x in rng.integers(0, numel + 1, int(rng.integers(0, 5))))
         edges = [0, *cuts, numel]
-        runs = [(i, a, b, int(rng.integers(0, 3))) for i, (a, b) in enumerate(zip(edges, edges[1:]))]
+        runs = [
+            (i, a, b, int(rng.integers(0, 3))) for i, (a, b) in enumerate(zip(edges, edges[1:]))
+        ]
         assert same_tl(rs.flat(shape, runs), old.flat(shape, runs)), ("flat", shape, runs)
         dim = int(rng.integers(0, d))
         parts = int(rng.integers(1, 4))
