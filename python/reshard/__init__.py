@@ -24,6 +24,7 @@ _LAZY = {
     "execute": "executor",
     "Transfer": "executor",
     "Report": "report",
+    "Stream": "stream",
     # ops
     "copy_runs": "_ops",
 }
