@@ -1064,3 +1064,22 @@ def test_plan_is_frozen_data_and_schedule_a_pure_function():
         assert fresh is not planning.schedule(p, r)  # pure: built anew, nothing cached
         assert _schedule_key(fresh) == _schedule_key(p.schedule(r))
     assert p.replicated_jobs.count == 2 and p.num_jobs >= 2
+
+
+def test_strided_run_is_not_extended_by_a_row_at_another_target_gap():
+    # target piece A: rows 0-1, cols 0-1 as a (2, 2) block (one strided run, source row
+    # stride 4, target row stride 2); piece B: row 2, cols 0-1 at target offset 7. B's source
+    # row continues A's source stride, but in the target it sits 5 elements after A's last
+    # row, not 2: the runs must not chain
+    shp = (4, 4)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 16)})
+    pieces = [
+        rs.Piece(5, 0, (0, 0), (2, 2), (2, 1)),
+        rs.Piece(5, 7, (2, 0), (1, 2), (2, 1)),
+        rs.Piece(6, 0, (3, 0), (1, 2)),
+        rs.Piece(6, 2, (0, 2), (4, 2)),
+    ]
+    dst = rs.Layout({"w": rs.TensorLayout(shp, pieces)}, {5: S(0, 9), 6: S(1, 10)})
+    p = check_plan(src, dst)
+    runs = [r for r in p.runs.tolist() if r[3] == 5]
+    assert sorted(runs) == [[0, 0, 4, 5, 0, 2, 2, 2], [0, 8, 2, 5, 7, 2, 2, 1]]
