@@ -39,6 +39,8 @@ class Case:
     def __init__(self, scenario, model, rank, world, src, dst, description, devices=("cpu", "cpu")):
         self.scenario, self.model, self.rank, self.world = scenario, model, rank, world
         self.src, self.dst, self.description = src, dst, description
+        # {"receivers", "bucket_bytes"}: the reshard method is an rs.Stream (rollout_stream)
+        self.stream = None
         self.dst_device = torch.device(devices[1])
         self.shapes = src.shapes
         self.names = list(src.shapes)
@@ -249,6 +251,142 @@ def lora_sync(model, rank, world, device="cpu"):
     return Case("lora_sync", model, rank, world, src, dst, desc, (device, device))
 
 
+# ------------------------------------------------------------------ rollout engines
+
+
+def rollout_stream(model, rank, world, device="cpu"):
+    """Full tensors by name to one receiver (an inference engine's `load_weights`): ZeRO-3 bf16
+    shards -> every tensor whole on rank 0, where the 'engine weights' are one replica. The
+    reshard method is an `rs.Stream` (bucket_bytes = STREAM_BUCKET_BYTES) whose tensors are
+    copied into the engine weights as they arrive."""
+    shapes = sc.named_shapes(model)
+    src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
+    dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
+    desc = (
+        f"ZeRO-3 bf16 param shards (DP={world}) -> full tensors by name on rank 0 (an engine's "
+        f"load_weights), stream buckets of {STREAM_BUCKET_BYTES >> 20} MiB"
+    )
+    case = Case("rollout_stream", model, rank, world, src, dst, desc, (device, device))
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    return case
+
+
+STREAM_BUCKET_BYTES = 8 << 20
+
+
+def llama_config(model):
+    """A Llama-style config of `model`'s sizes (GQA: 2 kv heads), for tp_layout."""
+    import types
+
+    hidden, ffn, vocab, layers = MODELS[model]
+    heads = max(4, hidden // 64 // 2 * 2)
+    return types.SimpleNamespace(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=ffn + ffn % 2,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+
+
+def llama_shapes(cfg):
+    """The HF parameter shapes of a Llama config (names as transformers' LlamaForCausalLM)."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+class VllmTP(sc.Side):
+    """vLLM's TP weights of a Llama model (`reshard.integrations.vllm.tp_layout`); `write` is
+    vLLM's per-shard loader restated with torch slicing (narrow the full tensor by the TP
+    rank, copy it into its rows of the fused parameter), independent of the layout."""
+
+    def __init__(self, cfg, hosts, dtype=torch.bfloat16):
+        from reshard.integrations import vllm as rsvllm
+
+        self.cfg, self.hosts, self.dtype = cfg, list(hosts), dtype
+        self.tgt = rsvllm.tp_layout(cfg, len(hosts), hosts, dtype=dtype)
+        self.shapes = llama_shapes(cfg)
+        self.storages = dict(self.tgt.layout.storages)
+
+    def tensor_layouts(self):
+        return dict(self.tgt.layout.tensors)
+
+    def write(self, name, full, bufs, rank):
+        cfg, tp = self.cfg, len(self.hosts)
+        for r, host in enumerate(self.hosts):
+            if host != rank:
+                continue
+            vname, rows, part = self._shard(name, full, r, tp, cfg)
+            shape = self.tgt.shapes[vname]
+            param = bufs[self.tgt.locations[(vname, r)]].view(shape)
+            param.narrow(0, rows, part.shape[0]).copy_(part)
+
+    @staticmethod
+    def _shard(name, full, r, tp, cfg):
+        """(vLLM name, first row in the rank's parameter, the rows it gets) of HF `name`."""
+        hd, kv = cfg.head_dim, cfg.num_key_value_heads
+        q_rows = cfg.num_attention_heads // tp * hd
+        kv_rows, rep = (kv // tp * hd, 1) if tp < kv else (hd, tp // kv)
+        inter = cfg.intermediate_size // tp
+        for proj, first, size, shard_rank in (
+            ("q_proj", 0, q_rows, r),
+            ("k_proj", q_rows, kv_rows, r // rep),
+            ("v_proj", q_rows + kv_rows, kv_rows, r // rep),
+        ):
+            if f".{proj}." in name:
+                part = full.narrow(0, shard_rank * size, size)
+                return name.replace(proj, "qkv_proj"), first, part
+        for proj, first in (("gate_proj", 0), ("up_proj", inter)):
+            if f".{proj}." in name:
+                return name.replace(proj, "gate_up_proj"), first, full.narrow(0, r * inter, inter)
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            c = full.shape[1] // tp
+            return name, 0, full.narrow(1, r * c, c)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            per = -(-full.shape[0] // 64) * 64 // tp
+            lo, hi = min(r * per, full.shape[0]), min((r + 1) * per, full.shape[0])
+            return name, 0, full[lo:hi]
+        return name, 0, full  # norms: replicated
+
+
+def rollout_tp(model, rank, world, device="cpu"):
+    """Pre-sharded rollout weights: ZeRO-3 bf16 shards of a Llama-style model -> vLLM's TP=2
+    layout (fused qkv / gate_up, GQA, padded vocab) on ranks 0 and 1. reshard: one Transfer
+    into tp_layout; stream_then_shard: an rs.Stream of full tensors to both TP hosts, each then
+    loading its shard as vLLM's loader does."""
+    cfg = llama_config(model)
+    shapes = llama_shapes(cfg)
+    src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
+    dst = VllmTP(cfg, [0, 1], torch.bfloat16)
+    desc = (
+        f"ZeRO-3 bf16 param shards (DP={world}) of a Llama-style {model} (GQA {cfg.num_attention_heads}"
+        f"/{cfg.num_key_value_heads} heads) -> vLLM TP=2 weights (tp_layout) on ranks 0, 1"
+    )
+    return Case("rollout_tp", model, rank, world, src, dst, desc, (device, device))
+
+
 SCENARIOS = {
     "rl_weight_sync": rl_weight_sync,
     "offload_fp32": offload_fp32,
@@ -256,6 +394,8 @@ SCENARIOS = {
     "offload_back": offload_back,
     "dp_change": dp_change,
     "lora_sync": lora_sync,
+    "rollout_stream": rollout_stream,
+    "rollout_tp": rollout_tp,
 }
 # default models of a scenario whose size is not the model sweep's (without --models)
 SCENARIO_MODELS = {"lora_sync": ("gpt-125m", "gpt-350m")}

@@ -940,9 +940,10 @@ def main(argv=None) -> int:
     cases = [[s, m] for s in scenarios for m in models or S.SCENARIO_MODELS.get(s, sweep)]
     methods = B.methods_for(args.world, args.device)
     if args.methods:
+        allowed = methods + (list(B.OPTIONAL_METHODS) if args.world > 1 else [])
         for m in args.methods.split(","):
-            if m not in methods:
-                ap.error(f"method {m!r} does not apply here; choose from {', '.join(methods)}")
+            if m not in allowed:
+                ap.error(f"method {m!r} does not apply here; choose from {', '.join(allowed)}")
         methods = args.methods.split(",")
     budget_mib = args.budget_mib or (64 if args.device == "cuda" else None)
     cfg = {
