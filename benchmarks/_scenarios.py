@@ -319,8 +319,7 @@ def llama_shapes(cfg):
 
 class VllmTP(sc.Side):
     """vLLM's TP weights of a Llama model (`reshard.integrations.vllm.tp_layout`); `write` is
-    vLLM's per-shard loader restated with torch slicing (narrow the full tensor by the TP
-    rank, copy it into its rows of the fused parameter), independent of the layout."""
+    vLLM's loader on full tensors (`TPLayout.load`: torch slicing, no layout or plan)."""
 
     def __init__(self, cfg, hosts, dtype=torch.bfloat16):
         from reshard.integrations import vllm as rsvllm
@@ -334,41 +333,13 @@ class VllmTP(sc.Side):
         return dict(self.tgt.layout.tensors)
 
     def write(self, name, full, bufs, rank):
-        cfg, tp = self.cfg, len(self.hosts)
         for r, host in enumerate(self.hosts):
-            if host != rank:
-                continue
-            vname, rows, part = self._shard(name, full, r, tp, cfg)
-            shape = self.tgt.shapes[vname]
-            param = bufs[self.tgt.locations[(vname, r)]].view(shape)
-            param.narrow(0, rows, part.shape[0]).copy_(part)
-
-    @staticmethod
-    def _shard(name, full, r, tp, cfg):
-        """(vLLM name, first row in the rank's parameter, the rows it gets) of HF `name`."""
-        hd, kv = cfg.head_dim, cfg.num_key_value_heads
-        q_rows = cfg.num_attention_heads // tp * hd
-        kv_rows, rep = (kv // tp * hd, 1) if tp < kv else (hd, tp // kv)
-        inter = cfg.intermediate_size // tp
-        for proj, first, size, shard_rank in (
-            ("q_proj", 0, q_rows, r),
-            ("k_proj", q_rows, kv_rows, r // rep),
-            ("v_proj", q_rows + kv_rows, kv_rows, r // rep),
-        ):
-            if f".{proj}." in name:
-                part = full.narrow(0, shard_rank * size, size)
-                return name.replace(proj, "qkv_proj"), first, part
-        for proj, first in (("gate_proj", 0), ("up_proj", inter)):
-            if f".{proj}." in name:
-                return name.replace(proj, "gate_up_proj"), first, full.narrow(0, r * inter, inter)
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            c = full.shape[1] // tp
-            return name, 0, full.narrow(1, r * c, c)
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            per = -(-full.shape[0] // 64) * 64 // tp
-            lo, hi = min(r * per, full.shape[0]), min((r + 1) * per, full.shape[0])
-            return name, 0, full[lo:hi]
-        return name, 0, full  # norms: replicated
+            if host == rank:
+                params = {
+                    v: bufs[self.tgt.locations[(v, r)]].view(shape)
+                    for v, shape in self.tgt.shapes.items()
+                }
+                self.tgt.load(name, full, r, params)
 
 
 def rollout_tp(model, rank, world, device="cpu"):
