@@ -23,6 +23,12 @@ from .errors import LayoutError
 __all__ = ["Layout", "Piece", "Storage", "TensorLayout", "flat", "nest", "replicated", "split"]
 
 _I64 = np.int64
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Geometry addresses fewer than 2**53 elements: a tensor, a storage and all storages of a
+# layout together. The planner sums element counts in float64 (exact below 2**53), and every
+# offset, extent, byte count and total derived from them then fits int64 with room to spare,
+# so nothing computed from a valid layout can overflow. No machine holds 2**53 elements.
+MAX_ELEMENTS = 1 << 53
 
 _DTYPE_ALIASES = {
     "fp32": torch.float32,
@@ -61,9 +67,12 @@ def _int(x, what: str) -> int:
     if isinstance(x, bool):
         raise LayoutError(f"{what} must be an integer, got {x!r}")
     try:
-        return operator.index(x)
+        v = operator.index(x)
     except TypeError:
         raise LayoutError(f"{what} must be an integer, got {x!r}") from None
+    if not _INT64_MIN <= v <= _INT64_MAX:
+        raise LayoutError(f"{what} {v} does not fit in int64")
+    return v
 
 
 def _ints(xs, what: str) -> tuple:
@@ -71,6 +80,19 @@ def _ints(xs, what: str) -> tuple:
         # A bare int is the common slip for a 1-D shape; say so instead of a TypeError.
         raise LayoutError(f"{what} must be a sequence of integers, got {xs!r}")
     return tuple(_int(x, what) for x in xs)
+
+
+def _shape(xs, what: str, name=None) -> tuple:
+    """A tensor shape: non-negative ints addressing at most MAX_ELEMENTS elements (zero dims
+    included, so row-major strides of any such shape fit int64)."""
+    shape = _ints(xs, what)
+    if any(n < 0 for n in shape):
+        raise LayoutError(f"{_tname(name, shape)}: {what} has a negative dim")
+    if _numel(max(n, 1) for n in shape) > MAX_ELEMENTS:
+        raise LayoutError(
+            f"{_tname(name, shape)}: more than 2**53 elements (the limit of reshard's geometry)"
+        )
+    return shape
 
 
 def _rowmajor(shape) -> tuple:
@@ -142,6 +164,10 @@ class Storage:
             raise LayoutError(f"Storage rank must be >= 0, got {rank}")
         if numel < 0:
             raise LayoutError(f"Storage numel must be >= 0, got {numel}")
+        if numel > MAX_ELEMENTS:
+            raise LayoutError(
+                f"Storage numel {numel} exceeds 2**53 (the limit of reshard's geometry)"
+            )
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "numel", numel)
         object.__setattr__(self, "dtype", _as_dtype(self.dtype))
@@ -159,7 +185,7 @@ class TensorLayout:
     __slots__ = ("_shape", "_loc", "_off", "_start", "_box", "_strides", "_name", "_pieces")
 
     def __init__(self, shape, pieces, *, name=None):
-        shape = _ints(shape, "TensorLayout.shape")
+        shape = _shape(shape, "TensorLayout.shape", name)
         if isinstance(pieces, (Piece, TensorLayout)):
             pieces = [pieces]
         parts, explicit, covered = [], [], False
@@ -264,6 +290,7 @@ class TensorLayout:
         shape = np.array(self._shape, _I64)
         start, box = self._start, self._box
         n = len(self._loc)
+        # `box > shape - start`, not `start + box > shape`: the sum could wrap around int64
         if (
             not check_cover
             and n
@@ -275,8 +302,9 @@ class TensorLayout:
                 int(self._strides.min(initial=0)),
             )
             >= 0
-            and not (start + box > shape).any()
+            and not (box > shape - start).any()
         ):
+            self._check_footprint()
             return  # fast path for builders (one pass per check; the slow path names the piece)
         for arr, what in (
             (self._loc[:, None], "negative location"),
@@ -288,18 +316,39 @@ class TensorLayout:
             bad = np.nonzero((arr < 0).any(axis=1))[0]
             if len(bad):
                 raise LayoutError(f"{self._where(int(bad[0]))}: {what}")
-        bad = np.nonzero((start + box > shape).any(axis=1))[0]
+        bad = np.nonzero((box > shape - start).any(axis=1))[0]
         if len(bad):
             raise LayoutError(
                 f"{self._where(int(bad[0]))}: outside the tensor (start+shape exceeds "
                 f"{self._shape})"
             )
+        self._check_footprint()
         if check_cover and self.numel > 0:
             gap = _find_gap(self._shape, start, start + box)
             if gap is not None:
                 raise LayoutError(
                     f"{_tname(self._name, self._shape)}: gap: element {gap} is in no piece "
                     f"({len(self._loc)} pieces)"
+                )
+
+    def _check_footprint(self):
+        """Every piece's furthest storage element, offset + sum(strides * (shape - 1)), is below
+        MAX_ELEMENTS (fields are non-negative here). A float64 screen finds the candidates;
+        they are checked exactly in Python ints, since int64 arithmetic could wrap."""
+        if not len(self._loc):
+            return
+        ext = np.maximum(self._box - 1, 0).astype(np.float64)
+        approx = self._off.astype(np.float64) + (self._strides.astype(np.float64) * ext).sum(1)
+        for i in np.nonzero(approx >= MAX_ELEMENTS / 2)[0].tolist():
+            if (self._box[i] == 0).any():
+                continue  # an empty piece touches no storage
+            hi = int(self._off[i]) + sum(
+                int(s) * (int(b) - 1) for s, b in zip(self._strides[i], self._box[i])
+            )
+            if hi >= MAX_ELEMENTS:
+                raise LayoutError(
+                    f"{self._where(i)}: reaches storage element {hi} (offset + "
+                    "sum(strides * (shape - 1))), beyond the 2**53 elements of reshard's geometry"
                 )
 
     def _footprint_hi(self):
@@ -384,7 +433,7 @@ def _tensor_layout(shape, loc, off, start, box, strides, name, covered):
 
 def replicated(shape, locations, *, name=None) -> TensorLayout:
     """A full, contiguous copy of the tensor at offset 0 of each location."""
-    shape = _ints(shape, "replicated shape")
+    shape = _shape(shape, "replicated shape", name)
     locs = _ints(locations, "replicated locations")
     if not locs:
         raise LayoutError(f"{_tname(name, shape)}: replicated() needs at least one location")
@@ -408,7 +457,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
     of `locations[i]`. An entry of `locations` may be a sequence of locations (replicas of
     that block); the matching entry of `offsets` is then an int or a sequence as long.
     """
-    shape = _ints(shape, "split shape")
+    shape = _shape(shape, "split shape", name)
     tn = _tname(name, shape)
     d = len(shape)
     dim = _int(dim, "split dim")
@@ -482,15 +531,19 @@ def flat(shape, runs, *, name=None) -> TensorLayout:
     the runs is padding. Overlapping runs are replicas. Each run becomes at most
     `2*ndim - 1` boxes (a range that starts mid-row has a partial head row).
     """
-    shape = _ints(shape, "flat shape")
+    shape = _shape(shape, "flat shape", name)
     tn = _tname(name, shape)
     numel = _numel(shape)
     if isinstance(runs, np.ndarray) and runs.dtype.kind in "iu":
+        if runs.size and runs.dtype.kind == "u" and int(runs.max()) > _INT64_MAX:
+            raise LayoutError(f"{tn}: flat run field {int(runs.max())} does not fit in int64")
         r = runs.astype(_I64, copy=False)  # fast path for generated layouts
     else:
         r = np.asarray(runs if len(runs) else np.zeros((0, 4)), dtype=object)
         try:
-            r = np.array([[_int(x, "flat run field") for x in row] for row in r], _I64)
+            r = np.array([[_int(x, f"{tn}: flat run field") for x in row] for row in r], _I64)
+        except LayoutError:
+            raise
         except (TypeError, ValueError):
             raise LayoutError(
                 f"{tn}: flat runs must be (location, flat_start, flat_stop, offset) integers"
@@ -715,6 +768,12 @@ class Layout:
                     f"tensor {name!r}: expected TensorLayout, got {type(tl).__name__}"
                 )
             ts[name] = tl
+        total = sum(s.numel for s in st.values())
+        if total > MAX_ELEMENTS:
+            raise LayoutError(
+                f"the storages hold {total} elements in all, more than 2**53 (the limit of "
+                "reshard's geometry)"
+            )
         self.tensors = ts
         self.storages = st
         self._aliasing_checked = False
@@ -848,11 +907,15 @@ class Layout:
 
 def _segmented_cummax(x, key):
     """Running max of x that restarts whenever `key` changes (key sorted)."""
-    # Offset each group above all previous groups so one global cummax works.
-    grp = np.concatenate([[0], np.cumsum(key[1:] != key[:-1])])
-    span = int(x.max() - x.min()) + 1 if len(x) else 1
-    shifted = (x - x.min()) + grp * span
-    return np.maximum.accumulate(shifted) - grp * span + x.min()
+    # Lift each group above all previous ones so that one global cummax works: group g is
+    # shifted by the spans of the groups before it (their sum stays within the total extent).
+    if not len(x):
+        return x
+    starts = np.nonzero(np.concatenate([[True], key[1:] != key[:-1]]))[0]
+    lo = np.minimum.reduceat(x, starts)
+    span = np.maximum.reduceat(x, starts) - lo + 1
+    shift = np.repeat(np.cumsum(span) - span - lo, np.diff(np.append(starts, len(x))))
+    return np.maximum.accumulate(x + shift) - shift
 
 
 def _injective(box, strides):

@@ -23,6 +23,9 @@ __all__ = ["LocalCopy", "Message", "Plan", "RankSchedule", "Segment", "plan"]
 
 _I64 = np.int64
 _ALIGN = 16
+# Budgets are byte counts held in int64 tables (and hashed as int64): anything at or above
+# 2**62 is no limit at all next to the 2**53 elements a layout can hold, so it is refused.
+_MAX_BUDGET = 1 << 62
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 # Jobs (piece intersections) are processed in batches of about this many source pieces so
 # that peak memory stays bounded on models with millions of pieces.
@@ -597,9 +600,9 @@ def plan(
         raise LayoutError("plan(src, dst): both must be reshard.Layout")
     if isinstance(budget_bytes_per_peer, bool) or not isinstance(budget_bytes_per_peer, int):
         raise ValueError(f"budget_bytes_per_peer must be an int, got {budget_bytes_per_peer!r}")
-    if budget_bytes_per_peer < _ALIGN:
+    if not _ALIGN <= budget_bytes_per_peer < _MAX_BUDGET:
         raise ValueError(
-            f"budget_bytes_per_peer must be >= {_ALIGN} (one aligned segment), "
+            f"budget_bytes_per_peer must be >= {_ALIGN} (one aligned segment) and below 2**62, "
             f"got {budget_bytes_per_peer}"
         )
     names = sorted(dst.tensors)
@@ -615,6 +618,10 @@ def plan(
         isinstance(budget_bytes_per_rank, bool) or not isinstance(budget_bytes_per_rank, int)
     ):
         raise ValueError(f"budget_bytes_per_rank must be an int, got {budget_bytes_per_rank!r}")
+    if budget_bytes_per_rank is not None and not 0 <= budget_bytes_per_rank < _MAX_BUDGET:
+        raise ValueError(
+            f"budget_bytes_per_rank must be in 0 .. 2**62, got {budget_bytes_per_rank}"
+        )
     dst._check_no_aliasing()
     planner = _Planner(src, dst, names).run()
     budget = budget_bytes_per_peer
@@ -638,17 +645,18 @@ def _per_peer_budget(planner, budget_bytes_per_rank):
     pairs = np.unique(np.stack([snd[remote], rcv[remote]]), axis=1)
     if not pairs.shape[1]:
         return None  # nothing crosses ranks: nothing is staged
-    total = np.bincount(pairs.ravel())  # send peers + receive peers (pairs are unique)
-    rank = int(np.argmax(total))
-    per_peer = budget_bytes_per_rank // (2 * int(total[rank]))
+    # send peers + receive peers of each rank (pairs are unique)
+    ranks, peers = np.unique(pairs.ravel(), return_counts=True)
+    i = int(np.argmax(peers))
+    rank, peers = int(ranks[i]), int(peers[i])
+    per_peer = budget_bytes_per_rank // (2 * peers)
     per_peer -= per_peer % _ALIGN
     if per_peer < _ALIGN:
         raise ValueError(
             f"budget_bytes_per_rank={budget_bytes_per_rank} is too small for this plan: rank "
-            f"{rank} exchanges messages with {int(total[rank])} peers (send + receive), which "
-            f"needs at least 2 * {int(total[rank])} * {_ALIGN} = "
-            f"{2 * int(total[rank]) * _ALIGN} bytes (one 16-byte segment per peer, double "
-            "buffered)"
+            f"{rank} exchanges messages with {peers} peers (send + receive), which needs at "
+            f"least 2 * {peers} * {_ALIGN} = {2 * peers * _ALIGN} bytes (one 16-byte segment "
+            "per peer, double buffered)"
         )
     return per_peer
 
@@ -679,8 +687,12 @@ class _Planner:
             len(sdt), len(ddt)
         )
         self.bad_pair = self.wire_item == 0
-        nr = int(max([0, *self.s_rank.tolist(), *self.d_rank.tolist()])) + 1
-        self.load = np.zeros(nr, _I64)  # bytes each rank sends, for replica balancing
+        # replica balancing keeps the bytes each rank sends, indexed by the rank's position
+        # among the ranks present (ranks are any int64, so not a table indexed by rank)
+        ranks = np.unique(np.concatenate([self.s_rank, self.d_rank]))
+        self.s_rid = np.searchsorted(ranks, self.s_rank)
+        self.d_rid = np.searchsorted(ranks, self.d_rank)
+        self.load = np.zeros(len(ranks), _I64)
         self.stats = {"jobs": 0}
         # direct[t]: tensor t's source pieces do not overlap (each element has one holder),
         # so its jobs are rebuilt per rank; the jobs of the others are kept in `table`
@@ -750,8 +762,8 @@ class _Planner:
             self._acc_parts.append((key, w))
         if account:  # per storage pair, not per job
             si, di = key // nD, key % nD
-            snd = self.s_rank[si]
-            remote = snd != self.d_rank[di]
+            snd = self.s_rid[si]
+            remote = snd != self.d_rid[di]
             nbytes = (w * self.d_item[di])[remote]
             self.load += np.rint(np.bincount(snd[remote], nbytes, len(self.load))).astype(_I64)
 
@@ -765,9 +777,13 @@ class _Planner:
         shapes = np.array(shapes, _I64).reshape(len(tids), D)
         tpos = np.zeros(max(tids) + 1, _I64)
         tpos[tids] = np.arange(len(tids))
-        # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch
-        base = np.cumsum(shapes[:, 0]) - shapes[:, 0]
-        return tpos, base, shapes.prod(axis=1)
+        numel = shapes.prod(axis=1)
+        # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch. An
+        # empty tensor has no pieces here and takes no key range, so the bases stay within
+        # the elements of the batch (below 2**53) however long its dim 0 is.
+        dim0 = np.where(numel > 0, shapes[:, 0], 0)
+        base = np.cumsum(dim0) - dim0
+        return tpos, base, numel
 
     def _templates(self, d_ti, d_start, d_box, d_str):
         """Distinct target (box, strides) per tensor; replicas of a template differ only in
@@ -965,8 +981,8 @@ class _Planner:
         """Pick one source piece (holder) per job: local first, then least-loaded sender."""
         cnt = r_cnt[pr]
         h = hold[rstart[pr]].copy()
-        srank = self.s_rank[np.searchsorted(self.s_locs, s_loc)]
-        drank = self.d_rank[np.searchsorted(self.d_locs, d_loc)]
+        srank = self.s_rid[np.searchsorted(self.s_locs, s_loc)]
+        drank = self.d_rid[np.searchsorted(self.d_locs, d_loc)]
         jr = drank[pj]
         nbytes = (hi - lo).prod(axis=1) * self.d_item[np.searchsorted(self.d_locs, d_loc[pj])]
         single = cnt == 1
