@@ -122,6 +122,7 @@ def _m_stream(case, ctx, receivers, bucket_bytes):
         bucket_bytes,
         dtype=case.dst.dtype,
         group=None if ctx["world"] == 1 else dist.group.WORLD,
+        device=case.dst_device,
     )
     ctx["plan_s"] = time.perf_counter() - t0
     last = {}

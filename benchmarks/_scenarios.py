@@ -274,6 +274,22 @@ def rollout_stream(model, rank, world, device="cpu"):
 STREAM_BUCKET_BYTES = 8 << 20
 
 
+def stream_offload(model, rank, world, device="cpu"):
+    """One process (--world 1 --device cuda): CPU-offloaded fp32 masters (a ZeRO-3 flat
+    partition in host memory) streamed as bf16 into GPU tensors by name (rs.Stream with
+    STREAM_BUCKET_BYTES buckets on the GPU, each tensor copied into the 'engine' weights)."""
+    shapes = sc.named_shapes(model)
+    src = sc.Zero3(shapes, range(world), torch.float32, loc0=0)
+    dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
+    desc = (
+        "CPU-offloaded fp32 masters -> bf16 full tensors by name on "
+        f"{device} (rs.Stream, {STREAM_BUCKET_BYTES >> 20} MiB buckets)"
+    )
+    case = Case("stream_offload", model, rank, world, src, dst, desc, ("cpu", device))
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    return case
+
+
 def llama_config(model):
     """A Llama-style config of `model`'s sizes (GQA: 2 kv heads), for tp_layout."""
     import types
@@ -367,6 +383,7 @@ SCENARIOS = {
     "lora_sync": lora_sync,
     "rollout_stream": rollout_stream,
     "rollout_tp": rollout_tp,
+    "stream_offload": stream_offload,
 }
 # default models of a scenario whose size is not the model sweep's (without --models)
 SCENARIO_MODELS = {"lora_sync": ("gpt-125m", "gpt-350m")}

@@ -12,6 +12,11 @@ sharded state with DeepSpeed's layouts):
 - lora_sync (tiny syncs): LoRA adapters, a few MB in hundreds of tensors, ZeRO-3 shards -> TP
   rollout buffers; its own models (gpt-125m, gpt-350m adapters) unless --models names some.
   The "Tiny syncs" table gives the fixed cost per sync next to the per-tensor baselines.
+- rollout_stream / rollout_tp / stream_offload (on request, --scenarios; docs/rollout.md):
+  full tensors by name to rank 0 through an rs.Stream (against per-parameter gathers and the
+  whole-model gather: --methods reshard,full_gather,gather_broadcast,whole_gather); vLLM's TP
+  layout through tp_layout (against stream_then_shard); with --world 1 --device cuda, CPU
+  fp32 masters streamed as bf16 into GPU tensors (--methods reshard).
 
 Methods (benchmarks/_baselines.py; same run, each checked bitwise against an independent
 reference after its syncs): reshard (one `Transfer` reused), reshard_registered (CUDA),
