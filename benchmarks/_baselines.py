@@ -12,12 +12,16 @@ puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
   rebuilds the tensor and broadcasts it (skipped when only rank 0 needs it); every rank slices.
 - full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
 - to_device (one process): per tensor `target.copy_(source.to(target.device))`.
-- whole_gather (world > 1, on request): every tensor all-gathered on every rank and kept, then
+- whole_gather (rollout_stream): every tensor all-gathered on every rank and kept, then
   the hand-off (the whole-model gather).
-- stream_then_shard (world > 1, on request): an rs.Stream of full tensors to every rank that
+- stream_then_shard (rollout_tp): an rs.Stream of full tensors to every rank that
   holds a target, each then taking its part (an engine's load_weights on full tensors).
 For a case with `stream` set (rollout_stream) the reshard method is an rs.Stream whose tensors
 are handed to the targets as they arrive.
+- full_tensor (FSDP2 scenarios): per tensor `DTensor.full_tensor()` on every rank, then slice
+  (what FSDP2 weight syncs do today).
+- dcp (fsdp_resize): torch.distributed.checkpoint save of the source DTensors to a temporary
+  directory, then load into the target DTensors (DCP reshards on load).
 """
 
 from __future__ import annotations
@@ -284,6 +288,70 @@ def m_to_device(case, ctx):
     return step, info
 
 
+def m_full_tensor(case, ctx):
+    acct = _Acct()
+
+    def step(bufs):
+        acct.reset()
+        for t in case.names:
+            dt = case.src_dtensors[t]
+            full = acct.alloc(dt.full_tensor())
+            acct.recv += (full.numel() - dt.to_local().numel()) * full.element_size()
+            case.write(t, full, bufs)
+            acct.free(full)
+            full = None  # freed before the next tensor's gather
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+def m_dcp(case, ctx):
+    """Save the source DTensors with torch.distributed.checkpoint, load them into the targets.
+
+    One directory per step under a temporary directory rank 0 creates (its path broadcast);
+    removed after the load. The checkpoint's bytes are files, not this process's memory."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    box = [tempfile.mkdtemp(prefix="reshard-dcp-") if case.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root, count = box[0], [0]
+    last = {}
+
+    def step(bufs):
+        path = os.path.join(root, f"step{count[0]}")
+        count[0] += 1
+        dcp.save(case.src_dtensors, checkpoint_id=path)
+        dcp.load(case.dst_dtensors(bufs), checkpoint_id=path)
+        dist.barrier()
+        if case.rank == 0:
+            last["file_bytes"] = sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+            )
+            shutil.rmtree(path)
+
+    def info():
+        return {
+            "accounted_extra_bytes": 0,
+            "pinned_bytes": 0,
+            "recv_bytes": 0,
+            "checkpoint_file_bytes": last.get("file_bytes", 0),
+        }
+
+    def close():
+        dist.barrier()
+        if case.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+    step.close = close
+    return step, info
+
+
 METHODS = {
     "reshard": m_reshard,
     "reshard_registered": m_reshard_registered,
@@ -292,12 +360,23 @@ METHODS = {
     "to_device": m_to_device,
     "whole_gather": m_whole_gather,
     "stream_then_shard": m_stream_then_shard,
+    "full_tensor": m_full_tensor,
+    "dcp": m_dcp,
 }
-# methods a run takes only when --methods names them (the rollout scenarios' baselines)
-OPTIONAL_METHODS = ("whole_gather", "stream_then_shard")
 
 
-def methods_for(world, device):
+def methods_for(world, device, scenario=None):
+    """The methods that apply to `scenario` (None: the ZeRO-layout scenarios)."""
+    if scenario == "fsdp_weight_sync":
+        return ["reshard", "full_tensor"]
+    if scenario == "fsdp_resize":
+        return ["reshard", "full_tensor", "dcp"]
+    if scenario == "rollout_stream":
+        return ["reshard", "full_gather", "gather_broadcast", "whole_gather"]
+    if scenario == "rollout_tp":
+        return ["reshard", "stream_then_shard", "full_gather"]
+    if scenario == "stream_offload":
+        return ["reshard"]
     if world > 1:
         return ["reshard", "gather_broadcast", "full_gather"]
     out = ["reshard"]

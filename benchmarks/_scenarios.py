@@ -374,6 +374,111 @@ def rollout_tp(model, rank, world, device="cpu"):
     return Case("rollout_tp", model, rank, world, src, dst, desc, (device, device))
 
 
+class FsdpShards(sc.Side):
+    """FSDP2's sharded parameters (and optimizer states, alike): each tensor Shard(0) over
+    `ranks` with torch.chunk sizes (the last ranks hold fewer rows, or none), one storage per
+    (tensor, rank) holding that rank's local shard, row-major."""
+
+    def __init__(self, shapes, ranks, dtype, loc0):
+        self.shapes, self.ranks, self.dtype = shapes, list(ranks), dtype
+        self.rows, self.loc, self.storages = {}, {}, {}
+        for name, shape in shapes.items():
+            c = math.ceil(shape[0] / len(self.ranks))
+            for i, r in enumerate(self.ranks):
+                a = min(i * c, shape[0])
+                b = min(a + c, shape[0])
+                self.rows[(name, r)] = (a, b)
+                if b > a:
+                    loc = loc0 + len(self.storages)
+                    self.loc[(name, r)] = loc
+                    self.storages[loc] = rs.Storage(r, dtype, (b - a) * math.prod(shape[1:]))
+
+    def tensor_layouts(self):
+        out = {}
+        for name, shape in self.shapes.items():
+            pieces = []
+            for r in self.ranks:
+                if (name, r) in self.loc:
+                    a, b = self.rows[(name, r)]
+                    start = (a,) + (0,) * (len(shape) - 1)
+                    pieces.append(rs.Piece(self.loc[(name, r)], 0, start, (b - a, *shape[1:])))
+            out[name] = rs.TensorLayout(shape, pieces)
+        return out
+
+    def local(self, name, bufs, rank, device="cpu"):
+        """This rank's local shard of `name` (a view of its buffer; empty if it holds none)."""
+        shape = self.shapes[name]
+        a, b = self.rows[(name, rank)]
+        if (name, rank) not in self.loc:
+            return torch.empty((0, *shape[1:]), dtype=self.dtype, device=device)
+        return bufs[self.loc[(name, rank)]].view(b - a, *shape[1:])
+
+    def write(self, name, full, bufs, rank):
+        if (name, rank) in self.loc:
+            a, b = self.rows[(name, rank)]
+            self.local(name, bufs, rank).copy_(full[a:b])
+
+    def dtensors(self, bufs, rank, mesh):
+        """{name: DTensor} over this rank's buffers (no copy), as FSDP2 holds its params."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = {}
+        for name, shape in self.shapes.items():
+            local = self.local(name, bufs, rank, mesh.device_type)
+            stride = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
+            out[name] = DTensor.from_local(local, mesh, [Shard(0)], shape=shape, stride=stride)
+        return out
+
+
+def _fsdp_case(scenario, model, rank, world, device, src, dst, desc, dst_mesh_ranks=None):
+    """A Case whose source is FSDP2-style DTensors, described by reshard.integrations.dtensor
+    (the layout the reshard method plans and the LiveDTensors preflight checks); the baselines
+    read the same DTensors. dst_mesh_ranks: the target's mesh when its targets are DTensors."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from reshard.integrations import dtensor as rsdt
+
+    case = Case(scenario, model, rank, world, src, dst, desc, (device, device))
+    case.src_dtensors = src.dtensors(case.src_buffers, rank, DeviceMesh(device, list(range(world))))
+    live = rsdt.describe(case.src_dtensors)
+    case.src_layout, case.src_buffers = live.layout, live
+    if dst_mesh_ranks is not None:
+        mesh = DeviceMesh(device, dst_mesh_ranks)  # every rank creates it (a collective)
+        inside = rank in dst_mesh_ranks
+        case.dst_dtensors = lambda bufs: dst.dtensors(bufs, rank, mesh) if inside else {}
+    return case
+
+
+def fsdp_weight_sync(model, rank, world, device="cpu"):
+    shapes = sc.named_shapes(model)
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = sc.TensorParallel(shapes, _tp_groups(world), torch.bfloat16, loc0=100000)
+    desc = (
+        f"FSDP2 fp32 sharded params (DTensor Shard(0), DP={world}, torch.chunk rows) -> "
+        f"TP={len(dst.groups[0])} bf16 rollout buffers (fused QKV, row/column splits, "
+        "replicated norms)"
+    )
+    return _fsdp_case("fsdp_weight_sync", model, rank, world, device, src, dst, desc)
+
+
+def fsdp_resize(model, rank, world, device="cpu"):
+    if world < 2:
+        raise ValueError("fsdp_resize needs world >= 2 (DP=world -> DP=world-1)")
+    base = sc.named_shapes(model)
+    shapes = {
+        f"{s}/{n}": shape for s in ("param", "exp_avg", "exp_avg_sq") for n, shape in base.items()
+    }
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = FsdpShards(shapes, range(world - 1), torch.float32, loc0=100000)
+    desc = (
+        f"FSDP2 fp32 params + exp_avg + exp_avg_sq (DTensor Shard(0)): DP={world} -> "
+        f"DP={world - 1} (elastic shrink)"
+    )
+    return _fsdp_case(
+        "fsdp_resize", model, rank, world, device, src, dst, desc, list(range(world - 1))
+    )
+
+
 SCENARIOS = {
     "rl_weight_sync": rl_weight_sync,
     "offload_fp32": offload_fp32,
@@ -384,6 +489,8 @@ SCENARIOS = {
     "rollout_stream": rollout_stream,
     "rollout_tp": rollout_tp,
     "stream_offload": stream_offload,
+    "fsdp_weight_sync": fsdp_weight_sync,
+    "fsdp_resize": fsdp_resize,
 }
 # default models of a scenario whose size is not the model sweep's (without --models)
 SCENARIO_MODELS = {"lora_sync": ("gpt-125m", "gpt-350m")}

@@ -14,13 +14,18 @@ sharded state with DeepSpeed's layouts):
   The "Tiny syncs" table gives the fixed cost per sync next to the per-tensor baselines.
 - rollout_stream / rollout_tp / stream_offload (on request, --scenarios; docs/rollout.md):
   full tensors by name to rank 0 through an rs.Stream (against per-parameter gathers and the
-  whole-model gather: --methods reshard,full_gather,gather_broadcast,whole_gather); vLLM's TP
-  layout through tp_layout (against stream_then_shard); with --world 1 --device cuda, CPU
-  fp32 masters streamed as bf16 into GPU tensors (--methods reshard).
+  whole-model gather); vLLM's TP layout through tp_layout (against stream_then_shard); with
+  --world 1 --device cuda, CPU fp32 masters streamed as bf16 into GPU tensors.
+- fsdp_weight_sync: FSDP2 fp32 sharded params (DTensors, Shard(0), torch.chunk rows) -> TP=2
+  bf16 rollout buffers; reshard reads them through reshard.integrations.dtensor.
+- fsdp_resize: FSDP2 params + both Adam moments, DP=W -> DP=W-1 (DTensors on a sub-mesh).
+  Not in the default set: `--scenarios fsdp_weight_sync,fsdp_resize`.
 
 Methods (benchmarks/_baselines.py; same run, each checked bitwise against an independent
 reference after its syncs): reshard (one `Transfer` reused), reshard_registered (CUDA),
-gather_broadcast and full_gather (world > 1), to_device (one process).
+gather_broadcast and full_gather (world > 1), to_device (one process); for the FSDP2
+scenarios full_tensor (`DTensor.full_tensor()` then slice) and, for fsdp_resize, dcp
+(torch.distributed.checkpoint save + load with resharding, through a temporary directory).
 
 Metrics per (scenario, model, method): median / p90 / p10 of >= --iters syncs after warm-up
 (per sync, the slowest rank's time; with --world > 1 the methods' timed syncs are interleaved,
@@ -283,6 +288,12 @@ def measure_method(case, method, ctx, timed=True):
     return out
 
 
+def _case_methods(cfg, world, scenario):
+    """The run's methods that apply to `scenario`."""
+    applies = B.methods_for(world, cfg["device"], scenario)
+    return [m for m in cfg["methods"] if m in applies]
+
+
 def run_cases(rank, world, cfg, sink):
     """Every (scenario, model, method) in order; sink(results so far) after each case."""
     cuda = cfg["device"] == "cuda"
@@ -298,8 +309,9 @@ def run_cases(rank, world, cfg, sink):
     out = {"rank": rank, "links": link_bandwidth(rank, world, cuda), "cases": []}
     # One-time process costs (loading the extension, lazy imports, first use of each
     # collective, the CUDA context) are paid here, not charged to whichever method runs first.
-    warm = S.SCENARIOS[cfg["cases"][0][0]]("gpt-nano", rank, world, cfg["device"])
-    for m in cfg["methods"]:
+    scen0 = cfg["cases"][0][0]
+    warm = S.SCENARIOS[scen0]("gpt-nano", rank, world, cfg["device"])
+    for m in _case_methods(cfg, world, scen0):
         step, _ = B.METHODS[m](warm, ctx)
         step(warm.targets())
         B.close(step)
@@ -350,14 +362,15 @@ def run_cases(rank, world, cfg, sink):
         }
         # memory (and the first sync) per method alone, as if it ran by itself; then the
         # timed syncs, interleaved over the methods where cfg["interleave"]
-        for m in cfg["methods"]:
+        methods = _case_methods(cfg, world, scen)
+        for m in methods:
             if rank == 0:
                 progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
             rec["methods"][m] = measure_method(case, m, ctx, timed=not cfg["interleave"])
         if cfg["interleave"]:
             if rank == 0:
                 progress(f"[{i}/{total}] {scen} {model}: timed syncs, methods interleaved")
-            times, correct = interleaved_times(case, cfg["methods"], ctx)
+            times, correct = interleaved_times(case, methods, ctx)
             for m, r in rec["methods"].items():
                 r["times"] = times[m]
                 r["correct"] = r["correct"] and correct[m]
@@ -948,12 +961,13 @@ def main(argv=None) -> int:
         return budget_sweep(args, argv, scenarios if args.scenarios else None, models)
     sweep = list(QUICK_MODELS if args.quick else FULL_MODELS)
     cases = [[s, m] for s in scenarios for m in models or S.SCENARIO_MODELS.get(s, sweep)]
-    methods = B.methods_for(args.world, args.device)
+    methods = []  # every method of some scenario, in order; each case runs its own
+    for s in scenarios:
+        methods += [m for m in B.methods_for(args.world, args.device, s) if m not in methods]
     if args.methods:
-        allowed = methods + (list(B.OPTIONAL_METHODS) if args.world > 1 else [])
         for m in args.methods.split(","):
-            if m not in allowed:
-                ap.error(f"method {m!r} does not apply here; choose from {', '.join(allowed)}")
+            if m not in methods:
+                ap.error(f"method {m!r} does not apply here; choose from {', '.join(methods)}")
         methods = args.methods.split(",")
     budget_mib = args.budget_mib or (64 if args.device == "cuda" else None)
     cfg = {
