@@ -316,8 +316,12 @@ def _fsdp_case(scenario, model, rank, world, device, src, dst, desc, dst_mesh_ra
 
     from reshard.integrations import dtensor as rsdt
 
-    if not dist.is_initialized():  # world 1 runs in this process: DTensors need a group
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not dist.is_initialized():
+        # world 1 runs in this process without a group; DTensors need one. With CUDA it must
+        # have an NCCL backend too, or reshard would take the group's gloo transport, which
+        # refuses GPU buffers.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     case = Case(scenario, model, rank, world, src, dst, desc, ("cpu", device))
     mesh = DeviceMesh("cpu", list(range(world)))
     case.src_dtensors = src.dtensors(case.src_buffers, rank, mesh)
