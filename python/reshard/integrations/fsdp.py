@@ -41,14 +41,14 @@ def _fsdp_params(module):
             continue
         try:
             state = m._get_fsdp_state()
-            if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.12: several per module
+            if hasattr(state, "_fsdp_param_groups"):  # newer torch: a list per module
                 groups = state._fsdp_param_groups
             else:
                 groups = [g for g in (state._fsdp_param_group,) if g is not None]
         except AttributeError as exc:
             raise UnsupportedError(
                 f"this torch's FSDP2 keeps its state differently ({exc}): reshard reads "
-                "FSDPState._fsdp_param_group(s) as torch 2.11-2.13 keep it"
+                "FSDPState._fsdp_param_group(s) as torch 2.13 keeps it"
             ) from None
         for group in groups:
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
