@@ -323,6 +323,10 @@ def _fsdp_case(scenario, model, rank, world, device, src, dst, desc, dst_mesh_ra
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     case = Case(scenario, model, rank, world, src, dst, desc, ("cpu", device))
+    # the model's parameters, not its optimizer states' elements
+    case.params = sc.count_params(
+        {n: s for n, s in src.shapes.items() if not n.startswith(("exp_avg/", "exp_avg_sq/"))}
+    )
     mesh = DeviceMesh("cpu", list(range(world)))
     case.src_dtensors = src.dtensors(case.src_buffers, rank, mesh)
     live = rsdt.describe(case.src_dtensors)
