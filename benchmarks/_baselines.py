@@ -19,7 +19,7 @@ puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
 For a case with `stream` set (rollout_stream) the reshard method is an rs.Stream whose tensors
 are handed to the targets as they arrive.
 - full_tensor (FSDP2 scenarios): per tensor `DTensor.full_tensor()` on every rank, then slice
-  (what FSDP2 weight syncs do today).
+  (what FSDP2 weight syncs do today); with one rank the local tensor is the whole one.
 - dcp (fsdp_resize): torch.distributed.checkpoint save of the source DTensors to a temporary
   directory, then load into the target DTensors (DCP reshards on load).
 """
@@ -295,7 +295,8 @@ def m_full_tensor(case, ctx):
         acct.reset()
         for t in case.names:
             dt = case.src_dtensors[t]
-            full = acct.alloc(dt.full_tensor())
+            # one rank: the local tensor is the whole tensor (no collective to run)
+            full = acct.alloc(dt.full_tensor() if dt.device_mesh.size() > 1 else dt.to_local())
             acct.recv += (full.numel() - dt.to_local().numel()) * full.element_size()
             case.write(t, full, bufs)
             acct.free(full)
@@ -367,8 +368,9 @@ METHODS = {
 
 def methods_for(world, device, scenario=None):
     """The methods that apply to `scenario` (None: the ZeRO-layout scenarios)."""
-    if scenario == "fsdp_weight_sync":
-        return ["reshard", "full_tensor"]
+    if scenario in ("fsdp_weight_sync", "fsdp_offload"):
+        registered = ["reshard_registered"] if world == 1 and device == "cuda" else []
+        return ["reshard", *registered, "full_tensor"]
     if scenario == "fsdp_resize":
         return ["reshard", "full_tensor", "dcp"]
     if scenario == "rollout_stream":

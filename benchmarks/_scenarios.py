@@ -431,21 +431,35 @@ class FsdpShards(sc.Side):
 
 
 def _fsdp_case(scenario, model, rank, world, device, src, dst, desc, dst_mesh_ranks=None):
-    """A Case whose source is FSDP2-style DTensors, described by reshard.integrations.dtensor
-    (the layout the reshard method plans and the LiveDTensors preflight checks); the baselines
-    read the same DTensors. dst_mesh_ranks: the target's mesh when its targets are DTensors."""
+    """A Case whose source is FSDP2-style DTensors in CPU memory (FSDP2's state; under
+    CPUOffloadPolicy when the target device is a GPU), described by
+    reshard.integrations.dtensor: the reshard method plans that layout and its preflight runs
+    the LiveDTensors check; the baselines read the same DTensors. dst_mesh_ranks: the target's
+    mesh when its targets are DTensors too (fsdp_resize's DCP load)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from reshard.integrations import dtensor as rsdt
 
-    case = Case(scenario, model, rank, world, src, dst, desc, (device, device))
-    case.src_dtensors = src.dtensors(case.src_buffers, rank, DeviceMesh(device, list(range(world))))
+    if not dist.is_initialized():
+        # world 1 runs in this process without a group; DTensors need one. With CUDA it must
+        # have an NCCL backend too, or reshard would take the group's gloo transport, which
+        # refuses GPU buffers.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    case = Case(scenario, model, rank, world, src, dst, desc, ("cpu", device))
+    # the model's parameters, not its optimizer states' elements
+    case.params = sc.count_params(
+        {n: s for n, s in src.shapes.items() if not n.startswith(("exp_avg/", "exp_avg_sq/"))}
+    )
+    mesh = DeviceMesh("cpu", list(range(world)))
+    case.src_dtensors = src.dtensors(case.src_buffers, rank, mesh)
     live = rsdt.describe(case.src_dtensors)
     case.src_layout, case.src_buffers = live.layout, live
     if dst_mesh_ranks is not None:
-        mesh = DeviceMesh(device, dst_mesh_ranks)  # every rank creates it (a collective)
+        dst_mesh = DeviceMesh("cpu", dst_mesh_ranks)  # every rank creates it (a collective)
         inside = rank in dst_mesh_ranks
-        case.dst_dtensors = lambda bufs: dst.dtensors(bufs, rank, mesh) if inside else {}
+        case.dst_dtensors = lambda bufs: dst.dtensors(bufs, rank, dst_mesh) if inside else {}
     return case
 
 
@@ -479,6 +493,23 @@ def fsdp_resize(model, rank, world, device="cpu"):
     )
 
 
+def fsdp_offload(model, rank, world, device="cpu"):
+    """FSDP2 state under CPUOffloadPolicy into device-side fp32 partitions of the same geometry
+    (world 1: this process's device; world > 1 on a CPU-only box: the next rank's memory)."""
+    base = sc.named_shapes(model)
+    shapes = {
+        f"{s}/{n}": shape for s in ("param", "exp_avg", "exp_avg_sq") for n, shape in base.items()
+    }
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = FsdpShards(shapes, [(r + 1) % world for r in range(world)], torch.float32, loc0=100000)
+    where = f"{device} of the same process" if world == 1 else "the next rank"
+    desc = (
+        f"FSDP2 CPU-offloaded fp32 params + exp_avg + exp_avg_sq (DTensor Shard(0), DP={world}) "
+        f"-> fp32 device-side partitions on {where}"
+    )
+    return _fsdp_case("fsdp_offload", model, rank, world, device, src, dst, desc)
+
+
 SCENARIOS = {
     "rl_weight_sync": rl_weight_sync,
     "offload_fp32": offload_fp32,
@@ -491,6 +522,7 @@ SCENARIOS = {
     "stream_offload": stream_offload,
     "fsdp_weight_sync": fsdp_weight_sync,
     "fsdp_resize": fsdp_resize,
+    "fsdp_offload": fsdp_offload,
 }
 # default models of a scenario whose size is not the model sweep's (without --models)
 SCENARIO_MODELS = {"lora_sync": ("gpt-125m", "gpt-350m")}
