@@ -12,10 +12,17 @@ sharded state with DeepSpeed's layouts):
 - lora_sync (tiny syncs): LoRA adapters, a few MB in hundreds of tensors, ZeRO-3 shards -> TP
   rollout buffers; its own models (gpt-125m, gpt-350m adapters) unless --models names some.
   The "Tiny syncs" table gives the fixed cost per sync next to the per-tensor baselines.
+- rollout_stream / rollout_tp / stream_offload (on request, --scenarios; docs/rollout.md):
+  full tensors by name to rank 0 through an rs.Stream (against per-parameter gathers and the
+  whole-model gather); vLLM's TP layout through tp_layout (against stream_then_shard); with
+  --world 1 --device cuda, CPU fp32 masters streamed as bf16 into GPU tensors.
 - fsdp_weight_sync: FSDP2 fp32 sharded params (DTensors, Shard(0), torch.chunk rows) -> TP=2
   bf16 rollout buffers; reshard reads them through reshard.integrations.dtensor.
 - fsdp_resize: FSDP2 params + both Adam moments, DP=W -> DP=W-1 (DTensors on a sub-mesh).
-  Not in the default set: `--scenarios fsdp_weight_sync,fsdp_resize`.
+- fsdp_offload: FSDP2 CPU-offloaded params + moments -> fp32 device-side partitions.
+  The FSDP2 scenarios' sources are CPU DTensors. With --world 1 fsdp_offload and
+  fsdp_weight_sync run by default (after the others); on the CPU with --world > 1 name them:
+  `--scenarios fsdp_weight_sync,fsdp_resize`.
 
 Methods (benchmarks/_baselines.py; same run, each checked bitwise against an independent
 reference after its syncs): reshard (one `Transfer` reused), reshard_registered (CUDA),
@@ -94,7 +101,13 @@ MULTI_SCENARIOS = (
     "lora_sync",
 )
 TINY_SCENARIOS = ("lora_sync",)
-SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
+SINGLE_SCENARIOS = (
+    "offload_fp32",
+    "offload_bf16",
+    "offload_back",
+    "fsdp_offload",
+    "fsdp_weight_sync",
+)
 MiB, GiB = C.MiB, C.GiB
 progress = C.progress_logger("sync_latency")
 
@@ -947,8 +960,8 @@ def main(argv=None) -> int:
     for s in scenarios:
         if s not in S.SCENARIOS:
             ap.error(f"unknown scenario {s!r}; choose from {', '.join(S.SCENARIOS)}")
-        if s == "dp_change" and args.world < 2:
-            ap.error("dp_change needs --world >= 2")
+        if s in ("dp_change", "fsdp_resize") and args.world < 2:
+            ap.error(f"{s} needs --world >= 2")
     models = args.models.split(",") if args.models else None
     for m in models or ():
         if m not in S.MODELS:

@@ -2,8 +2,8 @@
 
     python tests/plan_ab.py REV [--examples N]
 
-Loads `python/reshard/{errors,layout,plan}.py` as they were at git revision REV into a
-throwaway package, then (1) calls the old and the current builders (`flat`, `split`,
+Loads the geometry and planning code of git revision REV (`layout.py` and `plan.py`, or the
+packages `layout/` and `planning/`) into a throwaway package, then (1) calls the old and the current builders (`flat`, `split`,
 `replicated`, `nest`) with the same random arguments and compares the pieces they produce,
 and (2) plans the random layout pairs of tests/test_plan.py (small and large) with both
 planners and compares everything a plan says: fingerprint, rounds, budgets, bytes per pair,
@@ -35,24 +35,42 @@ import reshard as rs  # noqa: E402
 
 
 def load_old(rev: str):
-    """The package `reshard_old`: errors, layout, plan as of `rev`."""
+    """(layout module, planner module) of `rev`, as the package `reshard_old`: the single
+    modules layout.py and plan.py, or the packages layout/ and planning/."""
     root = Path(tempfile.mkdtemp(prefix="reshard_old_"))
-    pkg = root / "reshard_old"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    for mod in ("errors", "layout", "plan"):
-        src = subprocess.run(
-            ["git", "-C", str(HERE), "show", f"{rev}:python/reshard/{mod}.py"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        (pkg / f"{mod}.py").write_text(src)
+    paths = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(HERE),
+            "ls-tree",
+            "-r",
+            "--full-tree",
+            "--name-only",
+            rev,
+            "python/reshard/",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    wanted = ("errors.py", "layout.py", "plan.py", "layout/", "planning/")
+    for path in paths:
+        rel = path[len("python/reshard/") :]
+        if not rel.startswith(wanted):
+            continue
+        dest = root / "reshard_old" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(
+            subprocess.run(
+                ["git", "-C", str(HERE), "show", f"{rev}:{path}"], check=True, capture_output=True
+            ).stdout
+        )
+    (root / "reshard_old" / "__init__.py").write_text("")
     sys.path.insert(0, str(root))
-    return (
-        importlib.import_module("reshard_old.layout"),
-        importlib.import_module("reshard_old.plan"),
-    )
+    layout = importlib.import_module("reshard_old.layout")
+    planner = "reshard_old.planning" if (root / "reshard_old" / "planning").is_dir() else None
+    return layout, importlib.import_module(planner or "reshard_old.plan")
 
 
 def table(tl):
@@ -68,10 +86,13 @@ def same_tl(a, b):
 
 
 def to_old(layout, old):
-    tens = {
-        name: old.TensorLayout._from_arrays(tl.shape, *table(tl), name=name, covered=True)
-        for name, tl in layout.tensors.items()
-    }
+    def convert(name, tl):
+        if hasattr(old.TensorLayout, "from_table"):
+            t = old.PieceTable.of(len(tl.shape), *table(tl))
+            return old.TensorLayout.from_table(tl.shape, t, name=name, covered=True)
+        return old.TensorLayout._from_arrays(tl.shape, *table(tl), name=name, covered=True)
+
+    tens = {name: convert(name, tl) for name, tl in layout.tensors.items()}
     st_ = {loc: old.Storage(s.rank, s.dtype, s.numel) for loc, s in layout.storages.items()}
     return old.Layout(tens, st_)
 
@@ -96,23 +117,31 @@ def plan_key(p):
     }
 
 
+def batch_constant(package):
+    """(module, name) of the batch size of a planner: the single module plan.py or a
+    planning package (`package`, default the current one)."""
+    if package is not None and hasattr(package, "_BATCH_PIECES"):
+        return package, "_BATCH_PIECES"
+    name = package.__name__ if package is not None else "reshard.planning"
+    return importlib.import_module(f"{name}.intersect"), "BATCH_PIECES"
+
+
 def compare_plans(src, dst, budget, rank_budget, old_layout, old_plan, batch):
     old_src, old_dst = to_old(src, old_layout), to_old(dst, old_layout)
     kw = {} if rank_budget is None else {"budget_bytes_per_rank": rank_budget}
-    new_mod = sys.modules[rs.plan.__module__]
     results = []
-    for make, mod, a, b in (
-        (old_plan.plan, old_plan, old_src, old_dst),
-        (rs.plan, new_mod, src, dst),
+    for make, (mod, attr), a, b in (
+        (old_plan.plan, batch_constant(old_plan), old_src, old_dst),
+        (rs.plan, batch_constant(None), src, dst),
     ):
-        saved = mod._BATCH_PIECES
-        mod._BATCH_PIECES = batch or saved
+        saved = getattr(mod, attr)
+        setattr(mod, attr, batch or saved)
         try:
             results.append(plan_key(make(a, b, budget, **kw)))
         except ValueError as exc:  # LayoutError included: both must refuse alike
             results.append(("refused", type(exc).__name__, str(exc)))
         finally:
-            mod._BATCH_PIECES = saved
+            setattr(mod, attr, saved)
     assert results[0] == results[1], diff(*results)
 
 

@@ -392,3 +392,78 @@ def test_property_hostile_extents_are_refused_or_fit(pieces, numel):
         if all(p.shape):
             hi = p.offset + sum(s * (n - 1) for s, n in zip(p.strides, p.shape))
             assert hi < numel
+
+
+# -- the public table and the interval utility ---------------------------------------------------
+
+
+def test_piece_table_is_public_and_read_only():
+    tl = rs.split((4, 6), 1, [2, 4], [[3, 4], 5], name="w")
+    t = tl.table
+    assert isinstance(t, rs.layout.PieceTable) and len(tl) == 3
+    np.testing.assert_array_equal(t.location, [3, 4, 5])
+    np.testing.assert_array_equal(t.shape, [[4, 2], [4, 2], [4, 4]])
+    np.testing.assert_array_equal(t.strides, [[2, 1], [2, 1], [4, 1]])
+    for a in t:
+        assert a.dtype == np.int64 and not a.flags.writeable
+        with pytest.raises(ValueError):
+            a[...] = 0
+    again = rs.TensorLayout.from_table(tl.shape, t, name="w", covered=True)
+    assert again == tl and again.pieces == tl.pieces
+    with pytest.raises(rs.LayoutError, match="gap"):
+        rs.TensorLayout.from_table((4, 6), rs.layout.PieceTable.of(2, *(a[:1] for a in t)))
+    assert rs.layout.as_dtype("bf16") is torch.bfloat16
+
+
+def brute_overlaps(iv):
+    """Element sets of half-open intervals, and whether any two share an element."""
+    seen, dup = set(), False
+    for lo, hi in iv:
+        cells = set(range(lo, hi))
+        dup |= bool(seen & cells)
+        seen |= cells
+    return seen, dup
+
+
+intervals = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(1, 8)).map(lambda t: (t[0], t[0] + t[1])),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(intervals, intervals)
+def test_interval_utility_against_brute_force(a, b):
+    from reshard.layout import intervals as iv
+
+    arr = lambda x: np.array(x, np.int64).reshape(-1, 2)  # noqa: E731
+    ma, mb = iv.merge(arr(a)), iv.merge(arr(b))
+    cells_a, dup_a = brute_overlaps(a)
+    cells_b, _ = brute_overlaps(b)
+    # merged: sorted, disjoint, not touching, the same elements
+    assert brute_overlaps(ma.tolist())[0] == cells_a
+    assert (ma[1:, 0] > ma[:-1, 1]).all()
+    hit = iv.first_overlap(ma, mb)
+    assert (hit is None) == (not cells_a & cells_b)
+    if hit is not None:
+        assert set(range(*hit)) <= cells_a & cells_b and hit[1] > hit[0]
+    rows = iv.overlapping_rows(arr(a)[:, 0], arr(a)[:, 1] - arr(a)[:, 0])
+    assert (rows is not None) == dup_a
+    if rows is not None:
+        (lo1, hi1), (lo2, hi2) = a[rows[0]], a[rows[1]]
+        assert rows[0] != rows[1] and max(lo1, lo2) < min(hi1, hi2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**52)), max_size=30))
+def test_segmented_cummax_against_brute_force(pairs):
+    from reshard.layout import intervals as iv
+
+    pairs.sort(key=lambda p: p[0])
+    key = np.array([p[0] for p in pairs], np.int64)
+    x = np.array([p[1] for p in pairs], np.int64)
+    want, run = [], {}
+    for k, v in pairs:
+        run[k] = max(run.get(k, v), v)
+        want.append(run[k])
+    assert iv.segmented_cummax(x, key).tolist() == want

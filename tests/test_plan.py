@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.plan import wire_dtype
+from reshard.planning import intersect, wire_dtype
 
 sys.path.insert(0, str(Path(__file__).parent / "distributed"))
 import _refplan  # noqa: E402
@@ -823,13 +823,12 @@ def test_execute_single_process_with_the_real_op():
 def test_property_small_batches_match(case):
     # planning in many batches (a tensor or two each) must execute the same way
     src, dst, budget = case
-    mod = sys.modules["reshard.plan"]
-    old = mod._BATCH_PIECES
-    mod._BATCH_PIECES = 2
+    old = intersect.BATCH_PIECES
+    intersect.BATCH_PIECES = 2
     try:
         check_plan(src, dst, budget)
     finally:
-        mod._BATCH_PIECES = old
+        intersect.BATCH_PIECES = old
 
 
 def test_flat_group_to_flat_group_merges_across_tensors_and_batches(monkeypatch):
@@ -858,7 +857,7 @@ def test_flat_group_to_flat_group_merges_across_tensors_and_batches(monkeypatch)
 
     src, dst = group(2), group(3)
     one = check_plan(src, dst)
-    monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
+    monkeypatch.setattr(intersect, "BATCH_PIECES", 3)
     many = check_plan(src, dst)
     assert len(one.runs) == len(many.runs) == 4  # [0,150) [150,225) [225,300) [300,450)
 
@@ -900,7 +899,7 @@ def test_property_schedule_alone_equals_schedule_among_all(case):
     for r in full.ranks():
         alone = rs.plan(src, dst, budget_bytes_per_peer=budget)
         assert _schedule_key(alone.schedule(r)) == every[r]
-        assert alone._runs is None  # nothing beyond rank r was materialized
+        assert list(alone._cache) == [("schedule", r)]  # nothing beyond rank r built
         assert alone.fingerprint == full.fingerprint
 
 
@@ -960,7 +959,7 @@ def test_fingerprint_does_not_depend_on_batching(monkeypatch):
         {2 * i + t: S(t, 12) for i in range(12) for t in range(2)},
     )
     one = rs.plan(src, dst, budget_bytes_per_peer=64)
-    monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
+    monkeypatch.setattr(intersect, "BATCH_PIECES", 3)
     many = rs.plan(src, dst, budget_bytes_per_peer=64)
     assert one.fingerprint == many.fingerprint
     assert _schedule_key(one.schedule(1)) == _schedule_key(many.schedule(1))
@@ -979,10 +978,10 @@ def test_direct_tensors_keep_no_jobs_globally():
         {10: S(0, 48), 11: S(1, 48), 12: S(2, 48), 13: S(3, 48)},
     )
     p = check_plan(zero3, tp, budget=64)
-    assert len(p._planner.table) == 0 and p._runs is None
+    assert p.replicated_jobs.count == 0 and "runs" not in p._cache
     rep = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(0, 96), 1: S(1, 96)})
     p = check_plan(rep, tp, budget=64)
-    assert len(p._planner.table) == 4  # one job per column block x two target replicas
+    assert p.replicated_jobs.count == 4  # one job per column block x two target replicas
 
 
 # -- arithmetic at the edges: nothing may wrap around int64 ---------------------------------
@@ -1040,3 +1039,47 @@ def test_target_aliasing_check_with_many_storages_and_a_huge_one():
     src = rs.Layout({k: rs.replicated(t.shape, [n + 5]) for k, t in tens.items()}, {n + 5: S(0, 4)})
     with pytest.raises(rs.LayoutError, match=f"writes storage element 3 of location {n}"):
         rs.plan(src, rs.Layout(tens, storages))
+
+
+# -- the plan as data ------------------------------------------------------------------------------
+
+
+def test_plan_is_frozen_data_and_schedule_a_pure_function():
+    import dataclasses
+
+    import reshard.planning as planning
+
+    assert rs.plan is planning.plan and callable(rs.plan)
+    assert "reshard.plan" not in sys.modules  # the name is the function only
+    shp = (8, 6)
+    src = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(0, 48), 1: S(1, 48)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [3, 3], [2, 3])}, {2: S(2, 24), 3: S(0, 24)})
+    p = rs.plan(src, dst, 32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget_bytes_per_peer = 1
+    arrays = [p.direct, *p.replicated_jobs, *p.rounds.groups, *p.rounds.segments]
+    assert arrays and all(not a.flags.writeable for a in arrays)
+    for r in p.ranks():
+        fresh = planning.schedule(p, r)
+        assert fresh is not planning.schedule(p, r)  # pure: built anew, nothing cached
+        assert _schedule_key(fresh) == _schedule_key(p.schedule(r))
+    assert p.replicated_jobs.count == 2 and p.num_jobs >= 2
+
+
+def test_strided_run_is_not_extended_by_a_row_at_another_target_gap():
+    # target piece A: rows 0-1, cols 0-1 as a (2, 2) block (one strided run, source row
+    # stride 4, target row stride 2); piece B: row 2, cols 0-1 at target offset 7. B's source
+    # row continues A's source stride, but in the target it sits 5 elements after A's last
+    # row, not 2: the runs must not chain
+    shp = (4, 4)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 16)})
+    pieces = [
+        rs.Piece(5, 0, (0, 0), (2, 2), (2, 1)),
+        rs.Piece(5, 7, (2, 0), (1, 2), (2, 1)),
+        rs.Piece(6, 0, (3, 0), (1, 2)),
+        rs.Piece(6, 2, (0, 2), (4, 2)),
+    ]
+    dst = rs.Layout({"w": rs.TensorLayout(shp, pieces)}, {5: S(0, 9), 6: S(1, 10)})
+    p = check_plan(src, dst)
+    runs = [r for r in p.runs.tolist() if r[3] == 5]
+    assert sorted(runs) == [[0, 0, 4, 5, 0, 2, 2, 2], [0, 8, 2, 5, 7, 2, 2, 1]]

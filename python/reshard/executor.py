@@ -454,7 +454,7 @@ class Transfer:
         into them). Undone by `close()`, on context exit, when a location's storage changes, or
         on collection; each Report says what was done in `host_registration` (targets under its
         "targets" key)."""
-        from .plan import plan as make_plan
+        from .planning import plan as make_plan
 
         t0 = time.perf_counter()
         p = make_plan(

@@ -16,12 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .planning import align
+
 SEND, RECV = "send", "recv"
-ALIGN = 16  # arena offsets of packed messages: every wire dtype's vector width divides it
-
-
-def align_up(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 def desc_array(desc) -> np.ndarray:
@@ -177,7 +174,7 @@ def _round(index, sched, direct, dtype_of):
             if nb:
                 wires.append(Wire(int(m.peer), side == SEND, nb, cursor, None))
             need[side] = max(need[side], cursor + nb)
-            cursor = align_up(cursor + nb)
+            cursor = align(cursor + nb)  # packed messages start aligned, as the planner laid them
 
     def fused(side):
         return tuple(

@@ -92,6 +92,8 @@ def _dtensor_cases(mesh1, mesh2):
         ("s1_rep", mesh2, [Shard(1), Replicate()], (3, 5)),
         ("strided", mesh2, [_StridedShard(0, split_factor=2), Shard(0)], (8, 3)),
         ("strided_3d", mesh2, [_StridedShard(1, split_factor=2), Shard(1)], (2, 12, 2)),
+        # alone, a strided shard leaves each rank rows k and 4 + k: two pieces per local tensor
+        ("strided_alone", mesh1, [_StridedShard(0, split_factor=2)], (8, 3)),
         # a sliced mesh: one instance per row of mesh2, each holding a replica
         ("sliced", mesh2["b"], [Shard(0)], (5, 2)),
     ]
@@ -190,7 +192,7 @@ def _fsdp_2d_worker(rank, world):
 
 def test_dtensor_placements_and_2d_meshes(tmp_path):
     names, fsdp_2d = run_ranks(_placements_and_2d_worker, 4, tmp_path, env=ENV, timeout=400)[0]
-    assert len(names) == 11 and fsdp_2d
+    assert len(names) == 12 and fsdp_2d
 
 
 # ------------------------------------------------------------------------ weight sync, restore

@@ -40,11 +40,15 @@ def _fsdp_params(module):
         if not isinstance(m, FSDPModule):
             continue
         try:
-            groups = m._get_fsdp_state()._fsdp_param_groups
+            state = m._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):  # newer torch: a list per module
+                groups = state._fsdp_param_groups
+            else:
+                groups = [g for g in (state._fsdp_param_group,) if g is not None]
         except AttributeError as exc:
             raise UnsupportedError(
                 f"this torch's FSDP2 keeps its state differently ({exc}): reshard reads "
-                "FSDPState._fsdp_param_groups as torch 2.13 keeps it"
+                "FSDPState._fsdp_param_group(s) as torch 2.13 keeps it"
             ) from None
         for group in groups:
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
