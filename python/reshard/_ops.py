@@ -1,28 +1,74 @@
 """The compiled ops (`torch.ops.reshard.*`), their fake implementations and Python wrappers.
 
-Importing this module loads the extension `reshard._C`, whose import registers the ops with
-the dispatcher. The ops are destination-passing: they write into `dst` (and `ring`) and
-return nothing. A descriptor table `desc` is an int64 [n, 6] array/tensor with rows
+`import reshard` imports this module, which loads the extension `reshard._C`: its import
+registers the ops with the dispatcher, and the fake implementations below register with them.
+Without a build (or with one made for another torch) geometry and planning still work; the ops
+are then stand-ins with the same schemas whose every call raises an error that says how to
+build, and `require_built()` raises that error up front.
+
+The ops are destination-passing: they write into `dst` (and `ring`). A descriptor table `desc`
+is an int64 [n, 6] array/tensor with rows
 `(src_offset, src_stride, dst_offset, dst_stride, length, count)` in elements.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import torch
 
-try:
-    from . import _C  # noqa: F401  (registers torch.ops.reshard.*)
-except ImportError as exc:  # pragma: no cover - only without a build
-    raise ImportError(
-        "reshard's compiled extension is missing or does not match this torch "
-        f"({torch.__version__}): build it with `pip install --no-build-isolation -e .` "
-        f"from the repository root ({exc})"
-    ) from exc
-
-__all__ = ["as_desc", "copy_runs", "stage_d2h", "stage_h2d"]
+__all__ = ["as_desc", "copy_runs", "is_built", "require_built", "stage_d2h", "stage_h2d"]
 
 DESC_COLUMNS = ("src_offset", "src_stride", "dst_offset", "dst_stride", "length", "count")
+
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+
+# The op set, exactly as csrc/ops.cpp defines it (tests/test_ops.py compares the two). Here
+# only for the stand-ins registered when the extension is missing.
+SCHEMAS = (
+    "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
+    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()",
+    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()",
+)
+
+try:
+    _C = importlib.import_module(".._C", __name__)  # registers torch.ops.reshard.*
+except ImportError as exc:
+    _C = None
+    _MISSING = (
+        "reshard's compiled extension is missing or does not match this torch "
+        f"({torch.__version__}): build it with `{BUILD_COMMAND}` from the repository root "
+        f"(or `make build`); geometry and planning work without it ({exc})"
+    )
+else:
+    _MISSING = None
+
+
+def is_built() -> bool:
+    """Whether the compiled extension is loaded (torch.ops.reshard.* run real kernels)."""
+    return _MISSING is None
+
+
+def require_built() -> None:
+    """Raise ImportError saying how to build the extension when it is not loaded."""
+    if _MISSING is not None:
+        raise ImportError(_MISSING)
+
+
+def _define_stand_ins() -> None:
+    """Ops with the real schemas whose every call raises the build error, so
+    `torch.ops.reshard.copy_runs(...)` says how to build rather than that the name is missing."""
+    lib = torch.library.Library("reshard", "DEF")  # noqa: TOR901 (kept alive below)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError(_MISSING)
+
+    for schema in SCHEMAS:
+        name = schema.split("(", 1)[0]
+        lib.define(schema)
+        lib.impl(name, missing, "CompositeExplicitAutograd")
+    _define_stand_ins.lib = lib
 
 
 def as_desc(desc) -> torch.Tensor:
@@ -89,17 +135,22 @@ def _check_runs_meta(op: str, src, desc, dst) -> None:
     _check_1d(op, "dst", dst)
 
 
-# The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
-@torch.library.register_fake("reshard::copy_runs")
-def _copy_runs_fake(src, desc, dst):
-    _check_runs_meta("reshard::copy_runs", src, desc, dst)
+def _register_fakes() -> None:
+    # The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
+    @torch.library.register_fake("reshard::copy_runs")
+    def _copy_runs_fake(src, desc, dst):
+        _check_runs_meta("reshard::copy_runs", src, desc, dst)
+
+    @torch.library.register_fake("reshard::stage_h2d")
+    def _stage_h2d_fake(src, desc, ring, dst):
+        _check_runs_meta("reshard::stage_h2d", src, desc, dst)
+
+    @torch.library.register_fake("reshard::stage_d2h")
+    def _stage_d2h_fake(src, desc, ring, dst):
+        _check_runs_meta("reshard::stage_d2h", src, desc, dst)
 
 
-@torch.library.register_fake("reshard::stage_h2d")
-def _stage_h2d_fake(src, desc, ring, dst):
-    _check_runs_meta("reshard::stage_h2d", src, desc, dst)
-
-
-@torch.library.register_fake("reshard::stage_d2h")
-def _stage_d2h_fake(src, desc, ring, dst):
-    _check_runs_meta("reshard::stage_d2h", src, desc, dst)
+if _MISSING is None:
+    _register_fakes()
+else:
+    _define_stand_ins()

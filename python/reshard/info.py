@@ -16,13 +16,14 @@ OPS = ("copy_runs", "stage_h2d", "stage_d2h")
 
 def build_info() -> dict:
     """The facts compiled into `reshard._C` (see csrc/ops.cpp `reshard_build_info`)."""
-    from . import _C
+    from . import _ops
 
-    lib = ctypes.CDLL(_C.__file__)
+    _ops.require_built()
+    lib = ctypes.CDLL(_ops._C.__file__)
     fn = lib.reshard_build_info
     fn.restype = ctypes.c_char_p
     info = json.loads(fn().decode())
-    info["path"] = _C.__file__
+    info["path"] = _ops._C.__file__
     level = lib.rs_cpu_capability()  # the ISA of the C core's bulk casts, after the env cap
     info["cast_isa"] = ("baseline", "avx2", "avx512")[level]
     return info
@@ -46,7 +47,6 @@ def collect() -> dict:
     }
     try:
         out["build"] = build_info()
-        from . import _ops  # noqa: F401  (registers fake impls; import errors surface here)
     except (ImportError, OSError, AttributeError) as exc:
         out["build"] = {"error": str(exc)}
         return out
@@ -80,7 +80,6 @@ def format_text(info: dict) -> str:
     ]
     if "error" in b:
         lines.append(f"extension       NOT LOADED: {b['error']}")
-        lines.append("                build it: pip install --no-build-isolation -e .")
         return "\n".join(lines)
     match = "" if info["torch_matches_build"] else "   <-- MISMATCH: rebuild reshard"
     lines += [
