@@ -13,7 +13,10 @@ is an int64 [n, 6] array/tensor with rows
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib
+import json
 
 import numpy as np
 import torch
@@ -28,8 +31,12 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 # only for the stand-ins registered when the extension is missing.
 SCHEMAS = (
     "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
-    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()",
-    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()",
+    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()",
+    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()",
+    "host_register(Tensor t) -> int",
+    "host_unregister(Tensor t) -> ()",
+    "last_stage_stats() -> int[]",
+    "stage_device_bytes(int ring_bytes) -> int",
 )
 
 try:
@@ -48,6 +55,23 @@ else:
 def is_built() -> bool:
     """Whether the compiled extension is loaded (torch.ops.reshard.* run real kernels)."""
     return _MISSING is None
+
+
+@functools.cache
+def build_info() -> dict:
+    """The facts compiled into `reshard._C` (csrc/ops.cpp `reshard_build_info`): the torch it
+    was built against, whether it has CUDA kernels, its archs, flags and the C core version."""
+    require_built()
+    lib = ctypes.CDLL(_C.__file__)
+    fn = lib.reshard_build_info
+    fn.restype = ctypes.c_char_p
+    return json.loads(fn().decode())
+
+
+def built_with_cuda() -> bool:
+    """Whether the loaded extension has CUDA kernels. Every build defines the same ops; in a
+    CPU-only build the CUDA ones raise when called."""
+    return is_built() and build_info()["cuda"]
 
 
 def require_built() -> None:
@@ -115,6 +139,8 @@ def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) ->
 
 # ------------------------------------------------------------------ fake (meta) impls
 # Metadata checks only: a fake tensor has no data, so row contents are checked at run time.
+# A fake impl also runs for real `meta` tensors (as their kernel): a call that mixes meta and
+# real tensors is refused here, naming the argument, as the real kernels refuse wrong devices.
 
 
 def _check_desc_meta(op: str, desc: torch.Tensor) -> None:
@@ -129,25 +155,54 @@ def _check_1d(op: str, name: str, t: torch.Tensor) -> None:
     torch._check(t.dim() == 1, lambda: f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
 
 
+def _check_device(op: str, name: str, t: torch.Tensor, ok: bool, want: str) -> None:
+    torch._check(ok, lambda: f"{op}: {name} must be {want}, got a tensor on {t.device}")
+
+
 def _check_runs_meta(op: str, src, desc, dst) -> None:
     _check_desc_meta(op, desc)
     _check_1d(op, "src", src)
     _check_1d(op, "dst", dst)
 
 
+def _check_devices(op: str, host: dict, device: dict, desc: torch.Tensor) -> None:
+    """`host` args must be on the CPU and `device` args on the GPU (for copy_runs: on one
+    device, any); all-meta calls (shape propagation) pass; desc lives on the CPU (or on meta
+    with meta buffers)."""
+    tensors = [*host.values(), *device.values()]
+    if all(t.device.type == "meta" for t in tensors):
+        _check_device(op, "desc", desc, desc.device.type in ("cpu", "meta"), "a CPU tensor")
+        return
+    _check_device(op, "desc", desc, desc.device.type == "cpu", "a CPU tensor")
+    for name, t in host.items():
+        _check_device(op, name, t, t.device.type == "cpu", "a CPU tensor")
+    for name, t in device.items():
+        _check_device(op, name, t, t.device.type == "cuda", "a CUDA tensor")
+
+
 def _register_fakes() -> None:
     # The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
     @torch.library.register_fake("reshard::copy_runs")
     def _copy_runs_fake(src, desc, dst):
-        _check_runs_meta("reshard::copy_runs", src, desc, dst)
+        op = "reshard::copy_runs"
+        _check_device(op, "src", src, src.device == dst.device, f"on dst's device ({dst.device})")
+        if src.device.type == "meta":
+            _check_device(op, "desc", desc, desc.device.type in ("cpu", "meta"), "a CPU tensor")
+        else:
+            _check_device(op, "desc", desc, desc.device.type == "cpu", "a CPU tensor")
+        _check_runs_meta(op, src, desc, dst)
 
     @torch.library.register_fake("reshard::stage_h2d")
     def _stage_h2d_fake(src, desc, ring, dst):
-        _check_runs_meta("reshard::stage_h2d", src, desc, dst)
+        op = "reshard::stage_h2d"
+        _check_devices(op, {"src": src, "ring": ring}, {"dst": dst}, desc)
+        _check_runs_meta(op, src, desc, dst)
 
     @torch.library.register_fake("reshard::stage_d2h")
     def _stage_d2h_fake(src, desc, ring, dst):
-        _check_runs_meta("reshard::stage_d2h", src, desc, dst)
+        op = "reshard::stage_d2h"
+        _check_devices(op, {"dst": dst, "ring": ring}, {"src": src}, desc)
+        _check_runs_meta(op, src, desc, dst)
 
 
 if _MISSING is None:

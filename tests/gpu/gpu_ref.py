@@ -19,9 +19,9 @@ def require_cuda_build() -> None:
     no CUDA ops: a CPU-only build on a GPU machine is a broken setup."""
     import pytest
 
-    import reshard._ops  # noqa: F401 - registers torch.ops.reshard
+    from reshard import _ops
 
-    if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
+    if torch.cuda.is_available() and not _ops.built_with_cuda():
         pytest.fail(
             "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
             pytrace=False,
