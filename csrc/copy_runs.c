@@ -103,74 +103,8 @@ static int run_end(int64_t offset, int64_t stride, int64_t length, int64_t count
   return 1;
 }
 
-/* The destination footprint of a non-empty row: `count` intervals [start + i*stride, +length). */
-typedef struct {
-  int64_t start, end, stride, length, count, row;
-} footprint;
-
-static footprint row_footprint(const rs_run *r, int64_t row, int64_t end) {
-  footprint f;
-  f.start = r->dst_offset;
-  f.end = end;
-  f.stride = r->dst_stride;
-  f.length = r->length;
-  f.count = r->count;
-  f.row = row;
-  return f;
-}
-
-static int64_t floor_div(int64_t a, int64_t b) { /* b > 0 */
-  int64_t q = a / b;
-  return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
-/* Does [x, x + len) intersect any interval of footprint g? g has no self-overlap, so when
- * g.count > 1, g.stride >= g.length > 0 and intervals are ordered. */
-static int interval_hits(int64_t x, int64_t len, const footprint *g) {
-  int64_t j = 0;
-  if (g->count > 1) {
-    /* smallest j with g.start + j*stride + g.length > x */
-    int64_t num = x - g->length + 1 - g->start;
-    if (num > 0) j = num / g->stride + (num % g->stride != 0);
-  }
-  if (j >= g->count) return 0;
-  return g->start + j * g->stride < x + len;
-}
-
-/* Exact test of whether two self-non-overlapping footprints share an element. */
-static int footprints_overlap(const footprint *a, const footprint *b) {
-  int64_t i0, i1, i;
-  const footprint *few, *many;
-  if (a->end <= b->start || b->end <= a->start) return 0;
-  if (a->count > 1 && b->count > 1 && a->stride == b->stride) {
-    /* intervals i of a and j of b overlap iff -Lb < d + k*s < La with k = j - i,
-     * k in [-(na-1), nb-1] and d = b.start - a.start. Bounded by RS_MAX_NUMEL. */
-    int64_t s = a->stride, d = b->start - a->start;
-    int64_t k = floor_div(-b->length - d, s) + 1;
-    if (k < -(a->count - 1)) k = -(a->count - 1);
-    return k <= b->count - 1 && d + k * s < a->length;
-  }
-  few = a->count <= b->count ? a : b;
-  many = few == a ? b : a;
-  /* only intervals of `few` inside many's extent can hit it */
-  i0 = 0;
-  i1 = few->count - 1;
-  if (few->count > 1) {
-    int64_t num = many->start - few->length + 1 - few->start;
-    if (num > 0) i0 = num / few->stride + (num % few->stride != 0);
-    i1 = floor_div(many->end - 1 - few->start, few->stride);
-    if (i1 > few->count - 1) i1 = few->count - 1;
-  }
-  for (i = i0; i <= i1; i++) {
-    if (interval_hits(few->start + i * few->stride, few->length, many)) return 1;
-  }
-  return 0;
-}
-
-/* (dst start, row) keys sorted by an LSD radix sort: stable, so equal starts stay in row
- * order; O(n) per 11-bit digit, and digits that do not vary are skipped. Keys are 16 bytes
- * and a row's full footprint is read only when its extent meets another's: qsort of
- * footprints cost more than the copy itself for 1e5 tiny runs. */
+/* (key, row) pairs sorted by an LSD radix sort: stable, so equal keys stay in row order; O(n)
+ * per 11-bit digit, and digits that do not vary are skipped. */
 typedef struct {
   int64_t start, row;
 } keyed;
@@ -178,8 +112,8 @@ typedef struct {
 #define RS_RADIX_BITS 11
 #define RS_RADIX (1 << RS_RADIX_BITS)
 
-/* Sorts a[0..m) by start (>= 0) using tmp (m entries); returns the buffer holding the
- * result. */
+/* Sorts a[0..m) by start (>= 0, <= max_key) using tmp (m entries); returns the buffer holding
+ * the result. */
 static keyed *radix_sort(keyed *a, keyed *tmp, int64_t m, int64_t max_key) {
   static const int64_t mask = RS_RADIX - 1;
   int64_t counts[RS_RADIX];
@@ -209,15 +143,283 @@ static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
               "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
 }
 
-/* Cross-row overlap check of the non-empty rows. Sorted tables (the common case: plans emit
- * rows in dst order) take one linear pass; others are sorted and swept with an active set
- * of rows whose extent reaches the current start. */
+static rs_status no_memory(rs_error *err, int64_t m) {
+  return fail(err, RS_ENOMEM, -1, -1, "cannot allocate the overlap check of %" PRId64 " rows", m);
+}
+
+/* ---- rectangles in a grid */
+
+/* Seen in a grid `width` elements wide, destination element x sits at line x / width, phase
+ * x % width. A run repeated at stride `width` covers one rectangle (lines of its repeats x
+ * phases of the run), or two when the run wraps past a line's end; a single run covers at most
+ * three (a partial line, whole lines, a partial line). A row whose stride divides the width
+ * is width / stride such repeated runs, one per residue of its run index. Two rows write a
+ * common element iff two of their rectangles intersect. */
+typedef struct {
+  int64_t line_lo, line_hi, phase_lo, phase_hi, row;
+} rect;
+
+static rect make_rect(int64_t line_lo, int64_t line_hi, int64_t phase_lo, int64_t phase_hi,
+                      int64_t row) {
+  rect r;
+  r.line_lo = line_lo;
+  r.line_hi = line_hi;
+  r.phase_lo = phase_lo;
+  r.phase_hi = phase_hi;
+  r.row = row;
+  return r;
+}
+
+/* The rectangles of a run [a, a + len) repeated `lines` times at stride `width` (len <= width
+ * when lines > 1); returns how many (at most 3). */
+static int64_t run_rects(int64_t a, int64_t len, int64_t lines, int64_t width, int64_t row,
+                         rect *out) {
+  const int64_t q0 = a / width, p0 = a % width;
+  int64_t q1, p1, k = 0;
+  if (p0 + len <= width) {
+    out[k++] = make_rect(q0, q0 + lines, p0, p0 + len, row);
+  } else if (lines > 1) {
+    out[k++] = make_rect(q0, q0 + lines, p0, width, row);
+    out[k++] = make_rect(q0 + 1, q0 + lines + 1, 0, p0 + len - width, row);
+  } else {
+    q1 = (a + len - 1) / width;
+    p1 = (a + len - 1) % width + 1;
+    out[k++] = make_rect(q0, q0 + 1, p0, width, row);
+    if (q1 > q0 + 1) out[k++] = make_rect(q0 + 1, q1, 0, width, row);
+    out[k++] = make_rect(q1, q1 + 1, 0, p1, row);
+  }
+  return k;
+}
+
+/* Residue classes of a repeated row's runs in a grid of `width` (a multiple of its stride). */
+static int64_t row_classes(const rs_run *r, int64_t width) {
+  const int64_t k = width / r->dst_stride;
+  return k < r->count ? k : r->count;
+}
+
+/* The rectangles of a non-empty row (count == 1, or a stride dividing width). */
+static int64_t row_rects(const rs_run *r, int64_t row, int64_t width, rect *out) {
+  int64_t j, n = 0, k, classes;
+  if (r->count == 1) return run_rects(r->dst_offset, r->length, 1, width, row, out);
+  k = width / r->dst_stride;
+  classes = row_classes(r, width);
+  for (j = 0; j < classes; j++) {
+    const int64_t lines = (r->count - j + k - 1) / k;
+    n += run_rects(r->dst_offset + j * r->dst_stride, r->length, lines, width, row, out + n);
+  }
+  return n;
+}
+
+static int64_t gcd(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+/* Fenwick tree over ranks 1..m: count of active rectangles at each phase rank. */
+static void fenwick_add(int64_t *tree, int64_t m, int64_t i, int64_t delta) {
+  for (; i <= m; i += i & -i) tree[i] += delta;
+}
+
+static int64_t fenwick_prefix(const int64_t *tree, int64_t i) {
+  int64_t sum = 0;
+  for (; i > 0; i -= i & -i) sum += tree[i];
+  return sum;
+}
+
+/* The smallest rank whose prefix count reaches c (1 <= c <= the active count). */
+static int64_t fenwick_find(const int64_t *tree, int64_t m, int64_t c) {
+  int64_t pos = 0, step = 1;
+  while (step * 2 <= m) step *= 2;
+  for (; step > 0; step /= 2) {
+    if (pos + step <= m && tree[pos + step] < c) {
+      pos += step;
+      c -= tree[pos];
+    }
+  }
+  return pos + 1;
+}
+
+/* Do any two of the m rectangles intersect? A sweep over lines keeps the rectangles that cross
+ * the current line in a Fenwick tree ordered by phase; they are disjoint (else the sweep has
+ * stopped), so an entering rectangle can only meet its two phase neighbours: O(m log m). */
+static rs_status rects_overlap(const rect *rects, int64_t m, rs_error *err) {
+  keyed *keys = (keyed *)malloc((size_t)m * 4 * sizeof *keys), *sorted;
+  int64_t *rank = (int64_t *)malloc((size_t)m * sizeof *rank);
+  int64_t *by_rank = (int64_t *)malloc((size_t)m * sizeof *by_rank);
+  int64_t *tree = (int64_t *)calloc((size_t)m + 1, sizeof *tree);
+  int64_t i, max_key = 0, active = 0;
+  rs_status st = RS_OK;
+  if (!keys || !rank || !by_rank || !tree) {
+    st = no_memory(err, m);
+    goto done;
+  }
+  for (i = 0; i < m; i++) {
+    keys[i].start = rects[i].phase_lo;
+    keys[i].row = i;
+    if (rects[i].phase_lo > max_key) max_key = rects[i].phase_lo;
+  }
+  sorted = radix_sort(keys, keys + m, m, max_key);
+  for (i = 0; i < m; i++) {
+    rank[sorted[i].row] = i + 1;
+    by_rank[i] = sorted[i].row;
+  }
+  /* events: line * 2 for a rectangle leaving (before) line * 2 + 1 for one entering */
+  max_key = 0;
+  for (i = 0; i < m; i++) {
+    keys[2 * i].start = rects[i].line_lo * 2 + 1;
+    keys[2 * i].row = i;
+    keys[2 * i + 1].start = rects[i].line_hi * 2;
+    keys[2 * i + 1].row = i;
+    if (keys[2 * i + 1].start > max_key) max_key = keys[2 * i + 1].start;
+  }
+  sorted = radix_sort(keys, keys + 2 * m, 2 * m, max_key);
+  for (i = 0; i < 2 * m && st == RS_OK; i++) {
+    const int64_t k = sorted[i].row, r = rank[k];
+    if ((sorted[i].start & 1) == 0) {
+      fenwick_add(tree, m, r, -1);
+      active--;
+      continue;
+    }
+    {
+      const int64_t below = fenwick_prefix(tree, r - 1);
+      if (below > 0) {
+        const rect *p = &rects[by_rank[fenwick_find(tree, m, below) - 1]];
+        if (p->phase_hi > rects[k].phase_lo) st = report_overlap(err, p->row, rects[k].row);
+      }
+      if (st == RS_OK && below < active) {
+        const rect *q = &rects[by_rank[fenwick_find(tree, m, below + 1) - 1]];
+        if (q->phase_lo < rects[k].phase_hi) st = report_overlap(err, q->row, rects[k].row);
+      }
+    }
+    fenwick_add(tree, m, r, 1);
+    active++;
+  }
+done:
+  free(keys);
+  free(rank);
+  free(by_rank);
+  free(tree);
+  return st;
+}
+
+/* ---- rows of several strides: a merge of the rows' runs in dst order */
+
+typedef struct {
+  int64_t start, row, index; /* the row's next run: index `index`, at dst element `start` */
+} next_run;
+
+static int run_before(const next_run *a, const next_run *b) {
+  return a->start < b->start || (a->start == b->start && a->row < b->row);
+}
+
+static void heap_down(next_run *h, int64_t m, int64_t i) {
+  for (;;) {
+    int64_t l = 2 * i + 1, r = l + 1, best = i;
+    next_run t;
+    if (l < m && run_before(&h[l], &h[best])) best = l;
+    if (r < m && run_before(&h[r], &h[best])) best = r;
+    if (best == i) return;
+    t = h[i];
+    h[i] = h[best];
+    h[best] = t;
+    i = best;
+  }
+}
+
+/* The rows' runs merged in dst order by a heap; consecutive runs of one row (already known to
+ * be disjoint) are taken as one step, up to the next other row's run. O(s log m) for s
+ * alternations between rows, at most the number of runs, which a table that passes never has
+ * more of than the copy itself moves. */
+static rs_status merge_overlap(const rs_run *runs, const keyed *rows, int64_t m, rs_error *err) {
+  next_run *heap = (next_run *)malloc((size_t)m * sizeof *heap);
+  int64_t i, size = m, last_end = 0, last_row = -1;
+  rs_status st = RS_OK;
+  if (!heap) return no_memory(err, m);
+  for (i = 0; i < m; i++) {
+    heap[i].start = rows[i].start;
+    heap[i].row = rows[i].row;
+    heap[i].index = 0;
+  }
+  for (i = m / 2; i-- > 0;) heap_down(heap, m, i);
+  while (size > 0) {
+    const rs_run *r = &runs[heap[0].row];
+    int64_t last = r->count - 1;
+    if (last_row >= 0 && heap[0].start < last_end) {
+      st = report_overlap(err, last_row, heap[0].row);
+      break;
+    }
+    if (size > 1 && r->count > 1) { /* its runs that start before the next row's run */
+      const next_run *second = size > 2 && run_before(&heap[2], &heap[1]) ? &heap[2] : &heap[1];
+      if (second->start <= heap[0].start) {
+        last = heap[0].index;
+      } else {
+        const int64_t k = heap[0].index + (second->start - 1 - heap[0].start) / r->dst_stride;
+        if (k < last) last = k;
+      }
+    }
+    last_row = heap[0].row;
+    last_end = r->dst_offset + last * r->dst_stride + r->length;
+    if (last + 1 < r->count) {
+      heap[0].index = last + 1;
+      heap[0].start = r->dst_offset + (last + 1) * r->dst_stride;
+    } else {
+      heap[0] = heap[--size];
+    }
+    heap_down(heap, size, 0);
+  }
+  free(heap);
+  return st;
+}
+
+/* Rectangles per row beyond which a cluster is merged instead: the rectangles would cost more
+ * memory than the merge's one entry per row, and not less time. */
+#define RS_RECTS_PER_ROW 8
+
+/* Overlap among the rows of one cluster (rows sorted by dst start whose extents chain). In a
+ * grid as wide as the lcm of the repeated rows' strides each row is a few rectangles: one or
+ * two for a transpose or a column slice (one stride), a few more when strides are small
+ * multiples of each other. Otherwise (coprime strides, say) the runs are merged. */
+static rs_status cluster_overlap(const rs_run *runs, const keyed *rows, int64_t m, rs_error *err) {
+  int64_t i, width = 1, nrects = 0;
+  rect *rects;
+  rs_status st;
+  for (i = 0; i < m; i++) {
+    const int64_t s = runs[rows[i].row].dst_stride; /* >= length >= 1 when count >= 2 */
+    int64_t multiple;
+    if (runs[rows[i].row].count < 2) continue;
+    multiple = width / gcd(width, s);
+    if (multiple > RS_MAX_NUMEL / s) return merge_overlap(runs, rows, m, err);
+    width = multiple * s;
+  }
+  for (i = 0; i < m; i++) {
+    const rs_run *r = &runs[rows[i].row];
+    nrects += r->count < 2 ? 3 : 2 * row_classes(r, width);
+    if (nrects > RS_RECTS_PER_ROW * m) return merge_overlap(runs, rows, m, err);
+  }
+  rects = (rect *)malloc((size_t)nrects * sizeof *rects);
+  if (!rects) return no_memory(err, m);
+  nrects = 0;
+  for (i = 0; i < m; i++)
+    nrects += row_rects(&runs[rows[i].row], rows[i].row, width, rects + nrects);
+  st = rects_overlap(rects, nrects, err);
+  free(rects);
+  return st;
+}
+
+/* Cross-row overlap check of the non-empty rows. Tables sorted by dst (what plans emit) take
+ * one linear pass. Others are sorted by dst start and cut into clusters of rows whose extents
+ * chain, and each cluster is checked on its own: O(n log n) in rows when a cluster's strides
+ * are one stride or small multiples of each other (transposes, column slices), else O(s log n)
+ * for s alternations between rows in dst order (see merge_overlap). */
 static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_t *ends,
                                      rs_error *err) {
-  int64_t i, m = 0, max_end = -1, max_start = 0, nactive = 0;
+  int64_t i, m = 0, max_end = -1, max_start = 0;
   int sorted = 1;
   keyed *buf, *key;
-  int64_t *active;
   rs_status st = RS_OK;
   for (i = 0; i < n && sorted; i++) {
     if (runs[i].length == 0 || runs[i].count == 0) continue;
@@ -228,12 +430,7 @@ static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_
 
   for (i = 0; i < n; i++) m += runs[i].length != 0 && runs[i].count != 0;
   buf = (keyed *)malloc((size_t)m * 2 * sizeof *buf);
-  active = (int64_t *)malloc((size_t)m * sizeof *active);
-  if (!buf || !active) {
-    free(buf);
-    free(active);
-    return fail(err, RS_ENOMEM, -1, -1, "overlap check: cannot allocate %" PRId64 " entries", m);
-  }
+  if (!buf) return no_memory(err, m);
   m = 0;
   for (i = 0; i < n; i++) {
     if (runs[i].length != 0 && runs[i].count != 0) {
@@ -244,25 +441,15 @@ static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_
     }
   }
   key = radix_sort(buf, buf + m, m, max_start);
-  for (i = 0; i < m && st == RS_OK; i++) {
-    int64_t a = 0, row = key[i].row;
-    while (a < nactive && st == RS_OK) {
-      int64_t other = active[a];
-      if (ends[other] <= key[i].start) { /* ends before this one starts: never again */
-        active[a] = active[--nactive];
-        continue;
-      }
-      {
-        footprint f = row_footprint(&runs[other], other, ends[other]);
-        footprint g = row_footprint(&runs[row], row, ends[row]);
-        if (footprints_overlap(&f, &g)) st = report_overlap(err, other, row);
-      }
-      a++;
-    }
-    active[nactive++] = row;
+  for (i = 0; i < m && st == RS_OK;) {
+    int64_t j = i + 1;
+    max_end = ends[key[i].row];
+    for (; j < m && key[j].start < max_end; j++)
+      if (ends[key[j].row] > max_end) max_end = ends[key[j].row];
+    if (j - i > 1) st = cluster_overlap(runs, key + i, j - i, err);
+    i = j;
   }
   free(buf);
-  free(active);
   return st;
 }
 
