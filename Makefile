@@ -1,16 +1,20 @@
-# reshard: `make test` installs what is missing, builds, runs the C tests (ASan+UBSan), a
-# short libFuzzer run and pytest. `make lint`, `make demo`, `make bench`, `make info`.
+# reshard: `make test` installs what is missing (system packages through apt-get, Python
+# packages through pip), builds, runs the C tests (ASan+UBSan), a short libFuzzer run and pytest.
+# `make lint`, `make demo`, `make bench`, `make info`.
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH_VERSION ?= 2.13.0
-# A local CPU wheel is used when present (no multi-GB CUDA download); else PyTorch's CPU index.
-TORCH_WHEEL ?= $(firstword $(wildcard .whl/torch-$(TORCH_VERSION)+cpu-*.whl /opt/wheels/torch-$(TORCH_VERSION)+cpu-*.whl))
+# A local CPU wheel for this Python is used when present (no multi-GB CUDA download); else
+# PyTorch's CPU index.
+PY_TAG = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
+TORCH_WHEEL ?= $(firstword $(wildcard .whl/torch-$(TORCH_VERSION)+cpu-$(PY_TAG)-*.whl \
+	/opt/wheels/torch-$(TORCH_VERSION)+cpu-$(PY_TAG)-*.whl))
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 RUFF_VERSION ?= 0.17.6
 CLANG_FORMAT_VERSION ?= 23.1.5
 # The DeepSpeed the integration's internals were verified against (docs/deepspeed.md).
 DEEPSPEED_VERSION ?= 0.19.8
-SAN_CC ?= $(shell command -v clang >/dev/null 2>&1 && echo clang || echo gcc)
+SAN_CC ?= clang
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 25
 NVCC ?= nvcc
@@ -26,15 +30,99 @@ SAN_FLAGS := -std=c11 -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefine
 C_FORMAT_FILES := $(wildcard csrc/*.c csrc/*.h csrc/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh \
 	csrc/cuda/*.h tests/c/*.c)
 
-.PHONY: all test deps deps-torch deps-test deps-deepspeed deps-lint build cstrict ctest fuzz \
-	pytest lint format demo bench info cuda-check clean
+.PHONY: all test deps deps-system deps-torch deps-test deps-deepspeed deps-lint build cstrict \
+	ctest fuzz pytest lint format demo bench info cuda-check clean
 
 all: build
 
-test: deps build ctest fuzz pytest
+test: deps-system deps build ctest fuzz pytest
 
 # ---------------------------------------------------------------- dependencies
 deps: deps-torch deps-test deps-deepspeed
+
+# System packages the build and the tests need: a C/C++ compiler (the extension, the strict C11
+# compile), readelf (tests/test_ops.py reads the extension's NEEDED entries), Python's headers,
+# and clang with its libFuzzer/ASan/UBSan runtime (Debian ships that runtime apart, as
+# libclang-rt-<version>-dev). Installs only what is missing, through apt-get (sudo when not
+# root), and says what; without apt-get or root it fails naming what to install.
+define DEPS_SYSTEM_SH
+set -eo pipefail
+probe=$$(mktemp -d)
+trap 'rm -rf "$$probe"' EXIT
+echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return 0; }' \
+	>"$$probe/fuzz.c"
+fuzz_links() {
+	"$(FUZZ_CC)" -fsanitize=fuzzer,address,undefined "$$probe/fuzz.c" -o "$$probe/fuzz" \
+		>"$$probe/log" 2>&1
+}
+clang_version() {
+	"$(FUZZ_CC)" --version | sed -n 's/.*clang version \([0-9]*\).*/\1/p' | head -n 1
+}
+listed() { local IFS=';'; echo "$$*" | sed 's/;/; /g'; }
+pkgs=() missing=()
+if ! command -v cc >/dev/null || ! command -v c++ >/dev/null; then
+	pkgs+=(build-essential) missing+=("a C/C++ compiler (cc, c++)")
+fi
+command -v readelf >/dev/null || { pkgs+=(binutils) missing+=(readelf); }
+py_include=$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+if [ ! -f "$$py_include/Python.h" ]; then
+	missing+=("Python's headers ($$py_include/Python.h)")
+	case $$py_include in /usr/include/python*) pkgs+=("$${py_include#/usr/include/}-dev") ;; esac
+fi
+runtime=
+if ! command -v "$(FUZZ_CC)" >/dev/null; then
+	pkgs+=("$(FUZZ_CC)") missing+=("$(FUZZ_CC)") runtime=yes
+elif ! fuzz_links; then
+	missing+=("the libFuzzer/sanitizer runtime of $$("$(FUZZ_CC)" --version | head -n 1)") runtime=yes
+fi
+if [ $${#missing[@]} -eq 0 ]; then
+	echo "deps-system: present: cc, c++, readelf, Python.h," \
+		"$(FUZZ_CC) $$(clang_version) with libFuzzer/ASan/UBSan"
+	exit 0
+fi
+fail() {
+	echo "deps-system: missing: $$(listed "$${missing[@]}")" >&2
+	echo "deps-system: $$1" >&2
+	echo "deps-system: on Debian/Ubuntu, as root: apt-get install $${pkgs[*]}" \
+		"$${runtime:+libclang-rt-<clang major version>-dev}" >&2
+	exit 1
+}
+command -v apt-get >/dev/null || fail "no apt-get here: install these with your package manager"
+if [ "$$(id -u)" -eq 0 ]; then as_root=(env)
+elif command -v sudo >/dev/null; then as_root=(sudo env)
+else fail "not root and no sudo: ask an administrator to install these"
+fi
+echo "deps-system: missing: $$(listed "$${missing[@]}")"
+echo "deps-system: apt-get update"
+"$${as_root[@]}" apt-get update -q || fail "apt-get update failed (output above)"
+if [ -n "$$runtime" ]; then
+	# The clang that will be installed (the `clang` package depends on clang-<major>).
+	if command -v "$(FUZZ_CC)" >/dev/null; then major=$$(clang_version)
+	else major=$$(apt-cache depends "$(FUZZ_CC)" 2>/dev/null |
+			sed -n 's/.*Depends: clang-\([0-9]*\)$$/\1/p' | head -n 1 || true)
+		major=$${major:-$$(echo "$(FUZZ_CC)" | sed -n 's/^clang-\([0-9]*\)$$/\1/p')}
+	fi
+	# Older releases ship the runtime inside clang's own packages: no separate package there.
+	if [ -n "$$major" ] && apt-cache show "libclang-rt-$$major-dev" >/dev/null 2>&1; then
+		pkgs+=("libclang-rt-$$major-dev")
+	fi
+fi
+echo "deps-system: apt-get install $${pkgs[*]}"
+"$${as_root[@]}" DEBIAN_FRONTEND=noninteractive \
+	apt-get install -y -q --no-install-recommends "$${pkgs[@]}" ||
+	fail "apt-get install $${pkgs[*]} failed (output above)"
+if ! fuzz_links; then
+	cat "$$probe/log" >&2
+	echo "deps-system: $(FUZZ_CC) still cannot link -fsanitize=fuzzer,address,undefined" \
+		"after installing $${pkgs[*]}: install the compiler-rt runtime of that clang" >&2
+	exit 1
+fi
+echo "deps-system: installed $${pkgs[*]}; $(FUZZ_CC) $$(clang_version) links libFuzzer/ASan/UBSan"
+endef
+export DEPS_SYSTEM_SH
+
+deps-system:
+	@bash -c "$$DEPS_SYSTEM_SH"
 
 deps-torch:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -50,8 +138,9 @@ deps-test:
 		2>/dev/null || $(PIP) install numpy hypothesis pytest pytest-timeout setuptools wheel
 
 # DeepSpeed's tests (tests/deepspeed) run real engines on the CPU; its CUDA ops stay unbuilt.
-deps-deepspeed: deps-torch
-	@$(PYTHON) -c "import deepspeed" 2>/dev/null || \
+# Looked up, not imported: importing DeepSpeed takes seconds.
+deps-deepspeed: deps-torch deps-test
+	@$(PYTHON) -c "import importlib.util as u, sys; sys.exit(not u.find_spec('deepspeed'))" || \
 		DS_BUILD_OPS=0 $(PIP) install --no-build-isolation "deepspeed==$(DEEPSPEED_VERSION)"
 
 deps-lint:
@@ -61,7 +150,7 @@ deps-lint:
 		$(PIP) install "clang-format==$(CLANG_FORMAT_VERSION)"
 
 # ---------------------------------------------------------------- build
-build: deps-torch deps-test
+build: deps-system deps-torch deps-test
 	$(PIP) install --no-build-isolation -e .
 
 # ---------------------------------------------------------------- C tests
@@ -89,12 +178,12 @@ $(BIN)/test_core_stream: tests/c/test_core.c $(CORE) csrc/reshard.h
 	$(SAN_CC) $(SAN_FLAGS) -DRS_STREAM_MIN_BYTES=1 $(CORE) tests/c/test_core.c -lm -o $@
 
 # test_core once per instruction-set level of the bulk casts (RS_CONVERTER in csrc/copy_runs.c).
-ctest: cstrict $(BIN)/test_core $(BIN)/test_core_stream
+ctest: deps-system cstrict $(BIN)/test_core $(BIN)/test_core_stream
 	for cap in default avx2 avx512; do RESHARD_CPU_CAPABILITY=$$cap $(BIN)/test_core || exit 1; done
 	$(BIN)/test_core_stream
 
 # A short libFuzzer run over a scratch copy of the seed corpus (the repo copy stays clean).
-fuzz: $(BIN)/fuzz_validate
+fuzz: deps-system $(BIN)/fuzz_validate
 	@rm -rf $(BIN)/corpus && mkdir -p $(BIN)/corpus && cp tests/c/corpus/* $(BIN)/corpus/
 	$(BIN)/fuzz_validate -max_total_time=$(FUZZ_SECONDS) -max_len=1024 -print_final_stats=1 \
 		-artifact_prefix=$(BIN)/ $(BIN)/corpus 2>&1 | tail -n 12

@@ -564,7 +564,7 @@ def test_extension_links_torch_openmp():
 
     if not torch.backends.openmp.is_available():
         pytest.skip("this torch is built without OpenMP: at::parallel_for is serial by design")
-    assert shutil.which("readelf"), "readelf (binutils) is needed: .ci/run installs it"
+    assert shutil.which("readelf"), "readelf (binutils) is needed: make deps-system installs it"
     dyn = subprocess.run(
         ["readelf", "-d", reshard._C.__file__], capture_output=True, text=True, check=True
     ).stdout

@@ -43,5 +43,6 @@ def test_expected_death_and_unexpected_death(tmp_path):
 def test_hung_rank_is_killed_and_named(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 still running"):
-        run_ranks(SW.w_hang, 2, tmp_path, timeout=15)
-    assert time.monotonic() - t0 < 40
+        # generous: rank 0 must import torch and finish before the timeout on a loaded machine
+        run_ranks(SW.w_hang, 2, tmp_path, timeout=45)
+    assert time.monotonic() - t0 < 120
