@@ -223,3 +223,10 @@ cuda-check:
 
 clean:
 	rm -rf $(BIN) build dist python/reshard/*.so python/*.egg-info
+
+# ---------------------------------------------------------------- mutation check
+# Plants one-line bugs one at a time in a throwaway copy and runs the tests that should catch
+# each (tests/mutation/mutate.py); run before calling planner/preflight/executor work done.
+.PHONY: mutate
+mutate: build
+	$(PYTHON) tests/mutation/mutate.py $(MUTATE_ARGS)

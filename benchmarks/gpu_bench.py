@@ -17,12 +17,17 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
-import reshard._ops as ops
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+import reshard._ops as ops  # noqa: E402
 
 DEV = "cuda"
 GB = 1e9
@@ -50,35 +55,7 @@ def record(section: str, row: dict) -> None:
     log(section, _rounded(row))
 
 
-def time_events(fn, reps=20, warmup=3):
-    """Median seconds of fn() measured with CUDA events on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def time_wall(fn, reps=5, warmup=1):
-    """Median wall seconds of fn() followed by a device synchronize."""
-    for _ in range(warmup):
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+time_events, time_wall = C.time_events, C.time_wall
 
 
 def fill_random(t: torch.Tensor) -> torch.Tensor:
@@ -398,14 +375,15 @@ def bench_model_sync(quick):
 
 
 def write_outputs(out):
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "gpu_bench.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1)
-    c = RESULTS["ceilings"]
+    C.write_results(os.path.join(out, "gpu_bench.json"), RESULTS, markdown, plot)
+
+
+def markdown(res):
+    c = res["ceilings"]
     lines = [
         "# reshard GPU benchmarks",
         "",
-        "Environment: " + json.dumps(RESULTS["env"]),
+        "Environment: " + json.dumps(res["env"]),
         "",
         "## Ceilings (same run)",
         "",
@@ -423,9 +401,9 @@ def write_outputs(out):
     lines += [
         f"| {x['run_bytes']} | {x['runs']} | {x['dst_dtype']} | {x['GBps']:.0f} | "
         f"{x['ratio_d2d']:.2f} |"
-        for x in RESULTS["copy_runs"]
+        for x in res["copy_runs"]
     ]
-    v = RESULTS.get("copy_runs_vs_torch")
+    v = res.get("copy_runs_vs_torch")
     if v:
         lines += [
             "",
@@ -447,9 +425,9 @@ def write_outputs(out):
     lines += [
         f"| {x['case']} | {x['run_bytes']} | {x['GBps']:.1f} | {x['floor_GBps']:.1f} | "
         f"{x['ratio_floor']:.2f} | {x['direct_copies']} | {x['chunks']} |"
-        for x in RESULTS["staging"]
+        for x in res["staging"]
     ]
-    if RESULTS["ring"]:
+    if res["ring"]:
         lines += [
             "",
             "## ring size sweep: 1 GiB in 4 MiB runs from/to pageable host memory",
@@ -463,9 +441,9 @@ def write_outputs(out):
         lines += [
             f"| {x['case']} | {x['ring_MiB']} | {x['slots']} | {x['wire_GBps']:.1f} | "
             f"{x['of_pcie']:.2f} |"
-            for x in RESULTS["ring"]
+            for x in res["ring"]
         ]
-    m = RESULTS["model_sync"]
+    m = res["model_sync"]
     if m:
         lines += [
             "",
@@ -475,59 +453,56 @@ def write_outputs(out):
             json.dumps(m, indent=1),
             "```",
         ]
-    with open(os.path.join(out, "gpu_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+    return "\n".join(lines) + "\n"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(1, 3, figsize=(18, 5))
-        for ddt, mk in (("float32", "o-"), ("bfloat16", "s--")):
-            xs = [x for x in RESULTS["copy_runs"] if x["dst_dtype"] == ddt]
-            xs.sort(key=lambda x: x["run_bytes"])
-            ax[0].semilogx(
-                [x["run_bytes"] for x in xs],
-                [x["GBps"] for x in xs],
-                mk,
-                label=f"copy_runs f32->{ddt}",
+def plot(stem, res):
+    plt = C.pyplot()
+    c, m = res["ceilings"], res["model_sync"]
+    fig, ax = plt.subplots(1, 3, figsize=(18, 5))
+    for ddt, mk in (("float32", "o-"), ("bfloat16", "s--")):
+        xs = [x for x in res["copy_runs"] if x["dst_dtype"] == ddt]
+        xs.sort(key=lambda x: x["run_bytes"])
+        ax[0].semilogx(
+            [x["run_bytes"] for x in xs],
+            [x["GBps"] for x in xs],
+            mk,
+            label=f"copy_runs f32->{ddt}",
+        )
+    ax[0].axhline(c["d2d_GBps"], color="k", ls=":", label="device copy")
+    ax[0].set_xlabel("run bytes")
+    ax[0].set_ylabel("GB/s (read+write)")
+    ax[0].legend()
+    ax[0].set_title("copy_runs on the H200")
+    st = res["staging"]
+    labels = [f"{x['case']}\n{x['run_bytes'] >> 10}K" for x in st]
+    ax[1].bar(range(len(st)), [x["GBps"] for x in st])
+    ax[1].plot(range(len(st)), [x["floor_GBps"] for x in st], "r_", ms=20, label="floor")
+    ax[1].set_xticks(range(len(st)), labels, rotation=90, fontsize=7)
+    ax[1].set_ylabel("GB/s")
+    ax[1].legend()
+    ax[1].set_title("staging (ring 64 MiB)")
+    if m:
+        keys = [
+            k
+            for k in (
+                "per_tensor_pageable_s",
+                "ours_pageable_s",
+                "copy_then_cast_s",
+                "ours_pageable_bf16_s",
+                "per_tensor_pinned_s",
+                "ours_registered_s",
+                "ours_registered_bf16_s",
             )
-        ax[0].axhline(c["d2d_GBps"], color="k", ls=":", label="device copy")
-        ax[0].set_xlabel("run bytes")
-        ax[0].set_ylabel("GB/s (read+write)")
-        ax[0].legend()
-        ax[0].set_title("copy_runs on the H200")
-        st = RESULTS["staging"]
-        labels = [f"{x['case']}\n{x['run_bytes'] >> 10}K" for x in st]
-        ax[1].bar(range(len(st)), [x["GBps"] for x in st])
-        ax[1].plot(range(len(st)), [x["floor_GBps"] for x in st], "r_", ms=20, label="floor")
-        ax[1].set_xticks(range(len(st)), labels, rotation=90, fontsize=7)
-        ax[1].set_ylabel("GB/s")
-        ax[1].legend()
-        ax[1].set_title("staging (ring 64 MiB)")
-        if m:
-            keys = [
-                k
-                for k in (
-                    "per_tensor_pageable_s",
-                    "ours_pageable_s",
-                    "copy_then_cast_s",
-                    "ours_pageable_bf16_s",
-                    "per_tensor_pinned_s",
-                    "ours_registered_s",
-                    "ours_registered_bf16_s",
-                )
-                if k in m
-            ]
-            ax[2].barh(range(len(keys)), [m[k] for k in keys])
-            ax[2].set_yticks(range(len(keys)), [k[:-2] for k in keys])
-            ax[2].set_xlabel("seconds (18 GB of fp32 state)")
-            ax[2].set_title("1.5B-param offloaded optimizer sync")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "gpu_bench.png"), dpi=90)
-    except Exception as exc:  # noqa: BLE001 - the numbers matter more than the picture
-        log("plot failed:", exc)
+            if k in m
+        ]
+        ax[2].barh(range(len(keys)), [m[k] for k in keys])
+        ax[2].set_yticks(range(len(keys)), [k[:-2] for k in keys])
+        ax[2].set_xlabel("seconds (18 GB of fp32 state)")
+        ax[2].set_title("1.5B-param offloaded optimizer sync")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=90)
+    plt.close(fig)
 
 
 def main():
@@ -538,17 +513,15 @@ def main():
     ap.add_argument(
         "--only", default=None, help="comma list of sections: copy_runs,staging,ring,model"
     )
+    ap.add_argument("--from-json", default=None, help="re-render PATH's .md and .png only")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            C.write_results(args.from_json, json.load(f), markdown, plot)
+        return
     assert torch.cuda.is_available(), "needs a CUDA device"
     p = torch.cuda.get_device_properties(0)
-    RESULTS["env"] = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": p.name,
-        "sms": p.multi_processor_count,
-        "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-    }
+    RESULTS["env"] = C.environment("cuda") | {"gpu": p.name, "sms": p.multi_processor_count}
     log("env", json.dumps(RESULTS["env"]))
     sections = {
         "copy_runs": bench_copy_runs,

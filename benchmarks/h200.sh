@@ -13,7 +13,7 @@
 # CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
 # SYNC_S comes out of the tests' and benchmarks' time: give BUDGET ~550 on one GPU. A longer run
 # of it: SYNC_S=450 SYNC_MODELS=gpt-125m,gpt-350m,gpt-760m,gpt-1.3b (BUDGET raised to match).
-# With >= 2 GPUs (issue 8) the default BUDGET is 520 and MULTI_S (default 270) is kept for the
+# With >= 2 GPUs the default BUDGET is 520 and MULTI_S (default 270) is kept for the
 # multi-GPU step that runs last: tests/gpu/multi over NCCL (<= MULTI_TEST_S, default 170) and
 # benchmarks/nccl_bench.py (the rest); pytest_multi.log, nccl_bench.{json,md,png,txt,log}.
 set -u -o pipefail
@@ -68,7 +68,7 @@ fi
 echo "build: $status_build ($(($(date +%s) - T0)) s)"
 
 if [[ $status_build != FAILED ]]; then
-  # ---- a native backtrace if an argument-error path crashes (seen once on torch 2.11)
+  # ---- a native backtrace if an argument-error path crashes
   if command -v cuda-gdb >/dev/null; then
     timeout 60 cuda-gdb -batch -ex run -ex bt --args $PY -c 'import torch, reshard._ops
 ok = torch.tensor([[0, 0, 0, 0, 4, 1]])
@@ -110,7 +110,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
   fi
   echo "bench: $status_bench ($(($(date +%s) - T0)) s)"
 
-  # ---- repeated-sync benchmark (issue 7): writes sync_latency_h200.{json,md} + plots after
+  # ---- repeated-sync benchmark: writes sync_latency_h200.{json,md} + plots after
   # every case, so a timeout keeps the finished ones; --time-budget stops starting new cases.
   echo "== sync_latency"
   t=$(( $(left) - 15 ))
@@ -144,7 +144,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
     tail -6 "$OUT/sanitizer.log"
   fi
 
-  # ---- multi-GPU (issue 8), last: NCCL tests on 2 GPUs, then benchmarks/nccl_bench.py
+  # ---- multi-GPU, last: NCCL tests on 2 GPUs, then benchmarks/nccl_bench.py
   if ((NGPU >= 2)); then
     RESERVE=0
     echo "== multi-GPU ($NGPU GPUs, $(left) s left)"

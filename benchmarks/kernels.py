@@ -10,7 +10,7 @@ in the same process on the same buffers:
   index        torch.index_select(src, 0, idx, out=dense) / dense-> index_copy_ (unpack)
   same-size    one out.copy_(src) of the same number of bytes
   large copy   (runs >= 64 KiB) one contiguous copy of LARGE_BYTES, the faster per repeat of
-               torch's copy_ and glibc's memcpy on every thread: the issue's reference
+               torch's copy_ and glibc's memcpy on every thread: the reference
                "bandwidth of a single large contiguous copy"
 
 Method: buffers are filled (so pre-faulted) before timing; each op runs untimed twice; then
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import platform
 import statistics
@@ -47,8 +46,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import reshard
-from reshard import _ops
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+import reshard  # noqa: E402
+from reshard import _ops  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KIB, MIB = 1 << 10, 1 << 20
@@ -281,11 +284,8 @@ def llc_bytes():
 def environment(device):
     from reshard import info
 
-    env = {
-        "torch": torch.__version__,
+    env = C.environment(device.type) | {
         "reshard": reshard.__version__,
-        "threads": torch.get_num_threads(),
-        "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
@@ -367,13 +367,13 @@ def markdown(results, env, checks):
             f"| {r(res, 'unpack vs same-size')} | {r(res, 'unpack vs large copy')} "
             f"| {g(res, 'same-size')} |"
         )
-    lines += ["", "Targets (issue #2):", ""]
+    lines += ["", "Targets:", ""]
     lines += [f"- {line}" for line in target_lines(checks)]
     return "\n".join(lines) + "\n"
 
 
 def targets(results):
-    """The done-when checks of the foundation issue, from the measured points: every point
+    """The targets, checked on the measured points: every point
     with runs >= 64 KiB counts, in cache or not, pack and unpack."""
     out = {"foreach": None, "large": [], "large_min": None, "large_min_out_of_cache": None}
     for res in results:
@@ -540,18 +540,14 @@ def main(argv=None):
     print(validation_md.strip())
 
     out_dir = args.out or os.path.join(HERE, "results", device.type)
-    os.makedirs(out_dir, exist_ok=True)
     stem = "kernels_quick" if args.quick else "kernels"
     for res in results:
         del res["samples"]
-    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
-        json.dump(
-            {"env": env, "results": results, "targets": checks, "validation_s": validation},
-            f,
-            indent=1,
-        )
-    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-        f.write(markdown(results, env, checks) + validation_md)
+    C.write_results(
+        os.path.join(out_dir, stem + ".json"),
+        {"env": env, "results": results, "targets": checks, "validation_s": validation},
+        lambda rec: markdown(rec["results"], rec["env"], rec["targets"]) + validation_md,
+    )
     print(f"wrote {out_dir}/{stem}.json and .md")
 
 

@@ -11,11 +11,12 @@ stderr; a summary table at the end on stdout. Sections:
   row r lives on rank r goes to rank 1-r), for several per-peer budgets; ratio to the
   bidirectional ceiling of the same size. A whole `Transfer` call: preflight (one all-gather),
   pack, NCCL, unpack, final synchronize.
-- `weight_sync`: ZeRO-3-style bf16 shards of a transformer -> TP=2 bf16 rollout buffers, every
-  parameter: reshard vs `gather_broadcast` (per parameter: gather to rank 0, broadcast, slice)
-  and `full_gather` (per parameter: all-gather, slice). Median / p90 latency, peak extra device
-  memory (the caching allocator's peak above what sources, targets and values hold, plus the
-  staging reshard keeps between calls), every target checked bitwise against plain slicing.
+- `weight_sync`: sync_latency's rl_weight_sync scenario (benchmarks/_scenarios.py: ZeRO-3 bf16
+  shards -> TP=2 bf16 rollout buffers; llama-8l, or gpt-nano with --quick) on the GPUs: reshard
+  vs the per-tensor `gather_broadcast` and `full_gather` of benchmarks/_baselines.py. Median /
+  p90 latency, the first sync on its own (reshard: planning, tables, arenas), peak extra device
+  memory (the caching allocator's peak above what sources and targets hold, plus the staging
+  reshard keeps between calls), every target checked bitwise against plain slicing.
 Times: wall clock between an aligning all-reduce and a device synchronize on every rank; the
 slowest rank's time per iteration, median over iterations. Bandwidth: bytes moved per direction
 per second (1 GB = 1e9 B). NCCL's own buffers are not counted in any method's memory.
@@ -24,24 +25,32 @@ per second (1 GB = 1e9 B). NCCL's own buffers are not counted in any method's me
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-import reshard as rs
-from reshard.demo import Rollout, Zero3, _shapes
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _baselines as B  # noqa: E402
+import _common as C  # noqa: E402
+import _scenarios as S  # noqa: E402
+
+import reshard as rs  # noqa: E402
+from reshard._launch import RanksFailed, launch  # noqa: E402
 
 WORLD = 2
+# NVLink multicast stays off on the lent machines (KINDS.md)
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 GB = 1e9
 MiB = 1 << 20
 T_START = time.monotonic()
@@ -220,109 +229,6 @@ def bench_swap(ctx, sizes, budgets, p2p, iters):
 # ----------------------------------------------------------------- weight sync
 
 
-class WeightSync:
-    """ZeRO-3 bf16 shards (rank r holds chunk r of every parameter, NaN padding) -> TP=2 bf16
-    rollout buffers (demo.Rollout: fused qkv, column/row splits, uneven blocks)."""
-
-    def __init__(self, ctx, hidden, ffn, vocab, layers):
-        self.ctx, self.rank = ctx, ctx.rank
-        self.shapes = _shapes(hidden, ffn, vocab, layers)
-        self.params = sum(math.prod(s) for s in self.shapes.values())
-        z = Zero3(self.shapes, WORLD)
-        self.z = z
-        zl = z.layout()
-        self.src_layout = rs.Layout(
-            dict(zl.tensors),
-            {r: rs.Storage(r, torch.bfloat16, s.numel) for r, s in zl.storages.items()},
-        )
-        self.dst = Rollout(self.shapes, WORLD, 2)
-        self.dst_layout = self.dst.layout()
-        # values generated on the device, identically on both ranks (seeded per parameter)
-        self.values = {}
-        for i, (name, shape) in enumerate(self.shapes.items()):
-            g = torch.Generator(device=ctx.dev).manual_seed(1000 + i)
-            v = torch.randn(shape, generator=g, device=ctx.dev)
-            self.values[name] = v.to(torch.bfloat16)
-        parts = []
-        for name in self.shapes:
-            c = z.chunk[name]
-            piece = self.values[name].reshape(-1)[self.rank * c : (self.rank + 1) * c]
-            pad = torch.full((c - piece.numel(),), float("nan"), device=ctx.dev)
-            parts += [piece, pad.to(torch.bfloat16)]
-        self.shard = torch.cat(parts)
-        self.reference = self.dst.reference(self.values, self.rank)
-
-    def targets(self):
-        return self.dst.buffers(self.rank, self.ctx.dev)
-
-    def chunk(self, name):
-        c, off = self.z.chunk[name], self.z.offset[name]
-        return c, self.shard[off : off + c]
-
-    def write_param(self, name, full, bufs):
-        """This rank's TP part of a full parameter into its rollout buffers (plain slicing)."""
-        self.dst.write_part(name, full, bufs, self.rank)
-
-
-def m_reshard(ws, budget):
-    sync = rs.Transfer(ws.src_layout, ws.dst_layout, budget_bytes_per_peer=budget)
-    last = {}
-
-    def step(bufs):
-        last["r"] = sync({ws.rank: ws.shard}, bufs)
-
-    def info():
-        r = last["r"]
-        return {
-            "held_between_calls_bytes": r.peak_staging_bytes["device"],
-            "pinned_bytes": r.peak_staging_bytes["host_pinned"],
-            "bytes_received": r.total_bytes_received,
-            "rounds": r.rounds,
-            "phases_s": {k: round(v, 6) for k, v in r.seconds.items()},
-        }
-
-    return step, info
-
-
-def m_gather_broadcast(ws):
-    dev = ws.ctx.dev
-
-    def step(bufs):
-        for name, shape in ws.shapes.items():
-            c, mine = ws.chunk(name)
-            numel = math.prod(shape)
-            if ws.rank == 0:
-                parts = [torch.empty(c, dtype=mine.dtype, device=dev) for _ in range(WORLD)]
-                dist.gather(mine, parts, dst=0)
-                full = torch.cat(parts)[:numel].reshape(shape)
-                del parts
-            else:
-                dist.gather(mine, None, dst=0)
-                full = torch.empty(shape, dtype=mine.dtype, device=dev)
-            dist.broadcast(full, src=0)
-            ws.write_param(name, full, bufs)
-            del full
-
-    return step, lambda: {"held_between_calls_bytes": 0}
-
-
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def m_full_gather(ws):
-    dev = ws.ctx.dev
-
-    def step(bufs):
-        for name, shape in ws.shapes.items():
-            c, mine = ws.chunk(name)
-            flat = torch.empty(c * WORLD, dtype=mine.dtype, device=dev)
-            _all_gather_flat(flat, mine)
-            ws.write_param(name, flat[: math.prod(shape)].view(shape), bufs)
-            del flat
-
-    return step, lambda: {"held_between_calls_bytes": 0}
-
-
 def _peak_extra(ctx, step, bufs):
     """Device bytes the caching allocator held above the baseline during one step."""
     if not ctx.cuda:
@@ -336,38 +242,55 @@ def _peak_extra(ctx, step, bufs):
 
 
 def bench_weight_sync(ctx, model, budgets, iters):
+    """benchmarks/_scenarios.rl_weight_sync on the GPUs: reshard at each budget and the
+    per-tensor baselines of benchmarks/_baselines, each checked bitwise."""
     t0 = time.monotonic()
-    ws = WeightSync(ctx, **model)
+    case = S.rl_weight_sync(model, ctx.rank, WORLD, ctx.dev)
     if ctx.rank == 0:
         progress(
-            f"weight_sync: {ws.params / 1e9:.3f}B params bf16, set up in "
+            f"weight_sync: {model}, {case.params / 1e9:.3f}B params bf16, set up in "
             f"{time.monotonic() - t0:.1f} s"
         )
-    methods = [(f"reshard@{b // MiB}MiB", lambda b=b: m_reshard(ws, b)) for b in budgets]
+    methods = [(f"reshard@{b // MiB}MiB", "reshard", b) for b in budgets]
     methods += [
-        ("gather_broadcast", lambda: m_gather_broadcast(ws)),
-        ("full_gather", lambda: m_full_gather(ws)),
+        ("gather_broadcast", "gather_broadcast", None),
+        ("full_gather", "full_gather", None),
     ]
-    out = {"params": ws.params, "model": model, "bytes_bf16": 2 * ws.params, "methods": {}}
-    for name, make in methods:
+    out = {"params": case.params, "model": model, "bytes_bf16": 2 * case.params, "methods": {}}
+    for name, method, budget in methods:
         if ctx.out_of_time(15):
             ctx.rank or progress(f"weight_sync: time cap reached, skipping {name}")
             continue
-        step, info = make()
-        bufs = ws.targets()
+        bufs = case.targets()
+        t_first = time.perf_counter()
+        step, info = B.METHODS[method](case, {"world": WORLD, "budget": budget})
+        step(bufs)
+        ctx.sync()
+        first = time.perf_counter() - t_first
         med, p90 = ctx.measure(lambda step=step, bufs=bufs: step(bufs), iters)
         extra = _peak_extra(ctx, step, bufs)
-        correct = all(torch.equal(bufs[k].view(torch.int16), v.view(torch.int16))
-                      for k, v in ws.reference.items())  # fmt: skip
-        row = {"median_s": med, "p90_s": p90, "transient_extra_bytes": extra, "correct": correct}
-        row.update(info())
-        row["peak_extra_device_bytes"] = (extra or 0) + row["held_between_calls_bytes"]
+        held = info().get("staging_bytes", {}).get("device", 0)
+        row = {
+            "median_s": med,
+            "p90_s": p90,
+            "first_sync_s": first,
+            "transient_extra_bytes": extra,
+            "held_between_calls_bytes": held,
+            "peak_extra_device_bytes": (extra or 0) + held,
+            "correct": B.targets_correct(case, bufs),
+        }
+        if method == "reshard":
+            r = info()
+            row |= {"rounds": r["rounds"], "bytes_received": r["recv_bytes"]}
+            row["phases_s"] = {k: round(v, 6) for k, v in r["seconds"].items()}
         out["methods"][name] = row
         if ctx.rank == 0:
             progress(
                 f"weight_sync {name:<18} median {med * 1e3:8.2f} ms  p90 {p90 * 1e3:8.2f} ms  "
-                f"peak extra {row['peak_extra_device_bytes'] / MiB:9.1f} MiB  correct={correct}"
+                f"first {first * 1e3:8.1f} ms  peak extra "
+                f"{row['peak_extra_device_bytes'] / MiB:9.1f} MiB  correct={row['correct']}"
             )
+        B.close(step)
         del step, bufs
         if ctx.cuda:
             torch.cuda.empty_cache()
@@ -377,65 +300,32 @@ def bench_weight_sync(ctx, model, budgets, iters):
 # ----------------------------------------------------------------- harness
 
 
-def _write_json(path, obj):
-    with open(path + ".tmp", "w") as f:  # write-then-rename: the parent never reads half a file
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-def _rank_main(rank, backend, store, cfg, out_path):
-    """Sections in order; each finished one is kept. The result file is written before the
-    process-group teardown, so a teardown stuck on a failed peer cannot lose it."""
-    for k, v in cfg["env"].items():
-        os.environ.setdefault(k, v)
+def _rank_body(rank, world, backend, cfg):
+    """Sections in order; each finished one is kept (a failing section ends the run with an
+    "error" entry next to the finished ones)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
     result = {}
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
-        dist.init_process_group(
-            backend,
-            store=dist.FileStore(store, WORLD),
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
+        ctx = Ctx(rank, backend, cfg["deadline"])
+        result["p2p"] = bench_p2p(ctx, cfg["sizes"], cfg["iters"])
+        result["swap"] = bench_swap(
+            ctx, cfg["swap_sizes"], cfg["budgets"], result["p2p"], cfg["iters"]
         )
-        try:
-            ctx = Ctx(rank, backend, cfg["deadline"])
-            result["p2p"] = bench_p2p(ctx, cfg["sizes"], cfg["iters"])
-            result["swap"] = bench_swap(
-                ctx, cfg["swap_sizes"], cfg["budgets"], result["p2p"], cfg["iters"]
-            )
-            result["weight_sync"] = bench_weight_sync(
-                ctx, cfg["model"], cfg["ws_budgets"], cfg["ws_iters"]
-            )
-        except BaseException:  # noqa: BLE001 - the parent prints it; finished sections stay
-            result["error"] = traceback.format_exc()
-        _write_json(out_path, result)
-        if "error" not in result:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
+        result["weight_sync"] = bench_weight_sync(
+            ctx, cfg["model"], cfg["ws_budgets"], cfg["ws_iters"]
+        )
+    except Exception:  # noqa: BLE001 - the parent prints it; finished sections stay
         result["error"] = traceback.format_exc()
-        _write_json(out_path, result)
+    return result
 
 
 def _env_info(backend):
-    env = {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
+    env = C.environment("cuda" if backend == "nccl" else "cpu")
+    env |= {
         "backend": backend,
         "world": WORLD,
-        "cpus": os.cpu_count(),
         "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
     }
-    if backend == "nccl":
-        try:
-            env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            v = torch.cuda.nccl.version()
-            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception as exc:  # noqa: BLE001 - descriptive only; never lose the results
-            env["gpus"] = f"unknown ({exc})"
     return env
 
 
@@ -444,9 +334,10 @@ def _fmt_bytes(n):
 
 
 def write_outputs(out_dir, res):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "nccl_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    C.write_results(os.path.join(out_dir, "nccl_bench.json"), res, markdown, plot)
+
+
+def markdown(res):
     lines = [f"# nccl_bench ({res['env']['backend']}, {WORLD} ranks)", "", "```"]
     lines += [json.dumps(res["env"])]
     lines += ["```", "", "## NCCL point-to-point ceiling", ""]
@@ -472,52 +363,51 @@ def write_outputs(out_dir, res):
     ws = res["weight_sync"]
     lines += ["", f"## Weight sync: {ws['params'] / 1e9:.3f}B params, ZeRO-3 bf16 -> TP=2 bf16", ""]
     lines += [
-        "| method | median ms | p90 ms | vs reshard | peak extra device MiB | correct |",
-        "|---|---|---|---|---|---|",
+        "| method | median ms | p90 ms | vs reshard | first ms | peak extra device MiB | correct |",
+        "|---|---|---|---|---|---|---|",
     ]
     base = next((m["median_s"] for k, m in ws["methods"].items() if k.startswith("reshard")), None)
     for name, m in ws["methods"].items():
         rel = f"{m['median_s'] / base:.2f}x" if base else "-"
+        first = m.get("first_sync_s")
         lines.append(
             f"| {name} | {m['median_s'] * 1e3:.2f} | {m['p90_s'] * 1e3:.2f} | {rel} | "
+            f"{'-' if first is None else f'{first * 1e3:.1f}'} | "
             f"{m['peak_extra_device_bytes'] / MiB:.1f} | {m['correct']} |"
         )
-    with open(os.path.join(out_dir, "nccl_bench.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+    return "\n".join(lines) + "\n"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        p2p = res["p2p"]
-        xs = [r["bytes"] / MiB for r in p2p]
-        a.plot(xs, [r["unidir_gbps"] for r in p2p], "o-", label="NCCL p2p, one direction")
-        a.plot(xs, [r["bidir_gbps_per_direction"] for r in p2p], "s-", label="NCCL p2p, both")
-        budgets = sorted({r["budget"] for r in res["swap"]})
-        for bud in budgets:
-            rows = [r for r in res["swap"] if r["budget"] == bud]
-            a.plot(
-                [r["bytes"] / MiB for r in rows],
-                [r["gbps_per_direction"] for r in rows],
-                "^--",
-                label=f"reshard, both, budget {_fmt_bytes(bud)}",
-            )
-        a.set_xscale("log", base=2)
-        a.set_xlabel("bytes per direction (MiB)")
-        a.set_ylabel("GB/s per direction")
-        a.set_title("GPU0 <-> GPU1")
-        a.legend(fontsize=7)
-        names = list(ws["methods"])
-        b.bar(names, [ws["methods"][n]["median_s"] * 1e3 for n in names])
-        b.set_ylabel("median ms per sync")
-        b.set_title(f"weight sync {ws['params'] / 1e9:.2f}B bf16 ZeRO-3 -> TP=2")
-        b.tick_params(axis="x", labelrotation=20, labelsize=7)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "nccl_bench.png"), dpi=90)
-    except Exception as exc:  # noqa: BLE001 - the plot is optional; the tables are the result
-        progress(f"plot skipped: {exc}")
+def plot(stem, res):
+    plt = C.pyplot()
+    ws = res["weight_sync"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    p2p = res["p2p"]
+    xs = [r["bytes"] / MiB for r in p2p]
+    a.plot(xs, [r["unidir_gbps"] for r in p2p], "o-", label="NCCL p2p, one direction")
+    a.plot(xs, [r["bidir_gbps_per_direction"] for r in p2p], "s-", label="NCCL p2p, both")
+    budgets = sorted({r["budget"] for r in res["swap"]})
+    for bud in budgets:
+        rows = [r for r in res["swap"] if r["budget"] == bud]
+        a.plot(
+            [r["bytes"] / MiB for r in rows],
+            [r["gbps_per_direction"] for r in rows],
+            "^--",
+            label=f"reshard, both, budget {_fmt_bytes(bud)}",
+        )
+    a.set_xscale("log", base=2)
+    a.set_xlabel("bytes per direction (MiB)")
+    a.set_ylabel("GB/s per direction")
+    a.set_title("GPU0 <-> GPU1")
+    a.legend(fontsize=7)
+    names = list(ws["methods"])
+    b.bar(names, [ws["methods"][n]["median_s"] * 1e3 for n in names])
+    b.set_ylabel("median ms per sync")
+    b.set_title(f"weight sync {ws['params'] / 1e9:.2f}B bf16 ZeRO-3 -> TP=2")
+    b.tick_params(axis="x", labelrotation=20, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=90)
+    plt.close(fig)
 
 
 def summary(res) -> str:
@@ -568,12 +458,12 @@ def main(argv=None) -> int:
     if args.quick or args.backend == "gloo":
         sizes = [64 << 10, 1 * MiB, 8 * MiB]
         budgets = [1 * MiB, 64 * MiB]
-        model = {"hidden": 256, "ffn": 688, "vocab": 1001, "layers": 2}
+        model = "gpt-nano"
         iters, ws_iters = 5, 5
     else:
         sizes = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
         budgets = [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
-        model = {"hidden": 4096, "ffn": 11008, "vocab": 32000, "layers": 8}
+        model = "llama-8l"
         iters, ws_iters = 10, 10
     cfg = {
         "sizes": sizes,
@@ -585,47 +475,26 @@ def main(argv=None) -> int:
         "ws_iters": ws_iters,
         # steps shrink past this (wall clock of this machine, shared with the ranks)
         "deadline": time.monotonic() + args.time_cap - 15,
-        "env": {
-            "NCCL_NVLS_ENABLE": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1",
-        },  # fmt: skip
     }
     progress(f"start: backend {args.backend}, sizes {[_fmt_bytes(s) for s in sizes]}")
-    ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="reshard-nccl-bench-") as tmp:
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(WORLD)]
-        procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, args.backend, os.path.join(tmp, "store"), cfg, outs[r])
-            )
-            for r in range(WORLD)
-        ]
-        for p in procs:
-            p.start()
-        # Wait for both result files (or a failed rank), never past the time cap.
-        deadline = T_START + args.time_cap - 3
-        first_error = None
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            have = [o for o in outs if os.path.exists(o)]
-            if len(have) == WORLD:
-                break
-            if first_error is None and any("error" in _load(o) for o in have):
-                first_error = time.monotonic()  # the peer may be stuck in a collective
-            if first_error is not None and time.monotonic() - first_error > 5:
-                break
-            time.sleep(0.2)
-        for p in procs:
-            p.join(max(0.1, min(10.0, deadline - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        results = [_load(o) if os.path.exists(o) else None for o in outs]
+    try:
+        results = launch(
+            _rank_body,
+            WORLD,
+            backend=args.backend,
+            args=(args.backend, cfg),
+            env=NCCL_ENV,
+            timeout_s=60,
+            join_s=max(10.0, T_START + args.time_cap - 3 - time.monotonic()),
+            prefix="reshard-nccl-bench-",
+        )
+    except RanksFailed as exc:
+        print(exc, file=sys.stderr)
+        results = exc.results
     rc = 0
     for r, x in enumerate(results):
         if x is None:
-            print(f"rank {r} wrote no result (exit code {procs[r].exitcode})", file=sys.stderr)
-            rc = 1
+            rc = 1  # RanksFailed said why
         elif "error" in x:
             print(f"rank {r} failed:\n{x['error']}", file=sys.stderr)
             rc = 1
@@ -648,11 +517,6 @@ def main(argv=None) -> int:
     write_outputs(args.out, res)
     print(summary(res))
     return rc if all(res["per_rank_correct"]) else 1
-
-
-def _load(path):
-    with open(path) as f:
-        return json.load(f)
 
 
 if __name__ == "__main__":

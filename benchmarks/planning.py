@@ -24,7 +24,11 @@ import numpy as np
 import psutil
 import torch
 
-import reshard as rs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+
+import reshard as rs  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cpu")
 
@@ -191,7 +195,7 @@ def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
     `schedule(rank)` for the busiest rank. Timed untraced; with `trace`, once more under
     tracemalloc (numpy reports its buffers to it; it slows allocation, so not timed) for
     the peak and retained memory of each step. `materialize`: also build every rank's runs
-    (`plan.runs`, what the previous planner held globally) for reference."""
+    (`plan.runs`: what materializing every rank's runs would cost) for reference."""
     gc.collect()
     rss0 = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
@@ -303,7 +307,12 @@ def main():
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--materialize", action="store_true")
     ap.add_argument("--moe-layers", type=int, nargs="*", default=[2, 4, 8, 16, 61])
+    ap.add_argument("--from-json", default=None, help="re-render PATH's .md and .png only")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            C.write_results(args.from_json, json.load(f), markdown, plot)
+        return
     if args.case:
         # a shared machine: fail with MemoryError rather than invite the OOM killer
         cap = int(os.environ.get("PLANNING_BENCH_MAX_GIB", "14")) << 30
@@ -341,13 +350,10 @@ def main():
     ]
     res["machine"]["loadavg_at_end"] = os.getloadavg()
     suffix = "_quick" if args.quick else ""
-    with open(os.path.join(OUT, f"planning{suffix}.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    write_md(res, os.path.join(OUT, f"planning{suffix}.md"))
-    plot(res, os.path.join(OUT, f"planning{suffix}.png"))
+    C.write_results(os.path.join(OUT, f"planning{suffix}.json"), res, markdown, plot)
 
 
-def write_md(res, path):
+def markdown(res):
     mib = 1 << 20
 
     def cell(m, key, scale=1):
@@ -362,8 +368,8 @@ def write_md(res, path):
         "Wall seconds on a shared 2-core box. `plan` is `rs.plan()` (every rank runs it);",
         "`schedule` is `plan.schedule(rank)` for the busiest rank (most bytes sent + received",
         "+ copied): together, what one process of the job pays. `all ranks' runs` builds the",
-        "runs of every rank, one rank at a time (`plan.runs`), for reference: the runs the",
-        "previous planner built, all of them, in every rank's `plan()`.",
+        "runs of every rank, one rank at a time (`plan.runs`), for reference: what a planner",
+        "that materialized every rank's runs in every rank's `plan()` would pay.",
         "Peak RSS is the whole process (layouts included); tracemalloc peaks are of the step",
         "alone. `tuned malloc` = glibc MALLOC_MMAP/TRIM thresholds raised (see planning.py).",
         "",
@@ -408,16 +414,11 @@ def write_md(res, path):
                     f"{m['schedule_busiest_s']} | {m['runs']} | "
                     f"{m['materialize_all_ranks_s']} | {m['peak_rss_bytes'] // mib} |"
                 )
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
-def plot(res, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(stem, res):
+    plt = C.pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
     panels = (
         ("sweep_layers", "tensors", "tensors (dense, ZeRO-3 x64 -> TP8 x DP8)"),
@@ -436,7 +437,8 @@ def plot(res, path):
         a.grid(True, alpha=0.3)
         a.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(stem + ".png", dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Repeated-sync benchmark: reshard vs what people do today, measured in the same run.
 
-Scenarios (benchmarks/_scenarios.py; synthetic sharded state with DeepSpeed's layouts):
+Scenarios (benchmarks/_scenarios.py, on the shared geometry of reshard.scenarios; synthetic
+sharded state with DeepSpeed's layouts):
 - rl_weight_sync: ZeRO-3 bf16 param shards -> TP=2 bf16 rollout buffers (fused QKV,
   row/column splits, replicated norms).
 - offload_fp32 / offload_bf16 / offload_back: CPU-offloaded fp32 master + exp_avg + exp_avg_sq
@@ -8,22 +9,21 @@ Scenarios (benchmarks/_scenarios.py; synthetic sharded state with DeepSpeed's la
   --world 1 and --device cuda: CPU -> GPU in one process. With --world N > 1 on a CPU-only box,
   "device" is the next rank: every byte crosses the transport.
 - dp_change: fp32 master + Adam moments, ZeRO-3 partitions DP=W -> ZeRO-1/2 flat DP=W-1.
+- lora_sync (tiny syncs): LoRA adapters, a few MB in hundreds of tensors, ZeRO-3 shards -> TP
+  rollout buffers; its own models (gpt-125m, gpt-350m adapters) unless --models names some.
+  The "Tiny syncs" table gives the fixed cost per sync next to the per-tensor baselines.
 
-Methods (same run, each checked bitwise against an independent reference after its syncs):
-- reshard: one `reshard.Transfer` reused for every sync (planning is excluded from the per-sync
-  time; the first sync, plan included, is reported separately as first_sync_s).
-- reshard_registered (CUDA, one process): the same with the CPU buffers page-locked in place
-  (register_host_sources=True, register_host_targets=True).
-- gather_broadcast (world > 1): per tensor, dist.gather of the ZeRO chunks on rank 0, rank 0
-  rebuilds it and broadcasts it (skipped when only rank 0 needs it), every rank slices.
-- full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
-- to_device (one process): per tensor `target.copy_(source.to(target.device))`.
+Methods (benchmarks/_baselines.py; same run, each checked bitwise against an independent
+reference after its syncs): reshard (one `Transfer` reused), reshard_registered (CUDA),
+gather_broadcast and full_gather (world > 1), to_device (one process).
 
 Metrics per (scenario, model, method): median / p90 / p10 of >= --iters syncs after warm-up
 (per sync, the slowest rank's time; with --world > 1 the methods' timed syncs are interleaved,
-one sync of each in turn, so a load burst on a shared machine hits every method alike), peak
-extra memory (measured per method alone, before the timed syncs; host: RSS delta per rank
-sampled by a thread during extra syncs, and the bytes the method holds by its own account, max of both;
+one sync of each in turn, so a load burst on a shared machine hits every method alike); the
+first sync on its own (`first ms`: for reshard the Transfer's construction, planning included,
+its tables, arenas and host registration, plus the sync), in every table; peak extra memory
+(measured per method alone, before the timed syncs; host: RSS delta per rank sampled by a
+thread during extra syncs, and the bytes the method holds by its own account, max of both;
 device: max_memory_allocated delta), pinned bytes, bytes moved over the transport, GB/s of the
 payload, the physical floor (max of wire bytes / link bandwidth and local bytes / copy
 bandwidth on the slowest rank; PCIe bytes / pinned PCIe bandwidth for CPU<->GPU; bandwidths
@@ -32,11 +32,22 @@ measured in the same run, best of 7) and ratios to reshard.
     python benchmarks/sync_latency.py --quick --json benchmarks/results/cpu/sync_latency_quick.json
     python benchmarks/sync_latency.py --world 1 --device cuda --json out/sync_latency.json \\
         --scenarios offload_fp32,offload_bf16,offload_back --models gpt-125m,gpt-350m
+    python benchmarks/sync_latency.py --budgets-kib 256,512,1280,4096,16384 \\
+        --json benchmarks/results/cpu/sync_latency_budget.json     # reshard alone per budget
+    python benchmarks/sync_latency.py --from-json benchmarks/results/cpu/sync_latency_quick.json
 
---json PATH also writes PATH with .md (tables) and _latency.png / _memory.png (plots).
-On the CPU a (scenario, model) whose buffers would not fit in the host's available memory is
-skipped, and the tables say so: `--models` can name sizes up to the largest config and the run
-covers as many as the machine holds.
+--json PATH also writes PATH with .md (tables) and _latency.png / _memory.png (plots);
+--from-json re-renders those from a results file. On the CPU a (scenario, model) whose buffers
+would not fit in the host's available memory is skipped, and the tables say so.
+
+Adding a case:
+- a scenario: a function `(model, rank, world, device) -> Case` in `_scenarios.SCENARIOS`
+  (sides from reshard.scenarios, or a new `Side` with `layout()` and a plain-torch `write()`),
+  then its name in MULTI_SCENARIOS / SINGLE_SCENARIOS here if it runs by default, and in
+  `_scenarios.SCENARIO_MODELS` if it has its own model sizes;
+- a method (a baseline): `make(case, ctx) -> (step, info)` in `_baselines.METHODS` and its
+  name in `_baselines.methods_for` where it applies; a row, the ratio columns and the
+  correctness check come with it.
 """
 
 from __future__ import annotations
@@ -44,12 +55,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import gc
 import json
 import math
 import os
-import platform
+import re
 import statistics
 import sys
 import threading
@@ -60,6 +70,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _baselines as B  # noqa: E402
+import _common as C  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 import reshard as rs  # noqa: E402
@@ -67,31 +79,18 @@ from reshard._launch import RanksFailed, launch  # noqa: E402
 
 QUICK_MODELS = ("gpt-micro", "gpt-mini")
 FULL_MODELS = ("gpt-nano", "gpt-micro", "gpt-mini", "gpt-small", "gpt-125m")
-# The CPU budget rule (gloo): about 1/64 of the source bytes the busiest rank holds, so a full
-# sync takes at most ~64 rounds whatever the model (each round costs gloo a fixed handshake),
-# never below 512 KiB, and at most 16 MiB per peer. Staging (2 send + 2 receive arenas) is then
-# at most 1/16 of that rank's state.
-CPU_BUDGET_RULE = "1/64 of the busiest rank's source bytes, clamped to [512 KiB, 16 MiB]"
-CPU_BUDGET_MIN, CPU_BUDGET_MAX, CPU_BUDGET_ROUNDS = 512 << 10, 16 << 20, 64
-
-
-def cpu_budget(case) -> int:
-    """CPU_BUDGET_RULE for this case, the same on every rank (computed from the layout)."""
-    held: dict = {}
-    for st in case.src_layout.storages.values():
-        held[st.rank] = held.get(st.rank, 0) + st.numel * st.dtype.itemsize
-    budget = max(held.values()) // CPU_BUDGET_ROUNDS // 4096 * 4096
-    return min(CPU_BUDGET_MAX, max(CPU_BUDGET_MIN, budget))
-
-
-MULTI_SCENARIOS = ("rl_weight_sync", "offload_fp32", "offload_bf16", "offload_back", "dp_change")
+MULTI_SCENARIOS = (
+    "rl_weight_sync",
+    "offload_fp32",
+    "offload_bf16",
+    "offload_back",
+    "dp_change",
+    "lora_sync",
+)
+TINY_SCENARIOS = ("lora_sync",)
 SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
-MiB = 1 << 20
-GiB = 1 << 30
-
-
-def progress(msg):
-    print(f"[sync_latency {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+MiB, GiB = C.MiB, C.GiB
+progress = C.progress_logger("sync_latency")
 
 
 # ------------------------------------------------------------------ memory
@@ -170,227 +169,6 @@ class RssSampler:
             self.peak = max(self.peak, _rss())
 
 
-class _Acct:
-    """Temporaries a baseline holds, tensor by tensor: live bytes and their peak."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-        self.recv = 0
-
-    def reset(self):
-        self.live = self.peak = self.recv = 0
-
-    def alloc(self, t):
-        self.live += t.numel() * t.element_size()
-        self.peak = max(self.peak, self.live)
-        return t
-
-    def free(self, t):
-        self.live -= t.numel() * t.element_size()
-
-
-# ------------------------------------------------------------------ methods
-# make(case, ctx) -> (step(bufs), info() -> dict); info of the last step:
-# accounted_extra_bytes, pinned_bytes, recv_bytes (this rank, over the transport), local_bytes.
-
-
-def m_reshard(case, ctx, register=False):
-    t0 = time.perf_counter()
-    sync = rs.Transfer(
-        case.src_layout,
-        case.dst_layout,
-        budget_bytes_per_peer=ctx["budget"] or cpu_budget(case),
-        group=None if ctx["world"] == 1 else dist.group.WORLD,
-        register_host_sources=register,
-        register_host_targets=register,
-    )
-    ctx["plan_s"] = time.perf_counter() - t0
-    last = {}
-
-    def step(bufs):
-        last["r"] = sync(case.src_buffers, bufs)
-
-    def info():
-        r = last["r"]
-        return {
-            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
-            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
-            "staging_bound": r.staging_bound,
-            "recv_bytes": r.total_bytes_received,
-            "local_bytes": r.local_bytes,
-            "rounds": r.rounds,
-            "budget_bytes_per_peer": sync.plan.budget_bytes_per_peer,
-            "zero_copy_bytes": r.zero_copy_bytes,
-            "seconds": r.seconds,
-            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
-                "registered_bytes", 0
-            ),
-        }
-
-    step.close = sync.close
-    return step, info
-
-
-def m_reshard_registered(case, ctx):
-    return m_reshard(case, ctx, register=True)
-
-
-def _full_from_flat(case, flat, name):
-    """The world rank-ordered chunks in `flat` -> the logical tensor: a view when ranks hold
-    partitions in order (no copy), else one reordering copy."""
-    order = sorted(range(case.world), key=case.partition_of_rank)
-    if order != list(range(case.world)):
-        flat = flat.view(case.world, -1)[order].reshape(-1)
-    return flat[: math.prod(case.shapes[name])].view(case.shapes[name])
-
-
-def m_gather_broadcast(case, ctx):
-    acct = _Acct()
-    rank, world = case.rank, case.world
-
-    def step(bufs):
-        acct.reset()
-        for t, s, n in case.names:
-            c, mine = case.chunk_view(t, s, n)
-            need_bcast = case.target_ranks[t] != [0]
-            shape = case.shapes[n]
-            esz = mine.element_size()
-            if rank == 0:
-                flat = acct.alloc(torch.empty(world * c, dtype=mine.dtype))
-                dist.gather(mine, list(flat.view(world, c)), dst=0)
-                full = _full_from_flat(case, flat, n)
-                acct.recv += (world - 1) * c * esz
-            else:
-                dist.gather(mine, None, dst=0)
-                full = acct.alloc(torch.empty(shape, dtype=mine.dtype)) if need_bcast else None
-                if need_bcast:
-                    acct.recv += full.numel() * esz
-            if need_bcast:
-                dist.broadcast(full, src=0)
-            if full is not None:
-                case.write(t, s, n, full, bufs)
-                acct.free(flat if rank == 0 else full)
-            # drop this tensor's temporaries before the next one is allocated (else two live)
-            flat = full = None
-
-    def info():
-        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
-
-    return step, info
-
-
-# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch lacks it.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def m_full_gather(case, ctx):
-    acct = _Acct()
-    world = case.world
-
-    def step(bufs):
-        acct.reset()
-        for t, s, n in case.names:
-            c, mine = case.chunk_view(t, s, n)
-            flat = acct.alloc(torch.empty(c * world, dtype=mine.dtype))
-            _all_gather_flat(flat, mine)
-            acct.recv += (world - 1) * c * mine.element_size()
-            full = _full_from_flat(case, flat, n)
-            case.write(t, s, n, full, bufs)
-            acct.free(flat)
-            flat = full = None  # freed before the next tensor's buffer is allocated
-
-    def info():
-        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
-
-    return step, info
-
-
-def m_to_device(case, ctx):
-    acct = _Acct()
-    pairs = {}
-
-    def step(bufs):
-        acct.reset()
-        key = id(bufs)
-        if key not in pairs:
-            pairs.clear()
-            pairs[key] = case.per_tensor_pairs(bufs)
-        for sv, dv in pairs[key]:
-            tmp = acct.alloc(sv.to(dv.device))
-            dv.copy_(tmp)
-            acct.free(tmp)
-            tmp = None  # freed before the next tensor's copy is allocated
-            acct.recv += sv.numel() * sv.element_size() if sv.device != dv.device else 0
-
-    def info():
-        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
-
-    return step, info
-
-
-METHODS = {
-    "reshard": m_reshard,
-    "reshard_registered": m_reshard_registered,
-    "gather_broadcast": m_gather_broadcast,
-    "full_gather": m_full_gather,
-    "to_device": m_to_device,
-}
-
-
-def methods_for(world, device):
-    if world > 1:
-        return ["reshard", "gather_broadcast", "full_gather"]
-    out = ["reshard"]
-    if device == "cuda":
-        out.append("reshard_registered")
-    return [*out, "to_device"]
-
-
-# ------------------------------------------------------------------ measurement
-
-
-def _equal(a, b):
-    a = a.cpu()
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    iv = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.view(iv), b.view(iv))
-
-
-def _barrier(world):
-    if world > 1:
-        dist.barrier()
-
-
-def _dev_sync(cuda):
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def timed_sync(step, bufs, world, cuda):
-    """One sync, timed as the slowest rank sees it (device work and every rank fenced on both
-    sides). Returns (seconds, what the step returned)."""
-    _dev_sync(cuda)
-    _barrier(world)
-    t = time.perf_counter()
-    out = step(bufs)
-    _dev_sync(cuda)
-    _barrier(world)
-    return time.perf_counter() - t, out
-
-
-def targets_correct(case, bufs) -> bool:
-    """Every target buffer bitwise equal to the reference, and no other buffer."""
-    return set(bufs) == set(case.reference) and all(
-        _equal(bufs[k], v) for k, v in case.reference.items()
-    )
-
-
-def _close(step):
-    if hasattr(step, "close"):
-        step.close()
-
-
 def link_bandwidth(rank, world, cuda):
     """Bytes/s of the transports, measured here: gloo send/recv between ranks 0 and 1 (both
     directions at once, per direction), host copy (bytes copied / s), pinned H2D / D2H. Best
@@ -445,16 +223,16 @@ def interleaved_times(case, methods, ctx):
     steps, bufs = {}, {}
     for m in methods:
         bufs[m] = case.targets()
-        steps[m], _ = METHODS[m](case, ctx)
+        steps[m], _ = B.METHODS[m](case, ctx)
         for _ in range(ctx["warmup"]):
             steps[m](bufs[m])
     times = {m: [] for m in methods}
     for _ in range(ctx["iters"]):
         for m in methods:
-            times[m].append(timed_sync(steps[m], bufs[m], world, cuda)[0])
-    correct = {m: targets_correct(case, bufs[m]) for m in methods}
+            times[m].append(C.timed_sync(steps[m], bufs[m], world, cuda)[0])
+    correct = {m: B.targets_correct(case, bufs[m]) for m in methods}
     for step in steps.values():
-        _close(step)
+        B.close(step)
     del steps, bufs
     _trim()
     return times, correct
@@ -466,36 +244,35 @@ def measure_method(case, method, ctx, timed=True):
     world, cuda = ctx["world"], ctx["cuda"]
     bufs = case.targets()
     _trim()
-    _dev_sync(cuda)
+    C.fence(1, cuda)
     base_rss = _rss()
     if cuda:
         base_dev = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     ctx.pop("plan_s", None)
-    _barrier(world)
+    C.fence(world, False)
     t0 = time.perf_counter()
-    step, info = METHODS[method](case, ctx)
+    step, info = B.METHODS[method](case, ctx)
     step(bufs)
-    _dev_sync(cuda)
-    _barrier(world)
+    C.fence(world, cuda)
     first = time.perf_counter() - t0
     for _ in range(max(0, ctx["warmup"] - 1)):
         step(bufs)
-    times = [timed_sync(step, bufs, world, cuda)[0] for _ in range(ctx["iters"] if timed else 0)]
+    times = [C.timed_sync(step, bufs, world, cuda)[0] for _ in range(ctx["iters"] if timed else 0)]
     with ctx["sampler"].window() as sampler:
         for _ in range(3):
             step(bufs)
-            _dev_sync(cuda)
+            C.fence(1, cuda)
     out = {
         "times": times,
         "first_sync_s": first,
         "plan_s": ctx.get("plan_s"),
         "rss_extra_bytes": max(0, sampler.peak - base_rss),
         "device_extra_bytes": (torch.cuda.max_memory_allocated() - base_dev) if cuda else 0,
-        "correct": targets_correct(case, bufs),
+        "correct": B.targets_correct(case, bufs),
         **info(),
     }
-    _close(step)
+    B.close(step)
     del step, info, bufs
     _trim()
     return out
@@ -516,83 +293,81 @@ def run_cases(rank, world, cfg, sink):
     out = {"rank": rank, "links": link_bandwidth(rank, world, cuda), "cases": []}
     # One-time process costs (loading the extension, lazy imports, first use of each
     # collective, the CUDA context) are paid here, not charged to whichever method runs first.
-    warm = S.SCENARIOS[cfg["scenarios"][0]]("gpt-nano", rank, world, cfg["device"])
+    warm = S.SCENARIOS[cfg["cases"][0][0]]("gpt-nano", rank, world, cfg["device"])
     for m in cfg["methods"]:
-        step, _ = METHODS[m](warm, ctx)
+        step, _ = B.METHODS[m](warm, ctx)
         step(warm.targets())
-        _close(step)
+        B.close(step)
     del warm, step
     _trim()
-    total = len(cfg["scenarios"]) * len(cfg["models"])
+    total = len(cfg["cases"])
     t_start = time.perf_counter()
-    i = 0
     # scenario-major: under a time budget the first scenario gets every model size
-    for scen in cfg["scenarios"]:
-        for model in cfg["models"]:
-            i += 1
-            over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
-            # rank 0 decides (broadcast below): the ranks share this machine's memory
-            need = 0 if cuda or rank else host_bytes_needed(scen, model, world, len(cfg["methods"]))
-            avail = _mem_available()
-            nofit = need > 0.9 * avail
-            if world > 1:  # every rank must agree to stop at (or skip) the same case
-                flag = torch.tensor([int(bool(over)), int(nofit)])
-                dist.broadcast(flag, src=0)
-                over, nofit = bool(flag[0]), bool(flag[1])
-            if nofit:
-                if rank == 0:
-                    progress(
-                        f"[{i}/{total}] {scen} {model}: skipped, needs ~{need / GiB:.1f} GiB of "
-                        f"host memory, {avail / GiB:.1f} GiB available"
-                    )
-                out.setdefault("unfit", []).append(
-                    {"scenario": scen, "model": model, "need_bytes": need, "avail_bytes": avail}
+    for i, (scen, model) in enumerate(cfg["cases"], 1):
+        over = cfg["time_budget"] and time.perf_counter() - t_start > cfg["time_budget"]
+        # rank 0 decides (broadcast below): the ranks share this machine's memory
+        need = 0 if cuda or rank else host_bytes_needed(scen, model, world, len(cfg["methods"]))
+        avail = _mem_available()
+        nofit = need > 0.9 * avail
+        if world > 1:  # every rank must agree to stop at (or skip) the same case
+            flag = torch.tensor([int(bool(over)), int(nofit)])
+            dist.broadcast(flag, src=0)
+            over, nofit = bool(flag[0]), bool(flag[1])
+        if nofit:
+            if rank == 0:
+                progress(
+                    f"[{i}/{total}] {scen} {model}: skipped, needs ~{need / GiB:.1f} GiB of "
+                    f"host memory, {avail / GiB:.1f} GiB available"
                 )
-                sink(out)
-                continue
-            if over:
-                if rank == 0:
-                    progress(f"time budget {cfg['time_budget']} s spent: skipping the rest")
-                out["skipped_after"] = f"{scen} {model}"
-                sink(out)
-                return out
-            t_case = time.perf_counter()
-            case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
-            build_s = time.perf_counter() - t_case
-            rec = {
-                "scenario": scen,
-                "model": model,
-                "params": case.params,
-                "description": case.description,
-                "payload_bytes": case.payload_bytes,
-                "build_s": build_s,
-                "methods": {},
-            }
-            # memory (and the first sync) per method alone, as if it ran by itself; then the
-            # timed syncs, interleaved over the methods where cfg["interleave"]
-            for m in cfg["methods"]:
-                if rank == 0:
-                    progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
-                rec["methods"][m] = measure_method(case, m, ctx, timed=not cfg["interleave"])
-            if cfg["interleave"]:
-                if rank == 0:
-                    progress(f"[{i}/{total}] {scen} {model}: timed syncs, methods interleaved")
-                times, correct = interleaved_times(case, cfg["methods"], ctx)
-                for m, r in rec["methods"].items():
-                    r["times"] = times[m]
-                    r["correct"] = r["correct"] and correct[m]
-            for m, r in rec["methods"].items():
-                if rank == 0:
-                    med = statistics.median(r["times"])
-                    progress(
-                        f"[{i}/{total}] {scen} {model} {m}: median {med * 1e3:.2f} ms, "
-                        f"extra {max(r['rss_extra_bytes'], r['accounted_extra_bytes']) / MiB:.1f}"
-                        f" MiB, correct {r['correct']}"
-                    )
-            out["cases"].append(rec)
-            del case
-            _trim()
+            out.setdefault("unfit", []).append(
+                {"scenario": scen, "model": model, "need_bytes": need, "avail_bytes": avail}
+            )
             sink(out)
+            continue
+        if over:
+            if rank == 0:
+                progress(f"time budget {cfg['time_budget']} s spent: skipping the rest")
+            out["skipped_after"] = f"{scen} {model}"
+            sink(out)
+            return out
+        t_case = time.perf_counter()
+        case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
+        build_s = time.perf_counter() - t_case
+        rec = {
+            "scenario": scen,
+            "model": model,
+            "params": case.params,
+            "description": case.description,
+            "payload_bytes": case.payload_bytes,
+            "tensors": len(case.names),
+            "build_s": build_s,
+            "methods": {},
+        }
+        # memory (and the first sync) per method alone, as if it ran by itself; then the
+        # timed syncs, interleaved over the methods where cfg["interleave"]
+        for m in cfg["methods"]:
+            if rank == 0:
+                progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
+            rec["methods"][m] = measure_method(case, m, ctx, timed=not cfg["interleave"])
+        if cfg["interleave"]:
+            if rank == 0:
+                progress(f"[{i}/{total}] {scen} {model}: timed syncs, methods interleaved")
+            times, correct = interleaved_times(case, cfg["methods"], ctx)
+            for m, r in rec["methods"].items():
+                r["times"] = times[m]
+                r["correct"] = r["correct"] and correct[m]
+        for m, r in rec["methods"].items():
+            if rank == 0:
+                med = statistics.median(r["times"])
+                progress(
+                    f"[{i}/{total}] {scen} {model} {m}: median {med * 1e3:.2f} ms, "
+                    f"extra {max(r['rss_extra_bytes'], r['accounted_extra_bytes']) / MiB:.1f}"
+                    f" MiB, correct {r['correct']}"
+                )
+        out["cases"].append(rec)
+        del case
+        _trim()
+        sink(out)
     return out
 
 
@@ -644,6 +419,7 @@ def aggregate(per_rank, meta):
                 "bytes_moved": sum(p["recv_bytes"] for p in per),
                 "params": rec0["params"],
                 "payload_bytes": rec0["payload_bytes"],
+                "tensors": rec0.get("tensors"),
                 "p10_s": p10,
                 "spread": (p90 - p10) / med if med > 0 else 0.0,
                 "iters": iters,
@@ -682,13 +458,12 @@ def aggregate(per_rank, meta):
 
 
 def write_outputs(path, meta, rows):
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    stem = path[:-5] if path.endswith(".json") else path
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(meta, rows))
-    with contextlib.suppress(Exception):  # plots are a convenience; the JSON is the record
-        plot(stem, meta, rows)
+    C.write_results(
+        path,
+        {"meta": meta, "results": rows},
+        lambda rec: markdown(rec["meta"], rec["results"]),
+        lambda stem, rec: plot(stem, rec["meta"], rec["results"]),
+    )
 
 
 def _mib(b):
@@ -764,6 +539,7 @@ def markdown(meta, rows):
         by_scen.setdefault(r["scenario"], []).append(r)
     reshard_rows = {(r["scenario"], r["model"]): r for r in rows if r["method"] == "reshard"}
     lines += goal_table(rows, reshard_rows)
+    lines += tiny_table(rows, reshard_rows)
     if meta.get("unfit"):
         lines += [
             "Not run, would not fit in this machine's memory (estimate: sources + reference + "
@@ -805,13 +581,14 @@ def markdown(meta, rows):
 
 
 def goal_table(rows, reshard_rows):
-    """Each baseline against reshard: latency and peak-extra-memory ratios (the issue's goals:
-    >= 2x faster and >= 4x less memory than gather_broadcast on CPU)."""
+    """Each baseline against reshard: latency and peak-extra-memory ratios, and reshard's
+    first sync (plan, tables, arenas, registration) apart from its repeated ones."""
     out = [
         "## Baselines / reshard",
         "",
-        "| scenario | model | method | latency x | memory x | reshard x floor |",
-        "|---|---|---|---:|---:|---:|",
+        "| scenario | model | method | latency x | memory x | reshard x floor "
+        "| reshard first ms | reshard median ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         b = reshard_rows.get((r["scenario"], r["model"]))
@@ -821,7 +598,37 @@ def goal_table(rows, reshard_rows):
             f"| {r['scenario']} | {r['model']} | {r['method']} "
             f"| {r['median_s'] / b['median_s']:.2f} "
             f"| {_mem_x(r['peak_extra_bytes'], b)} "
-            f"| {b['vs_floor'] or float('nan'):.2f} |"
+            f"| {b['vs_floor'] or float('nan'):.2f} "
+            f"| {b['first_sync_s'] * 1e3:.1f} | {b['median_s'] * 1e3:.2f} |"
+        )
+    return [*out, ""]
+
+
+def tiny_table(rows, reshard_rows):
+    """Syncs of many small tensors, where a fixed cost per sync (reshard: one preflight
+    exchange and the round protocol; a per-tensor baseline: collectives per tensor) dominates.
+    `fixed ms` = median - floor: the time not spent moving bytes."""
+    tiny = [r for r in rows if r["scenario"] in TINY_SCENARIOS]
+    if not tiny:
+        return []
+    out = [
+        "## Tiny syncs: fixed cost per sync",
+        "",
+        "| model | tensors | MB | method | median ms | per tensor us | fixed ms | preflight ms "
+        "| x reshard | reshard first ms |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in tiny:
+        b = reshard_rows.get((r["scenario"], r["model"]))
+        floor = (b or {}).get("floor_s") or 0.0
+        pre = (r.get("phases_s") or {}).get("preflight")
+        out.append(
+            f"| {r['model']} | {r['tensors']} | {r['payload_bytes'] / 1e6:.1f} | {r['method']} "
+            f"| {r['median_s'] * 1e3:.2f} | {r['median_s'] / r['tensors'] * 1e6:.1f} "
+            f"| {(r['median_s'] - floor) * 1e3:.2f} "
+            f"| {'-' if pre is None else f'{pre * 1e3:.2f}'} "
+            f"| {r['median_s'] / b['median_s'] if b else float('nan'):.2f} "
+            f"| {b['first_sync_s'] * 1e3 if b else float('nan'):.1f} |"
         )
     return [*out, ""]
 
@@ -876,6 +683,190 @@ def plot(stem, meta, rows):
         plt.close(fig)
 
 
+def summary_table(meta, rows):
+    """One line per (scenario, model): reshard's median (p90) and first sync, each other
+    method's median and its ratio to reshard, peak extra memory, and reshard's floor: the
+    compact form docs/performance.md shows."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    others = [m for m in methods if m != "reshard"]
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["scenario"], r["model"]), {})[r["method"]] = r
+    head = ["scenario", "model", "params", "budget KiB", "reshard ms (p90)", "reshard first ms"]
+    head += [f"{m} ms" for m in others] + [f"{m} / reshard" for m in others]
+    head += ["reshard extra MiB (bound)"] + [f"{m} extra MiB" for m in others]
+    head += ["floor ms", "reshard x floor", "ok"]
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
+    for (scen, model), case in by_case.items():
+        b = case.get("reshard")
+        if b is None:
+            continue
+        cells = [scen, model, f"{b['params'] / 1e6:.1f}M", _kib(b.get("budget_bytes_per_peer"))]
+        cells += [f"{b['median_s'] * 1e3:.2f} ({b['p90_s'] * 1e3:.2f})"]
+        cells += [f"{b['first_sync_s'] * 1e3:.1f}"]
+        cells += [f"{case[m]['median_s'] * 1e3:.2f}" if m in case else "-" for m in others]
+        cells += [
+            f"{case[m]['median_s'] / b['median_s']:.2f}" if m in case else "-" for m in others
+        ]
+        cells += [f"{_mib(b['peak_extra_bytes'])} ({_bound(b, meta)})"]
+        cells += [_mib(case[m]["peak_extra_bytes"]) if m in case else "-" for m in others]
+        cells += [f"{(b['floor_s'] or 0) * 1e3:.2f}", f"{b['vs_floor'] or float('nan'):.2f}"]
+        cells += ["yes" if all(r["correct"] for r in case.values()) else "NO"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+_DOC_BLOCK = re.compile(
+    r"(<!-- sync_latency (summary|tiny|budget) (\S+) -->\n)(.*?)(<!-- end -->)", re.S
+)
+
+
+def update_docs(path) -> int:
+    """Regenerate every `<!-- sync_latency KIND RESULTS.json -->` ... `<!-- end -->` block of
+    a markdown file from that results file (KIND: summary, tiny or budget)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def render(m):
+        with open(os.path.join(root, m.group(3))) as f:
+            data = json.load(f)
+        if m.group(2) == "budget":
+            table = "\n".join(budget_markdown(data).splitlines()[-len(data["results"]) - 2 :])
+            text = table + "\n"
+        elif m.group(2) == "tiny":
+            reshard_rows = {
+                (r["scenario"], r["model"]): r for r in data["results"] if r["method"] == "reshard"
+            }
+            text = "\n".join(tiny_table(data["results"], reshard_rows)[2:])
+        else:
+            text = summary_table(data["meta"], data["results"])
+        return m.group(1) + text + m.group(5)
+
+    with open(path) as f:
+        doc = f.read()
+    new, n = _DOC_BLOCK.subn(render, doc)
+    with open(path, "w") as f:
+        f.write(new)
+    print(f"{path}: {n} generated tables")
+    return 0
+
+
+# ------------------------------------------------------------------ budget sweep
+
+
+def _budget_rank(rank, world, cfg):
+    """reshard alone at several budgets: one Transfer per budget, syncs round-robin over the
+    budgets (b0, b1, ..., b0, b1, ...) so each budget sees the same load."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    # one-time process costs (the extension, the first collectives) paid before any budget
+    warm = S.SCENARIOS[cfg["scenario"]]("gpt-nano", rank, world)
+    step, _ = B.METHODS["reshard"](warm, {"world": world, "budget": None})
+    step(warm.targets())
+    B.close(step)
+    case = S.SCENARIOS[cfg["scenario"]](cfg["model"], rank, world)
+    steps, bufs, times, first, infos = {}, {}, {}, {}, {}
+    for kib in cfg["budgets"]:
+        ctx = {"world": world, "budget": kib << 10}
+        bufs[kib] = case.targets()
+        C.fence(world, False)
+        t0 = time.perf_counter()
+        steps[kib], infos[kib] = B.METHODS["reshard"](case, ctx)
+        steps[kib](bufs[kib])
+        C.fence(world, False)
+        first[kib] = time.perf_counter() - t0
+        steps[kib](bufs[kib])  # one warm-up
+        times[kib] = []
+    for _ in range(cfg["iters"]):
+        for kib in cfg["budgets"]:
+            times[kib].append(C.timed_sync(steps[kib], bufs[kib], world, False)[0])
+    out = {}
+    for kib in cfg["budgets"]:
+        info = infos[kib]()
+        out[kib] = {
+            "times": times[kib],
+            "first_sync_s": first[kib],
+            "rounds": info["rounds"],
+            "staging_bytes": info["accounted_extra_bytes"],
+            "phases_s": info["seconds"],
+            "correct": B.targets_correct(case, bufs[kib]),
+        }
+        B.close(steps[kib])
+    return {"params": case.params, "budgets": out}
+
+
+def budget_sweep(args, argv, scenarios, models) -> int:
+    """--budgets-kib: reshard's latency/memory trade-off against the per-peer budget."""
+    budgets = [int(x) for x in args.budgets_kib.split(",")]
+    if any(b <= 0 for b in budgets) or args.world < 2:
+        print("--budgets-kib: budgets must be positive and --world >= 2", file=sys.stderr)
+        return 2
+    scenario = scenarios[0] if scenarios else "offload_fp32"
+    model = models[0] if models else "gpt-mini"
+    cfg = {"scenario": scenario, "model": model, "budgets": budgets, "iters": args.iters}
+    try:
+        per = launch(_budget_rank, args.world, args=(cfg,), prefix="reshard-budget-")
+    except RanksFailed as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    rows = []
+    for kib in budgets:
+        recs = [x["budgets"][kib] for x in per]
+        t = sorted(max(rec["times"][i] for rec in recs) for i in range(args.iters))
+        rows.append(
+            {
+                "budget_bytes_per_peer": kib << 10,
+                "median_s": statistics.median(t),
+                "p90_s": t[int(0.9 * (len(t) - 1))],
+                "first_sync_s": max(rec["first_sync_s"] for rec in recs),
+                "rounds": recs[0]["rounds"],
+                "staging_bytes": max(rec["staging_bytes"] for rec in recs),
+                "phases_s": recs[0]["phases_s"],
+                "correct": all(rec["correct"] for rec in recs),
+            }
+        )
+    env = C.environment()
+    meta = {
+        "scenario": scenario,
+        "model": model,
+        "params": per[0]["params"],
+        "world": args.world,
+        "iters": args.iters,
+        "loadavg": env["loadavg"],
+        "torch": env["torch"],
+        "host": env["host"],
+        "date": env["date"],
+        "command": C.command_line("sync_latency.py", argv),
+    }
+    record = {"meta": meta, "results": rows}
+    if args.json:
+        C.write_results(args.json, record, budget_markdown)
+    print(budget_markdown(record))
+    return 0 if all(r["correct"] for r in rows) else 1
+
+
+def budget_markdown(record):
+    meta, rows = record["meta"], record["results"]
+    lines = [
+        f"# sync_latency budget sweep: {meta['scenario']} {meta['model']}, world "
+        f"{meta['world']}, budgets interleaved, {meta['iters']} syncs each",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "`first ms`: the Transfer's first sync (planning, tables, arenas) on its own.",
+        "",
+        "| budget KiB | rounds | staging MiB | median ms | p90 ms | first ms | ok |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        first = r.get("first_sync_s")
+        lines.append(
+            f"| {r['budget_bytes_per_peer'] >> 10} | {r['rounds']} | "
+            f"{r['staging_bytes'] / MiB:.2f} | {r['median_s'] * 1e3:.1f} | "
+            f"{r['p90_s'] * 1e3:.1f} | {'-' if first is None else f'{first * 1e3:.1f}'} "
+            f"| {'yes' if r['correct'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------ processes
 
 
@@ -897,19 +888,36 @@ def main(argv=None) -> int:
         "--budget-mib",
         type=float,
         default=None,
-        help=f"reshard budget per peer (default: 64 on CUDA; on CPU {CPU_BUDGET_RULE})",
+        help=f"reshard budget per peer (default: 64 on CUDA; on CPU {B.CPU_BUDGET_RULE})",
+    )
+    ap.add_argument(
+        "--budgets-kib",
+        default=None,
+        help="comma list: reshard alone at each of these budgets per peer, interleaved "
+        "(one scenario and model; default offload_fp32 gpt-mini)",
     )
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; skip later cases")
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--methods", default=None, help="comma list (default: all that apply)")
     ap.add_argument("--json", default=None, help="write PATH (+ .md, _latency/_memory.png)")
     ap.add_argument("--from-json", default=None, help="re-render PATH's .md and plots only")
+    ap.add_argument(
+        "--docs",
+        default=None,
+        help="regenerate the results tables of a markdown file (docs/performance.md)",
+    )
     args = ap.parse_args(argv)
+    if args.docs:
+        return update_docs(args.docs)
     if args.from_json:
         with open(args.from_json) as f:
             data = json.load(f)
-        write_outputs(args.from_json, data["meta"], data["results"])
-        print(markdown(data["meta"], data["results"]))
+        if "method" not in data["results"][0]:  # a --budgets-kib sweep
+            C.write_results(args.from_json, data, budget_markdown)
+            print(budget_markdown(data))
+        else:
+            write_outputs(args.from_json, data["meta"], data["results"])
+            print(markdown(data["meta"], data["results"]))
         return 0
     if args.world < 1:
         ap.error("--world must be >= 1")
@@ -927,13 +935,15 @@ def main(argv=None) -> int:
             ap.error(f"unknown scenario {s!r}; choose from {', '.join(S.SCENARIOS)}")
         if s == "dp_change" and args.world < 2:
             ap.error("dp_change needs --world >= 2")
-    models = (
-        args.models.split(",") if args.models else list(QUICK_MODELS if args.quick else FULL_MODELS)
-    )
-    for m in models:
+    models = args.models.split(",") if args.models else None
+    for m in models or ():
         if m not in S.MODELS:
             ap.error(f"unknown model {m!r}; choose from {', '.join(S.MODELS)}")
-    methods = methods_for(args.world, args.device)
+    if args.budgets_kib:
+        return budget_sweep(args, argv, scenarios if args.scenarios else None, models)
+    sweep = list(QUICK_MODELS if args.quick else FULL_MODELS)
+    cases = [[s, m] for s in scenarios for m in models or S.SCENARIO_MODELS.get(s, sweep)]
+    methods = B.methods_for(args.world, args.device)
     if args.methods:
         for m in args.methods.split(","):
             if m not in methods:
@@ -942,41 +952,35 @@ def main(argv=None) -> int:
     budget_mib = args.budget_mib or (64 if args.device == "cuda" else None)
     cfg = {
         "device": args.device,
-        "scenarios": scenarios,
-        "models": models,
+        "cases": cases,
         "methods": methods,
         "iters": args.iters,
         "warmup": max(1, args.warmup),
-        "budget": int(budget_mib * MiB) if budget_mib else None,  # None: cpu_budget(case)
+        "budget": int(budget_mib * MiB) if budget_mib else None,  # None: B.cpu_budget(case)
         "time_budget": args.time_budget,
         # On the shared CPU box the timed syncs go round-robin over the methods. In one
         # process on a GPU they stay per method: reshard_registered page-locks the very
         # sources the others read, which would change what they measure.
         "interleave": args.world > 1,
     }
+    env = C.environment(args.device)
     meta = {
-        "host": platform.node() if args.device == "cpu" else torch.cuda.get_device_name(),
+        **env,
+        "host": env["host"] if args.device == "cpu" else torch.cuda.get_device_name(),
         "device": args.device,
         "transport": "gloo" if args.world > 1 else f"one process ({args.device})",
         "world": args.world,
-        "torch": torch.__version__,
         "reshard": getattr(rs, "__version__", "?"),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
         "iters": args.iters,
         "warmup": cfg["warmup"],
         "budget_bytes_per_peer": cfg["budget"],
-        "budget_rule": None if cfg["budget"] else CPU_BUDGET_RULE,
+        "budget_rule": None if cfg["budget"] else B.CPU_BUDGET_RULE,
         "interleaved": cfg["interleave"],
         "source": "synthetic (DeepSpeed ZeRO-3 / ZeRO-1/2 layouts; no engines)",
-        "command": "python benchmarks/sync_latency.py " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": C.command_line("sync_latency.py", argv),
     }
     progress(
-        f"{len(scenarios)} scenarios x {len(models)} models x {len(cfg['methods'])} methods, "
-        f"world {args.world}, {args.device}"
+        f"{len(cases)} cases x {len(cfg['methods'])} methods, world {args.world}, {args.device}"
     )
 
     def finish(per_rank):

@@ -28,6 +28,7 @@ _LAZY = {
     "execute": "executor",
     "Transfer": "executor",
     "Report": "report",
+    "Stream": "stream",
 }
 
 __all__ = sorted(

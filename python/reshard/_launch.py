@@ -1,21 +1,63 @@
-"""Spawned ranks for scripts (the demo, the benchmarks): each runs a function inside a process
-group and hands back a JSON-able result. Tests use `tests/_spawn.py`, which adds pytest's
-skip relay and death injection on top of the same idea."""
+"""Spawned ranks: run a function on N processes, each inside an initialized process group, and
+bring back each rank's outcome. The one launcher of the demo, the benchmarks and the tests
+(tests/_spawn.py adds pytest's rules on top: skips, deliberate deaths, assertions).
+
+Rules (docs/internals.md):
+- rendezvous through a FileStore in a fresh directory, never a port, so parallel runs never clash;
+- under gloo every rank passes a barrier right after init (`init_group`);
+- a group timeout, so a dead peer turns into an error instead of a hang, and a join deadline in
+  the parent: stragglers are killed and reported by rank; once a rank has failed, the others
+  get a short grace to finish on their own;
+- each rank's outcome is a record written to a file (write-then-rename, so the parent never
+  reads half of one, and a rank that dies hard cannot wedge the parent on a pipe); the record
+  is written before the process-group teardown, so a teardown stuck on a failed peer cannot
+  lose it;
+- after its record a rank ends at once (`os._exit(0)`): interpreter finalization with torch's
+  threads alive can abort a process that did its work correctly ("terminate called without an
+  active exception", exit -6: a torch thread that wants the GIL while Python finalizes is
+  unwound through a noexcept frame).
+
+The spawn context re-imports the module that defines the function: keep it at module level in
+an importable module, with light top-level imports.
+"""
 
 from __future__ import annotations
 
 import datetime
-import json
 import os
+import pickle
+import sys
 import tempfile
+import time
 import traceback
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+FAIL_GRACE_S = 20.0  # after one rank failed, how long the others get to finish on their own
+
 
 class RanksFailed(RuntimeError):
-    """One or more ranks died or raised; the message names each with its traceback."""
+    """One or more ranks died, raised or hung; the message names each with its traceback.
+    `results` holds the values of the ranks that finished (None for the others)."""
+
+    def __init__(self, message, results=None):
+        super().__init__(message)
+        self.results = results
+
+
+class Outcome(NamedTuple):
+    """What `spawn` saw: each rank's record ({rank: record}; ranks that wrote none are absent),
+    exit codes in rank order, and the ranks still running at the deadline (killed)."""
+
+    records: dict
+    exitcodes: list
+    hung: list
+
+
+# A record is ("ok", value) or ("error", traceback text, the exception or None if it does not
+# pickle, the exception's type name).
 
 
 def init_group(backend, store_path, rank, world, timeout_s):
@@ -35,55 +77,135 @@ def init_group(backend, store_path, rank, world, timeout_s):
         dist.barrier()
 
 
-def _worker(body, rank, world, backend, store_path, timeout_s, args, out_path):
+def _record_path(run_dir, rank):
+    return os.path.join(run_dir, f"rank{rank}.pkl")
+
+
+def _write_record(run_dir, rank, record):
+    path = _record_path(run_dir, rank)
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def _error_record(exc):
+    tb = traceback.format_exc()
+    try:
+        pickle.dumps(exc)
+        payload = exc
+    except Exception:  # noqa: BLE001 - unpicklable: the traceback still goes back
+        payload = None
+    return ("error", tb, payload, type(exc).__name__)
+
+
+def _worker(rank, world, backend, run_dir, group_timeout_s, fn, args, env):
+    for key, value in (env or {}).items():
+        os.environ[key] = str(value)
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank)
-        init_group(backend, store_path, rank, world, timeout_s)
-        try:
-            result = body(rank, world, *args)
-        finally:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        init_group(backend, os.path.join(run_dir, "store"), rank, world, group_timeout_s)
+        record = ("ok", fn(rank, world, *args))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        record = _error_record(exc)
+    _write_record(run_dir, rank, record)
+    try:
+        if dist.is_initialized():  # a worker may have aborted its group after a failure
             dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        result = {"error": traceback.format_exc()}
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, out_path)
+    except Exception:  # noqa: BLE001 - the record already holds this rank's outcome
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def launch(body, world, *, backend="gloo", args=(), timeout_s=600, join_s=None, prefix="reshard-"):
-    """Run `body(rank, world, *args)` in `world` spawned processes, each inside an initialized
-    process group (a FileStore in a temporary directory, never a port), and return the results
-    in rank order. `body` must be importable (spawn pickles it by name) and return JSON-able
-    data. A rank that dies, raises or outlives `join_s` raises `RanksFailed`."""
+def _load(run_dir, rank):
+    path = _record_path(run_dir, rank)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def spawn(
+    fn,
+    world,
+    run_dir,
+    *,
+    backend="gloo",
+    args=(),
+    env=None,
+    group_timeout_s=60.0,
+    timeout_s=600.0,
+    expect_killed=(),
+) -> Outcome:
+    """Run `fn(rank, world, *args)` on `world` spawned ranks with their store and records in
+    `run_dir`; wait until all have ended, or `timeout_s` has passed, or FAIL_GRACE_S after the
+    first failure (a non-zero exit code outside `expect_killed`, or an error record)."""
     ctx = torch.multiprocessing.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        store = os.path.join(tmp, "store")
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-        procs = [
-            ctx.Process(
-                target=_worker, args=(body, r, world, backend, store, timeout_s, args, outs[r])
-            )
-            for r in range(world)
-        ]
+    procs = []
+    for rank in range(world):
+        p = ctx.Process(
+            target=_worker,
+            args=(rank, world, backend, run_dir, group_timeout_s, fn, args, env),
+            name=f"reshard-rank{rank}",
+            daemon=False,
+        )
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + timeout_s
+    failed, recorded = False, set()
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            for r, p in enumerate(procs):
+                if failed:
+                    break
+                crashed = p.exitcode not in (None, 0) and r not in expect_killed
+                raised = False
+                if r not in recorded and os.path.exists(_record_path(run_dir, r)):
+                    recorded.add(r)
+                    raised = _load(run_dir, r)[0] == "error"
+                if crashed or raised:
+                    failed = True
+                    deadline = min(deadline, time.monotonic() + FAIL_GRACE_S)
+            time.sleep(0.02)
+    finally:
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
         for p in procs:
-            p.start()
-        for p in procs:
-            p.join(join_s)
             if p.is_alive():
                 p.kill()
-                p.join()
-        results, failures = [], []
-        for r, path in enumerate(outs):
-            if not os.path.exists(path):
-                failures.append(f"rank {r} died (exit code {procs[r].exitcode})")
-                results.append(None)
-                continue
-            with open(path) as f:
-                results.append(json.load(f))
-            if isinstance(results[-1], dict) and "error" in results[-1]:
-                failures.append(f"rank {r} failed:\n{results[-1]['error']}")
+        for p in procs:
+            p.join(10)
+    records = {r: rec for r in range(world) if (rec := _load(run_dir, r)) is not None}
+    return Outcome(records, [p.exitcode for p in procs], hung)
+
+
+def launch(body, world, *, backend="gloo", args=(), env=None, timeout_s=600, join_s=None,
+           prefix="reshard-"):  # fmt: skip
+    """Run `body(rank, world, *args)` in `world` spawned ranks (a temporary directory for the
+    store and the records) and return the values in rank order. `timeout_s` is the group's
+    collective timeout, `join_s` (default: no limit beyond a day) the wall-clock limit of the
+    whole run. A rank that dies, raises or hangs raises `RanksFailed`."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as run_dir:
+        out = spawn(
+            body,
+            world,
+            run_dir,
+            backend=backend,
+            args=args,
+            env=env,
+            group_timeout_s=timeout_s,
+            timeout_s=join_s or 86400.0,
+        )
+    results, failures = [], []
+    for r in range(world):
+        rec = out.records.get(r)
+        if rec is None:
+            why = "still running at the deadline (killed)" if r in out.hung else "died"
+            failures.append(f"rank {r} {why} (exit code {out.exitcodes[r]})")
+        elif rec[0] == "error":
+            failures.append(f"rank {r} failed:\n{rec[1]}")
+        results.append(rec[1] if rec is not None and rec[0] == "ok" else None)
     if failures:
-        raise RanksFailed("\n".join(failures))
+        raise RanksFailed("\n".join(failures), results)
     return results

@@ -16,15 +16,21 @@ packed on the device; CPU buffers are packed/scattered on the host and moved thr
 pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
-Failure model: preflight failures are collective `PreflightError`s with nothing written. Any
-failure after preflight passed is a `TransferError`: targets may be partially written. Waits are
-bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog): never a hang.
+Failure model: every failure before the first write (argument types and the timeout
+included) is a collective `PreflightError` with nothing written; the agreement is followed by
+a commit step, so a rank whose peers gave up on it never writes (docs/executor.md states the
+one window left). Any failure after the commit is a `TransferError`: targets may be partially
+written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
+never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import math
+import threading
 import time
 
 import numpy as np
@@ -41,6 +47,8 @@ _ops.require_built()  # every torch.ops.reshard op is used here: say how to buil
 log = logging.getLogger("reshard")
 
 DEFAULT_TIMEOUT_S = 300.0
+# The longest wait a timeout may ask for (a year): beyond it datetime arithmetic overflows.
+_MAX_TIMEOUT_S = 365 * 86400.0
 # Largest pinned ring of the stage ops. Bounced (pageable or cast) CPU<->GPU copies reach the
 # PCIe ceiling only with chunks large enough to hide the per-chunk host fork/join and event
 # wait (benchmarks/gpu_bench.py --only ring); a 64 MiB ring gives four 16 MiB slots.
@@ -154,17 +162,35 @@ class _Engine:
     def __init__(self, plan, group, rank, world_size, transport):
         self.plan, self.group, self.rank = plan, group, rank
         self.world_size, self.transport = world_size, transport
-        self.sched = plan.schedule(rank)
-        s = self.sched
-        self.num_rounds = int(s.num_rounds)
-        self.nbuf = min(2, self.num_rounds)
         if transport == "nccl":
             self.arena_device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.arena_device = torch.device("cpu")
+        self.sched = None  # built by prepare(), inside the collective preflight
+        self.arenas = None  # {"send": [..], "recv": [..]} once allocated
+        self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
+        self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
+        self.broken = False  # a call failed after preflight: never reuse these arenas
+
+    def prepare(self) -> list[str]:
+        """Build this rank's schedule and everything derived from it (once); return the
+        reasons the schedule cannot run here (pf.check_schedule). Anything this raises is a
+        preflight reason of this rank: it runs before the collective exchange."""
+        if self.sched is not None:
+            return self.schedule_reasons
+        sched = self.plan.schedule(self.rank)
+        self.schedule_reasons = pf.check_schedule(
+            sched, self.rank, self.world_size, self.plan.src.storages, self.plan.dst.storages
+        )
+        s = sched
+        self.num_rounds = int(s.num_rounds)
+        self.nbuf = min(2, self.num_rounds)
         self.global_peer = {}
         peers = {m.peer for msgs in [*s.sends, *s.recvs] for m in msgs}
         for p in peers:
+            if not 0 <= p < self.world_size:
+                continue  # a reason of check_schedule
+            group = self.group
             self.global_peer[p] = dist.get_global_rank(group, p) if group is not None else p
         self.bytes_sent, self.bytes_received = {}, {}
         for msgs, acc in ((s.sends, self.bytes_sent), (s.recvs, self.bytes_received)):
@@ -182,10 +208,10 @@ class _Engine:
         self.local_elems = [
             (dloc, int((d.desc_np[:, 4] * d.desc_np[:, 5]).sum())) for _, dloc, d in self.local
         ]
-        self.arenas = None  # {"send": [..], "recv": [..]} once allocated
-        self.ring = None  # pinned ring of the stage_h2d/stage_d2h ops (CPU buffers + CUDA)
-        self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
-        self.broken = False  # a call failed after preflight: never reuse these arenas
+        # every target location this rank writes: their version counters move after a call
+        self.written_locations = frozenset(
+            [dloc for _, dloc, _ in self.local] + list(self.message_locations[1])
+        )
         # per round: (pack groups, unpack groups, p2p list, bytes sent, bytes received); a p2p
         # entry is (peer, is_send, arena slice, None, 0, 0) or, for a message that travels
         # straight from / into a buffer, (peer, is_send, None, location, first byte, end byte)
@@ -193,6 +219,8 @@ class _Engine:
         self.direct_locations = None  # the (side, location) set the rounds were laid out for
         self.zero_copy_bytes = 0  # wire bytes per call that skip the arenas (sent + received)
         self._written = None
+        self.sched = sched
+        return self.schedule_reasons
 
     # ------------------------------------------------------------ staging
 
@@ -484,39 +512,90 @@ def _local_cross_device(engine, src_ok, dst_ok) -> tuple[bool, list[str]]:
     return need_ring, reasons
 
 
-def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds):
+def timeout_error(timeout) -> Exception | None:
+    """The error an unusable `timeout` (seconds for any one wait) deserves, else None."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        return TypeError(
+            f"timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+        )
+    if not math.isfinite(timeout) or timeout <= 0:
+        return ValueError(
+            f"timeout must be a finite number of seconds > 0, got {timeout!r} (every wait is "
+            "bounded: a dead peer must become an error, never a hang)"
+        )
+    if timeout > _MAX_TIMEOUT_S:
+        return ValueError(f"timeout must be at most {_MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
+    return None
+
+
+def _local_reasons(engine, plan, src_buffers, dst_buffers, checks, timeout):
+    """Every check of this rank before the collective exchange: (reasons, src_ok, dst_ok).
+    Nothing here may raise: an exception (a list where a dict belongs, a schedule that
+    cannot be built, an allocation) is a reason of this rank, so every rank learns of it."""
+    reasons, src_ok, dst_ok = [], {}, {}
+    bad_timeout = timeout_error(timeout)
+    if bad_timeout:
+        reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
+    try:
+        reasons += engine.prepare()
+        src = pf.as_buffer_set(src_buffers, "src")
+        dst = pf.as_buffer_set(dst_buffers, "dst")
+        local_pairs = [(sloc, dloc) for sloc, dloc, _ in engine.local]
+        more, src_ok, dst_ok = pf.local_checks(
+            plan,
+            engine.rank,
+            engine.world_size,
+            engine.transport,
+            src,
+            dst,
+            checks,
+            engine.written,
+            local_pairs,
+        )
+        reasons += more
+        # Staging is allocated after every other local check passed (it needs validated
+        # buffers to know whether the pinned ring is needed).
+        need_ring = False
+        if not reasons:
+            need_ring, more = _local_cross_device(engine, src_ok, dst_ok)
+            reasons += more
+        if not reasons:
+            try:
+                engine.allocate(need_ring or _needs_ring(engine, src_ok, dst_ok), src_ok, dst_ok)
+            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
+                reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
+        reasons.append(f"{type(exc).__name__}: {exc}")
+    return reasons, src_ok, dst_ok
+
+
+def _bump_versions(engine, dst_ok) -> None:
+    """Autograd sees the writes: the version counter of every target this rank's schedule
+    writes moves, as after a torch in-place op (the transport's zero-copy receives write
+    targets outside any op)."""
+    for loc in engine.written_locations:
+        t = dst_ok.get(loc)
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+def _run(engine, plan, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     t_start = time.perf_counter()
     rank, world = engine.rank, engine.world_size
-    report = Report(
-        rank=rank,
-        world_size=world,
-        transport=engine.transport,
-        rounds=engine.num_rounds,
-        fingerprint=str(plan.fingerprint),
-        bytes_sent=dict(engine.bytes_sent),
-        bytes_received=dict(engine.bytes_received),
+    reasons, src_ok, dst_ok = _local_reasons(
+        engine, plan, src_buffers, dst_buffers, checks, timeout
     )
-    report.seconds["plan"] = plan_seconds
-    src = pf.as_buffer_set(src_buffers, "src")
-    dst = pf.as_buffer_set(dst_buffers, "dst")
-
-    # Staging is allocated after every other local check passed (it needs validated buffers
-    # to know whether the pinned ring is needed).
-    reasons, src_ok, dst_ok = pf.local_checks(
-        plan, rank, world, engine.transport, src, dst, checks, engine.written
-    )
-    need_ring = False
-    if not reasons:
-        need_ring, reasons = _local_cross_device(engine, src_ok, dst_ok)
-    if not reasons:
-        try:
-            engine.allocate(need_ring or _needs_ring(engine, src_ok, dst_ok), src_ok, dst_ok)
-        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
-            reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+    # an unusable timeout is one of the reasons; the exchange itself waits the default
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
+    try:
+        fingerprint = plan.fingerprint
+    except Exception as exc:  # noqa: BLE001 - a reason like any other
+        fingerprint = f"unavailable on rank {rank}"
+        reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
     try:
         pf.agree(
             reasons,
-            plan.fingerprint,
+            fingerprint,
             engine.group,
             rank,
             world,
@@ -532,6 +611,16 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
             {rank: [str(exc)]},
         ) from exc
     t_pre = time.perf_counter()
+    report = Report(
+        rank=rank,
+        world_size=world,
+        transport=engine.transport,
+        rounds=engine.num_rounds,
+        fingerprint=str(fingerprint),
+        bytes_sent=dict(engine.bytes_sent),
+        bytes_received=dict(engine.bytes_received),
+    )
+    report.seconds["plan"] = plan_seconds
     report.seconds["preflight"] = t_pre - t_start
     report.staging_bound = engine.bound(engine.ring is not None)
     try:
@@ -542,6 +631,8 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
             f"transfer failed on rank {rank} after writes began ({type(exc).__name__}: {exc}); "
             "targets may be partially written"
         ) from exc
+    finally:
+        _bump_versions(engine, dst_ok)
     report.peak_staging_bytes = engine.held()
     report.zero_copy_bytes = engine.zero_copy_bytes
     report.local_bytes = sum(n * dst_ok[dloc].element_size() for dloc, n in engine.local_elems)
@@ -562,6 +653,47 @@ def _run(engine, plan, src_buffers, dst_buffers, checks, timeout_s, plan_seconds
     return report
 
 
+class _CallLock:
+    """Serializes calls; a call from the thread that already holds it (a readiness hook that
+    calls the transfer it runs in) is refused instead of waiting for itself forever."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._owner = None
+
+    def __enter__(self):
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "a reshard transfer was called again from inside a call on the same thread "
+                "(e.g. from a readiness hook); calls on one Transfer or one process group "
+                "run one at a time"
+            )
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc):
+        self._owner = None
+        self._lock.release()
+        return False
+
+
+# One lock per process group: the collectives of two calls on one group from two threads would
+# interleave (gloo pairs operations in issue order), so calls on a group run one at a time.
+_GROUP_LOCKS: dict = {}  # id(group) -> (group, _CallLock); the group is kept so ids stay unique
+_GROUP_LOCKS_GUARD = threading.Lock()
+
+
+def _group_lock(group):
+    if group is None:  # in-process ("local"): no collectives to keep in order
+        return contextlib.nullcontext()
+    with _GROUP_LOCKS_GUARD:
+        entry = _GROUP_LOCKS.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = _GROUP_LOCKS[id(group)] = (group, _CallLock())
+        return entry[1]
+
+
 def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DEFAULT_TIMEOUT_S):
     """Run `plan` once: preflight (collective), then the rounds. Collective over `group`.
 
@@ -572,7 +704,8 @@ def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DE
     """
     group, rank, world, transport = resolve_group(group)
     engine = _Engine(plan, group, rank, world, transport)
-    return _run(engine, plan, src_buffers, dst_buffers, checks, timeout, 0.0)
+    with _group_lock(group):
+        return _run(engine, plan, src_buffers, dst_buffers, checks, timeout, 0.0)
 
 
 class Transfer:
@@ -644,8 +777,12 @@ class Transfer:
         self._hostreg = HostRegistry() if register_host_sources else None
         self._hostreg_targets = HostRegistry() if register_host_targets else None
         self.plan, self._plan_seconds = plan, plan_seconds
+        bad_timeout = timeout_error(timeout)
+        if bad_timeout:
+            raise bad_timeout
         self.group, self.timeout = group, timeout
         self._engine = None
+        self._lock = _CallLock()
 
     @property
     def engine_allocations(self) -> int:
@@ -656,6 +793,12 @@ class Transfer:
         return sum(len(v) for v in (e.arenas or {}).values()) + (e.ring is not None)
 
     def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
+        """One sync (collective over the group). Calls on one Transfer never interleave:
+        a call made while another runs (another thread) waits for it to finish."""
+        with self._lock:
+            return self._call(src_buffers, dst_buffers, checks)
+
+    def _call(self, src_buffers, dst_buffers, checks) -> Report:
         if self._engine is not None and self._engine.broken:
             self._engine = None  # a failed call's arenas may still be written: start afresh
         if self._engine is None:
@@ -668,9 +811,10 @@ class Transfer:
         reg_targets = _register(self._hostreg_targets, dst_buffers)
         if reg_targets is not None:
             reg = dict(reg or {}, targets=reg_targets)
-        report = _run(
-            self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s
-        )
+        with _group_lock(self._engine.group):
+            report = _run(
+                self._engine, self.plan, src_buffers, dst_buffers, checks, self.timeout, plan_s
+            )
         if reg is not None:
             report.host_registration = reg
         return report

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -72,6 +73,176 @@ def fingerprint_words(fp) -> tuple[int, int]:
         int.from_bytes(digest[:8], "little", signed=True),
         int.from_bytes(digest[8:16], "little", signed=True),
     )
+
+
+# ---------------------------------------------------------------- what the kernels accept
+
+_CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def copy_support(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> str | None:
+    """None if the C core copies `src_dtype` elements into `dst_dtype` ones, else why not.
+
+    Same dtype: raw bytes, for element sizes 1, 2, 4 and 8. Different dtypes: casts among
+    float32, bfloat16 and float16 only. The ops refuse exactly what this refuses."""
+    if src_dtype == dst_dtype:
+        size = src_dtype.itemsize
+        if size in (1, 2, 4, 8):
+            return None
+        return (
+            f"{src_dtype} has {size}-byte elements; the C core copies elements of 1, 2, 4 or 8 "
+            "bytes"
+        )
+    if src_dtype in _CASTABLE and dst_dtype in _CASTABLE:
+        return None
+    return (
+        f"cannot copy {src_dtype} to {dst_dtype}: casts exist only among float32, bfloat16 "
+        "and float16; other dtypes copy only to themselves"
+    )
+
+
+def _bad_rows(desc: np.ndarray, off_col: int, numel) -> np.ndarray:
+    """Rows of `desc` whose (off, stride) side is negative or reaches outside [0, numel) once
+    repeated `count` times (length and count checked too), without int64 overflow: the checks
+    rs_validate makes before a copy. `numel` is a scalar or one bound per row."""
+    off, stride = desc[:, off_col], desc[:, off_col + 1]
+    length, count = desc[:, 4], desc[:, 5]
+    numel = np.broadcast_to(np.asarray(numel, np.int64), off.shape)
+    neg = (off < 0) | (stride < 0) | (length < 0) | (count < 0)
+    active = (length > 0) & (count > 0) & ~neg
+    # off + (count-1)*stride + length <= numel, evaluated as a division so nothing overflows
+    room = np.where((off <= numel) & (length <= numel), numel - off - length, -1)
+    reps = np.maximum(count - 1, 1)
+    fits = (room >= 0) & ((count <= 1) | (stride <= np.maximum(room, 0) // reps))
+    return neg | (active & ~fits)
+
+
+def _overlapping_writes(desc: np.ndarray, off_col: int) -> tuple[int, int] | None:
+    """An element range [lo, hi) that two writes of `desc`'s (off, stride) side both hit, or
+    None. Rows whose spans are disjoint are cleared without expanding their repeats; only
+    rows whose spans interleave are expanded into runs."""
+    keep = (desc[:, 4] > 0) & (desc[:, 5] > 0)
+    d = desc[keep]
+    if d.shape[0] == 0:
+        return None
+    off, stride, length, count = d[:, off_col], d[:, off_col + 1], d[:, 4], d[:, 5]
+    within = (count > 1) & (stride < length)
+    if within.any():
+        i = int(np.flatnonzero(within)[0])
+        return int(off[i] + stride[i]), int(off[i] + min(length[i], stride[i] + length[i]))
+    end = off + (count - 1) * stride + length
+    order = np.argsort(off, kind="stable")
+    s, e = off[order], end[order]
+    clash = np.zeros(s.size, bool)
+    clash[1:] = s[1:] < np.maximum.accumulate(e)[:-1]
+    if not clash.any():
+        return None
+    cluster = np.cumsum(~clash)
+    sizes = np.bincount(cluster)
+    rows = order[sizes[cluster] > 1]
+    iv = _expand_runs(d[rows], off_col, off_col + 1)
+    iv = iv[np.argsort(iv[:, 0], kind="stable")]
+    reach = np.maximum.accumulate(iv[:, 1])
+    hit = np.flatnonzero(iv[1:, 0] < reach[:-1])
+    if not hit.size:
+        return None
+    j = int(hit[0]) + 1
+    return int(iv[j, 0]), int(min(iv[j, 1], reach[j - 1]))
+
+
+def _desc(obj) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(obj, dtype=np.int64)).reshape(-1, 6)
+
+
+def check_schedule(sched, rank: int, world_size: int, src_storages, dst_storages) -> list[str]:
+    """Everything the kernels and the executor would refuse mid-transfer, checked for this
+    rank's whole schedule before anything is written: element types the C core copies, every
+    descriptor row inside its buffers (no negative field, no int64 overflow), segments inside
+    their messages, peers inside the group, and target elements written at most once.
+    Depends only on the plan: the executor computes it once per plan and rank."""
+    reasons: list[str] = []
+
+    def storage(storages, side, loc):
+        st = storages.get(loc)
+        if st is None:
+            reasons.append(f"the schedule names {side} location {loc}, which the layout lacks")
+        return st
+
+    def rows_ok(what, desc, off_col, numel):
+        bad = np.flatnonzero(_bad_rows(desc, off_col, numel))
+        if bad.size:
+            reasons.append(
+                f"{what}: descriptor row {int(bad[0])} {desc[int(bad[0])].tolist()} is negative, "
+                f"overflows int64 or reaches outside the {int(numel)} elements there"
+            )
+            return False
+        return True
+
+    writes: dict[int, list] = {}  # target location -> write-side tables (dst columns)
+    for lc in sched.local:
+        s = storage(src_storages, "source", lc.src_location)
+        t = storage(dst_storages, "target", lc.dst_location)
+        if s is None or t is None:
+            continue
+        what = f"local copy {lc.src_location} -> {lc.dst_location}"
+        why = copy_support(torch_dtype(s.dtype), torch_dtype(t.dtype))
+        if why:
+            reasons.append(f"{what}: {why}")
+        d = _desc(lc.desc)
+        if rows_ok(what + " (source side)", d, 0, s.numel) and rows_ok(
+            what + " (target side)", d, 2, t.numel
+        ):
+            writes.setdefault(lc.dst_location, []).append(d)
+    for side, rounds in (("send", sched.sends), ("recv", sched.recvs)):
+        for k, msgs in enumerate(rounds):
+            for m in msgs:
+                peer, nbytes = int(m.peer), int(m.nbytes)
+                what = f"round {k} {side} message {'to' if side == 'send' else 'from'} rank {peer}"
+                if not 0 <= peer < world_size or peer == rank:
+                    reasons.append(f"{what}: peer {peer} is not another rank of the group")
+                if int(m.arena_offset) < 0 or nbytes < 0:
+                    reasons.append(f"{what}: negative arena offset or size")
+                spans = []
+                for seg in m.segments:
+                    s = storage(src_storages, "source", seg.src_location)
+                    t = storage(dst_storages, "target", seg.dst_location)
+                    if s is None or t is None:
+                        continue
+                    wire, n, at = seg.wire_dtype, int(seg.numel), int(seg.byte_offset)
+                    swhat = f"{what}, segment {seg.src_location} -> {seg.dst_location}"
+                    pair = (torch_dtype(s.dtype), wire) if side == "send" else None
+                    pair = pair or (wire, torch_dtype(t.dtype))
+                    why = copy_support(*pair)
+                    if why:
+                        reasons.append(f"{swhat}: {why}")
+                    if n < 0 or at < 0 or at % wire.itemsize or at + n * wire.itemsize > nbytes:
+                        reasons.append(
+                            f"{swhat}: {n} elements of {wire} at byte {at} do not fit the "
+                            f"message's {nbytes} bytes aligned"
+                        )
+                        continue
+                    spans.append((at, at + n * wire.itemsize))
+                    d = _desc(seg.desc)
+                    if side == "send":
+                        ok = rows_ok(swhat + " (source side)", d, 0, s.numel)
+                        ok = rows_ok(swhat + " (message side)", d, 2, n) and ok
+                        hit = _overlapping_writes(d, 2) if ok else None
+                        if hit:
+                            reasons.append(f"{swhat}: two rows write message elements {hit}")
+                    else:
+                        ok = rows_ok(swhat + " (message side)", d, 0, n)
+                        if rows_ok(swhat + " (target side)", d, 2, t.numel) and ok:
+                            writes.setdefault(seg.dst_location, []).append(d)
+                spans.sort()
+                if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+                    reasons.append(f"{what}: two segments share message bytes")
+    for loc, tables in writes.items():
+        hit = _overlapping_writes(np.concatenate(tables), 2)
+        if hit:
+            reasons.append(
+                f"target location {loc}: the schedule writes elements [{hit[0]}, {hit[1]}) twice"
+            )
+    return reasons
 
 
 # ---------------------------------------------------------------- written ranges (aliasing)
@@ -139,6 +310,20 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 # ---------------------------------------------------------------- local checks
 
 
+def _storage_shortfall(t: torch.Tensor) -> str | None:
+    """Why `t`'s storage cannot hold what its metadata says (freed, or resized underneath it
+    as FSDP does with parameters it frees), else None."""
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if need == 0:
+        return None
+    have = t.untyped_storage().nbytes()
+    if have == 0 or t.untyped_storage().data_ptr() == 0:
+        return f"its storage is freed (0 bytes; it needs {need})"
+    if have < need:
+        return f"its storage holds {have} bytes, fewer than the {need} its view needs"
+    return None
+
+
 def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
     storages = layout.storages
     for loc, st in storages.items():
@@ -177,10 +362,19 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
         if t.numel() != st.numel:
             bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
         dev = t.device
+        if dev.type != "meta":
+            short = _storage_shortfall(t)
+            if short:
+                bad.append(short)
+        if side == "target" and t.requires_grad and torch.is_grad_enabled():
+            bad.append(
+                "requires grad: the transfer writes it in place, which autograd does not "
+                "record (write under torch.no_grad(), or pass a .detach()ed view)"
+            )
         if transport == "gloo" and dev.type != "cpu":
             bad.append(f"is on {dev}, but the gloo transport needs CPU buffers")
-        elif transport == "nccl" and dev.type not in ("cpu", "cuda"):
-            bad.append(f"is on {dev}, the NCCL transport takes CUDA or CPU buffers")
+        elif transport != "gloo" and dev.type not in ("cpu", "cuda"):
+            bad.append(f"is on {dev}; reshard copies CPU and CUDA buffers only")
         elif (
             transport == "nccl" and dev.type == "cuda" and dev.index != torch.cuda.current_device()
         ):
@@ -228,6 +422,21 @@ def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
                 )
 
 
+def check_local_extents(local_pairs, src_ok, dst_ok, reasons) -> None:
+    """A local copy's source and target buffers must not share memory at all (copy_runs
+    refuses overlapping extents, not only overlapping writes)."""
+    for sloc, dloc in local_pairs:
+        s, d = src_ok.get(sloc), dst_ok.get(dloc)
+        if s is None or d is None or s.device != d.device or not s.numel() or not d.numel():
+            continue
+        (s0, s1), (d0, d1) = _extent(s), _extent(d)
+        if s0 < d1 and d0 < s1:
+            reasons.append(
+                f"target location {dloc} shares memory with source location {sloc}, which it "
+                "is copied from locally (source and target of a copy must be disjoint)"
+            )
+
+
 def _any_overlap(src_ok, dst_ok) -> bool:
     """Cheap test first, O(n log n) per device: does any target buffer share memory with a
     source buffer or another target? (Sources may alias each other: they are only read.)"""
@@ -251,12 +460,14 @@ def local_checks(
     dst: BufferSet,
     extra_checks: Iterable[Callable[[], None]] = (),
     written: Callable[[], dict] | None = None,
+    local_pairs: Iterable[tuple[int, int]] = (),
 ) -> tuple[list[str], dict, dict]:
     """This rank's reasons (empty if fine) and the validated {location: tensor} maps.
 
     written: returns {target location: merged element intervals this rank writes} (cached by
-    the caller; computed from the plan's schedule when omitted). Staging allocation is the
-    caller's last check (it needs validated buffers)."""
+    the caller; computed from the plan's schedule when omitted). local_pairs: the (source,
+    target) locations this rank copies locally. Staging allocation is the caller's last check
+    (it needs validated buffers)."""
     if transport not in SUPPORTED_TRANSPORTS:
         return [f"unsupported transport {transport!r} (gloo, nccl or no process group)"], {}, {}
     reasons: list[str] = []
@@ -267,6 +478,8 @@ def local_checks(
             check()
         except Exception as exc:  # noqa: BLE001 - any hook failure is a reason, not a crash
             reasons.append(f"{type(exc).__name__}: {exc}")
+    if not reasons:
+        check_local_extents(local_pairs, src_ok, dst_ok, reasons)
     if not reasons and _any_overlap(src_ok, dst_ok):
         if written is None:
             sched = plan.schedule(rank)
@@ -281,24 +494,49 @@ def local_checks(
 # ---------------------------------------------------------------- the collective
 
 
+def _wait(work, device, timeout_s) -> None:
+    if timeout_s is not None and device.type == "cpu":
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    else:
+        work.wait()
+
+
+def _all_gather_rows(values: list[int], group, world_size, device, timeout_s) -> list[list[int]]:
+    """One all-gather of a few int64 per rank, bounded by timeout_s on CPU tensors."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    _wait(dist.all_gather(gathered, mine, group=group, async_op=True), device, timeout_s)
+    return torch.stack(gathered).cpu().tolist()
+
+
+def _all_gather_bytes(payload: bytes, group, world_size, device, timeout_s) -> list[bytes]:
+    """Every rank's bytes, through two bounded tensor all-gathers (all_gather_object would
+    wait for the group's timeout, not ours)."""
+    sizes = [
+        row[0] for row in _all_gather_rows([len(payload)], group, world_size, device, timeout_s)
+    ]
+    mine = torch.zeros(max(sizes), dtype=torch.uint8)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    mine = mine.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    _wait(dist.all_gather(gathered, mine, group=group, async_op=True), device, timeout_s)
+    return [bytes(g.cpu()[:n].tolist()) for g, n in zip(gathered, sizes, strict=True)]
+
+
 def agree(
     reasons: list[str], fingerprint, group, rank: int, world_size: int, device, timeout_s=None
 ) -> None:
     """One all-gather of (ok, fingerprint); raise the same PreflightError on every rank if any
-    rank failed or the fingerprints differ. world_size 1 and no group: purely local.
-    timeout_s bounds the wait on CPU (gloo) tensors; NCCL relies on the group's timeout."""
+    rank failed or the fingerprints differ. On success, a second tiny all-gather commits:
+    a rank writes only after it received every rank's commit, so a rank whose agreement came
+    too late (its peers gave up waiting for it) never writes. world_size 1 and no group:
+    purely local. timeout_s bounds every wait on CPU (gloo) tensors; NCCL relies on the
+    group's timeout. A failed wait raises the collective's own error (the caller reports it)."""
     words = fingerprint_words(fingerprint)
     if world_size == 1:
         rows = [[0 if reasons else 1, *words]]
     else:
-        mine = torch.tensor([0 if reasons else 1, *words], dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(world_size)]
-        work = dist.all_gather(gathered, mine, group=group, async_op=True)
-        if timeout_s is not None and mine.device.type == "cpu":
-            work.wait(datetime.timedelta(seconds=timeout_s))
-        else:
-            work.wait()
-        rows = torch.stack(gathered).cpu().tolist()
+        rows = _all_gather_rows([0 if reasons else 1, *words], group, world_size, device, timeout_s)
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
     # rank out is the one named.
     fps = [tuple(row[1:]) for row in rows]
@@ -306,14 +544,26 @@ def agree(
     ref_rank = fps.index(ref_fp)
     fp_bad = [r for r, f in enumerate(fps) if f != ref_fp]
     if all(row[0] for row in rows) and not fp_bad:
+        if world_size > 1:
+            try:
+                _all_gather_rows([1], group, world_size, device, timeout_s)
+            except Exception as exc:
+                raise PreflightError(
+                    f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
+                    "nothing was written on this rank. A peer that received every commit "
+                    "before this rank gave up has begun writing and fails with TransferError",
+                    {rank: [f"commit: {exc}"]},
+                ) from exc
         return
     # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
     if world_size == 1:
         all_reasons = [reasons]
         all_fps = [str(fingerprint)]
     else:
-        payload = [None] * world_size
-        dist.all_gather_object(payload, (reasons, str(fingerprint)), group=group)
+        blob = json.dumps([list(map(str, reasons)), str(fingerprint)]).encode()
+        payload = [
+            json.loads(b) for b in _all_gather_bytes(blob, group, world_size, device, timeout_s)
+        ]
         all_reasons = [p[0] for p in payload]
         all_fps = [p[1] for p in payload]
     failures: dict[int, list[str]] = {}

@@ -32,6 +32,9 @@ class Report:
         need not add up to "total".
     peak_staging_bytes: staging actually held by the executor during the call, by kind;
         never above `staging_bound` (= plan.staging_bytes(rank, ...)).
+    host_registration: what a Transfer built with register_host_sources /
+        register_host_targets did to page-lock CPU buffers on this call (reshard.hostreg;
+        the targets' account under "targets"); None when neither was asked for.
     """
 
     rank: int
@@ -46,6 +49,7 @@ class Report:
     seconds: dict[str, float] = field(default_factory=_zero_phases)
     peak_staging_bytes: dict[str, int] = field(default_factory=_zero_staging)
     staging_bound: dict[str, int] = field(default_factory=_zero_staging)
+    host_registration: dict | None = None
 
     @property
     def total_bytes_sent(self) -> int:

@@ -90,8 +90,12 @@ def make_engine(
     net = make_model(model, seed)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(param_groups(net), lr=1e-2, betas=(0.9, 0.99))
-    else:
+    elif optimizer == "sgd":
         opt = torch.optim.SGD(param_groups(net), lr=1e-2, momentum=0.9)
+    elif optimizer == "sgd0":  # plain SGD: keeps no per-parameter state at all
+        opt = torch.optim.SGD(param_groups(net), lr=1e-2)
+    else:
+        raise ValueError(optimizer)
     zero = {"stage": stage, "offload_optimizer": {"device": offload}}
     if stage == 3 and model == "block":
         # several sub-groups, and no persistent params: the plain ZeRO-3 path

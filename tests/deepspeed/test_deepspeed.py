@@ -556,6 +556,116 @@ def live_param_check(rsds, engine):
     return live.check
 
 
+def _lifecycle_worker(rank, world, configs):
+    """Per (stage, offload): a stateless optimizer's moments, a training forward after the
+    boundary, and a destroyed engine each get the error that names the real cause."""
+    import torch
+    from _dsutil import batch, ds_env, make_engine, replicated_targets, train
+
+    ds_env(rank, world)
+    import reshard as rs
+    from reshard.errors import NotReadyError, PreflightError, UnsupportedError
+    from reshard.integrations import deepspeed as rsds
+
+    done = []
+    for stage, offload in configs:
+        tag = f"stage {stage} offload {offload}"
+        # plain SGD keeps no per-parameter state: not ready before its first step, unsupported
+        # (naming the optimizer) once steps have run
+        sgd = make_engine(
+            stage, offload, optimizer="sgd0", config_extra={"zero_allow_untested_optimizer": True}
+        )
+        with pytest.raises(NotReadyError, match="first applied"):
+            rsds.describe(sgd, "exp_avg")
+        train(sgd, "mlp", 2, seed=1, rank=rank)
+        for kind in MOMENTS:
+            with pytest.raises(UnsupportedError, match=f"SGD keeps no '{kind}' state"):
+                rsds.describe(sgd, kind)
+        sgd.destroy()
+
+        engine = make_engine(stage, offload)
+        train(engine, "mlp", 1, seed=1, rank=rank)
+        lives = {k: rsds.describe(engine, k) for k in KINDS}
+        assert all(lv.reasons() == [] for lv in lives.values()), tag
+        with torch.no_grad():  # an inference forward (rollout log-probs) is allowed
+            engine(batch(engine, "mlp", 5))
+        assert all(lv.reasons() == [] for lv in lives.values()), tag
+        # forward + backward after the boundary, no step(): every kind refuses, and so does a
+        # transfer, on every rank, writing nothing
+        loss = engine(batch(engine, "mlp", 6 + rank)).float().pow(2).mean()
+        engine.backward(loss)
+        for lv in lives.values():
+            with pytest.raises(NotReadyError, match="forward with autograd enabled ran after"):
+                lv.check()
+        dst, bufs = replicated_targets(lives["fp32"], list(range(world)))
+        with pytest.raises(PreflightError, match="forward with autograd enabled ran after"):
+            rs.Transfer(lives["fp32"].layout, dst)(lives["fp32"], bufs)
+        assert all(v.isnan().all() for v in bufs.values()), f"{tag}: a refused transfer wrote"
+        engine.step()  # the boundary again: ready
+        assert all(lv.reasons() == [] for lv in lives.values()), tag
+        # a forward alone (grad enabled) already ends the safe boundary
+        engine(batch(engine, "mlp", 8))
+        assert lives["param"].reasons(), tag
+        # destroyed: describe() and check() say so (not "unexpected DeepSpeed layout")
+        engine.destroy()
+        for k in KINDS:
+            with pytest.raises(NotReadyError, match="engine was destroyed"):
+                rsds.describe(engine, k)
+            with pytest.raises(NotReadyError, match="engine was destroyed"):
+                lives[k].check()
+        done.append(tag)
+    return done
+
+
+def _skipped_step_worker(rank, world, configs):
+    """SyncAfterStep counts only applied steps: an overflow that DeepSpeed skips (bf16 with
+    check_grad_overflow, DeepSpeed's default; the CPU accelerator refuses fp16) neither counts
+    nor syncs. every=2, steps: skip, ok, ok (sync), skip, ok, ok (sync)."""
+    from _dsutil import (
+        batch,
+        check_targets,
+        ds_env,
+        make_engine,
+        reference,
+        relink_moments,
+        replicated_targets,
+        tp_targets,
+    )
+
+    ds_env(rank, world)
+    from reshard.errors import NotReadyError
+    from reshard.integrations import deepspeed as rsds
+
+    done = []
+    for stage, offload in configs:
+        tag = f"stage {stage} offload {offload}"
+        engine = make_engine(stage, offload)
+        p_layout, p_bufs = tp_targets(rsds.describe(engine, "param"), [0, 1])
+        e_layout, e_bufs = replicated_targets(rsds.describe(engine, "fp32"), [0])
+        sync = rsds.SyncAfterStep(
+            engine, {"param": (p_layout, p_bufs), "exp_avg": (e_layout, e_bufs)}, every=2
+        )
+        for s, overflow in enumerate((True, False, False, True, False, False)):
+            loss = engine(batch(engine, "mlp", 90 + s * 10 + rank)).float().pow(2).mean()
+            if overflow and rank == 0:  # one rank's inf reaches every rank's gradients
+                loss = loss * float("inf")
+            engine.backward(loss)
+            sync.step()
+            assert engine.was_step_applied() != overflow, f"{tag} step {s}: no real skip"
+            if s == 0:  # a skipped step creates no moments: nothing could have synced them
+                with pytest.raises(NotReadyError, match="first applied"):
+                    rsds.describe(engine, "exp_avg")
+            if s in (2, 5):
+                relink_moments(engine)
+                check_targets(p_layout, p_bufs, reference(engine, "param"), f"{tag} {s} param")
+                check_targets(e_layout, e_bufs, reference(engine, "exp_avg"), f"{tag} {s} m")
+        assert engine.skipped_steps == 2, (tag, engine.skipped_steps)
+        assert (sync.applied_steps, sync.syncs) == (4, 2), (tag, sync.applied_steps, sync.syncs)
+        done.append(tag)
+        engine.destroy()
+    return done
+
+
 # ----------------------------------------------------------------------------------- tests 2
 
 
@@ -609,3 +719,21 @@ def test_demo_deepspeed_mode():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]
+
+
+def test_lifecycle_errors_name_the_cause(tmp_path):
+    from _dsutil import STAGES_OFFLOAD
+
+    done = run_ranks(_lifecycle_worker, 2, tmp_path, args=(STAGES_OFFLOAD,), env=ENV, timeout=400)[
+        0
+    ]
+    assert len(done) == len(STAGES_OFFLOAD)
+
+
+def test_sync_after_step_ignores_skipped_steps(tmp_path):
+    from _dsutil import STAGES_OFFLOAD
+
+    done = run_ranks(
+        _skipped_step_worker, 2, tmp_path, args=(STAGES_OFFLOAD,), env=ENV, timeout=400
+    )[0]
+    assert len(done) == len(STAGES_OFFLOAD)

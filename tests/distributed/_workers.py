@@ -429,3 +429,612 @@ def w_zero_copy(rank, world, planner, cases, calls):
             )
         )
     return out
+
+
+# ---------------------------------------------------------------- hostile input (focused)
+
+
+def _zero3_case(world, sdt="fp32", ddt="bf16", budget=64, dst_kind="tp"):
+    r = list(range(world))
+    dst_spec = ("tp", [r]) if dst_kind == "tp" else ("zero3", r[::-1])
+    return (("zero3", r), dst_spec, sdt, ddt, budget)
+
+
+def _outcome(fn):
+    """("ok", report) or (exception type name, message, failures or None)."""
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the parent judges the type
+        return (type(exc).__name__, str(exc), getattr(exc, "failures", None))
+
+
+def w_threads(rank, world, calls):
+    """Two threads per rank call one Transfer at the same time, `calls` times each, with the
+    same sources and their own targets: every call succeeds and every target is exact."""
+    import threading
+
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    case = _zero3_case(world, budget=48)
+    src, dst = build(case, shapes)
+    t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=48, timeout=60.0)
+    sb = S.source_buffers(src, values, rank)
+    want = dst.fill({n: v.to(src.dtype).float() for n, v in values.items()}, rank)
+    errs, barrier = [], threading.Barrier(2)
+
+    def worker(i):
+        barrier.wait()
+        for c in range(calls):
+            db = dst.empty(rank)
+            try:
+                t(sb, db)
+            except Exception as exc:  # noqa: BLE001 - reported
+                errs.append(f"thread {i} call {c}: {type(exc).__name__}: {exc}")
+                return
+            errs.extend(f"thread {i} call {c}: {m}" for m in S.mismatches(db, want))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    if any(th.is_alive() for th in threads):
+        errs.append("a thread did not finish")
+    return errs
+
+
+def w_threads_two_transfers(rank, world, calls):
+    """Two threads per rank, each with its own Transfer (different budgets: different plans)
+    on the same group. The ranks may pair different Transfers' calls: such a call must raise
+    PreflightError (fingerprints differ) on every rank; a call that succeeds is exact."""
+    import threading
+
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    want_vals = {n: v.to(torch.float32).float() for n, v in values.items()}
+    cases = [_zero3_case(world, budget=48), _zero3_case(world, budget=80)]
+    errs, outcomes, barrier = [], [], threading.Barrier(2)
+
+    def worker(i):
+        case = cases[i]
+        src, dst = build(case, shapes)
+        t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=case[4], timeout=60.0)
+        sb = S.source_buffers(src, values, rank)
+        want = dst.fill(want_vals, rank)
+        barrier.wait()
+        for c in range(calls):
+            db = dst.empty(rank)
+            before = {k: v.clone() for k, v in db.items()}
+            try:
+                t(sb, db)
+                outcomes.append("ok")
+                errs.extend(f"thread {i} call {c}: {m}" for m in S.mismatches(db, want))
+            except rs.PreflightError as exc:
+                outcomes.append("preflight")
+                if "fingerprint" not in str(exc):
+                    errs.append(f"thread {i} call {c}: unexpected PreflightError {exc}")
+                errs.extend(f"thread {i} call {c} refused: {m}" for m in S.mismatches(db, before))
+            except Exception as exc:  # noqa: BLE001 - reported
+                errs.append(f"thread {i} call {c}: {type(exc).__name__}: {exc}")
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(200)
+    if any(th.is_alive() for th in threads):
+        errs.append("a thread did not finish")
+    return errs, outcomes
+
+
+def w_versions(rank, world):
+    """Every target a call writes has a new version (packed, local and zero-copy paths), and
+    autograd notices a target saved for backward being overwritten. A target that requires
+    grad is refused on every rank under grad mode; under no_grad it is written."""
+    errs = []
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    held = {n: v.float() for n, v in values.items()}
+    zero_copy = 0
+    for case in (_zero3_case(world), _zero3_case(world, "fp32", "fp32", 1 << 20, "zero3")):
+        src, dst = build(case, shapes)
+        t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=case[4])
+        written = {lc.dst_location for lc in t.plan.schedule(rank).local} | {
+            seg.dst_location
+            for msgs in t.plan.schedule(rank).recvs
+            for m in msgs
+            for seg in m.segments
+        }
+        db = dst.empty(rank)
+        before = {k: v._version for k, v in db.items()}
+        rep = t(S.source_buffers(src, values, rank), db)
+        zero_copy += rep.zero_copy_bytes
+        errs += S.mismatches(db, dst.fill(held, rank))
+        errs += [
+            f"{case}: location {k} written, version unchanged"
+            for k in written
+            if db[k]._version == before[k]
+        ]
+    if zero_copy == 0:
+        errs.append("no zero-copy receive happened: the case does not test that path")
+    # autograd: a target saved for backward, then overwritten by a transfer
+    case = _zero3_case(world)
+    src, dst = build(case, shapes)
+    t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=64)
+    db = dst.empty(rank)
+    loc = max(db, key=lambda k: db[k].numel())
+    w = torch.ones(db[loc].numel(), dtype=db[loc].dtype, requires_grad=True)
+    loss = (w * db[loc]).sum()
+    t(S.source_buffers(src, values, rank), db)
+    try:
+        loss.backward()
+        errs.append("backward used a target the transfer overwrote without noticing")
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            errs.append(f"unexpected autograd error: {exc}")
+    # requires grad: refused on every rank (rank 1's target), accepted under no_grad
+    db = dst.empty(rank)
+    before = {k: v.clone() for k, v in db.items()}
+    if rank == 1:
+        db[loc] = db[loc].clone().requires_grad_(True)
+        before[loc] = db[loc].detach().clone()
+    out = _outcome(lambda: t(S.source_buffers(src, values, rank), db))
+    if out[0] != "PreflightError" or set(out[2] or {}) != {1} or "requires grad" not in out[1]:
+        errs.append(f"requires_grad target not refused collectively: {out[:2]}")
+    errs += [f"refused call wrote {m}" for m in S.mismatches(db, before)]
+    with torch.no_grad():
+        t(S.source_buffers(src, values, rank), db)
+    errs += [f"no_grad: {m}" for m in S.mismatches(db, dst.fill(held, rank))]
+    return errs
+
+
+HOSTILE_KINDS = (
+    "list",  # a list where the dict of buffers belongs (a Python type error)
+    "schedule",  # building this rank's schedule raises
+    "timeout_nan",
+    "timeout_neg",
+    "timeout_str",
+    "timeout_none",
+    "timeout_inf",
+    "freed",  # a target whose storage was resized to 0 (FSDP frees parameters this way)
+    "shrunk",  # a source whose storage is smaller than its view
+    "target_alias",  # two target locations' buffers overlap where both are written
+    "desc_overflow",  # a descriptor row whose extent overflows int64
+)
+
+
+def _corrupt_schedule(plan, rank):
+    """A copy of the plan whose schedule on `rank` has one row with strides near 2**62."""
+    import copy
+
+    import numpy as np
+
+    sched = copy.copy(plan.schedule(rank))
+    if sched.local:
+        lc = sched.local[0]
+        d = np.array(lc.desc, copy=True)
+        d[0, 1], d[0, 5] = 1 << 62, 3
+        sched.local = [type(lc)(lc.src_location, lc.dst_location, d), *sched.local[1:]]
+    return sched
+
+
+class _PlanWith:
+    """A plan whose schedule on one rank is replaced (or raises)."""
+
+    def __init__(self, plan, rank, sched=None, error=None):
+        self._plan, self._rank, self._sched, self._error = plan, rank, sched, error
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+    def schedule(self, rank):
+        if rank == self._rank:
+            if self._error is not None:
+                raise self._error
+            return self._sched
+        return self._plan.schedule(rank)
+
+
+def w_hostile(rank, world, kinds):
+    """For each kind and each bad rank: every rank raises the same PreflightError naming the
+    bad rank, at once (the spawn's timeout is far below the transfer's), and no target byte
+    changes anywhere. Returns (errors, {(kind, bad): message})."""
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
+    src, dst = build(case, shapes)
+    plan = rs.plan(src.layout(), dst.layout(), budget_bytes_per_peer=64)
+    errs, msgs = [], {}
+    for kind in kinds:
+        for bad in range(world):
+            sb = S.source_buffers(src, values, rank)
+            db = dst.empty(rank)
+            before = {k: v.clone() for k, v in db.items()}
+            p, timeout = plan, 600.0
+            if rank == bad:
+                if kind == "list":
+                    sb = list(sb.values())
+                elif kind == "schedule":
+                    p = _PlanWith(plan, rank, error=MemoryError("schedule: injected failure"))
+                elif kind.startswith("timeout_"):
+                    timeout = {
+                        "nan": float("nan"),
+                        "neg": -1.0,
+                        "str": "60",
+                        "none": None,
+                        "inf": float("inf"),
+                    }[kind[8:]]
+                elif kind == "freed":
+                    loc = max(db, key=lambda k: db[k].numel())
+                    db[loc].untyped_storage().resize_(0)
+                    before[loc] = db[loc]
+                elif kind == "shrunk":
+                    loc = next(iter(sb))
+                    view = sb[loc].clone()
+                    view.untyped_storage().resize_(view.untyped_storage().nbytes() // 2)
+                    sb[loc] = view
+                elif kind == "target_alias":  # two targets overlap in one tensor
+                    a, b = sorted(db)[:2]
+                    n = db[a].numel() + db[b].numel()
+                    base = torch.full((n - 1,), S.POISON, dtype=db[a].dtype)
+                    db[a] = base[: db[a].numel()]
+                    db[b] = base[db[a].numel() - 1 :]
+                    before = {k: v.clone() for k, v in db.items()}
+                elif kind == "desc_overflow":
+                    p = _PlanWith(plan, rank, sched=_corrupt_schedule(plan, rank))
+            out = _outcome(
+                lambda p=p, sb=sb, db=db, timeout=timeout: rs.execute(p, sb, db, timeout=timeout)
+            )
+            if out[0] != "PreflightError":
+                errs.append(f"{kind} on rank {bad}: rank {rank} got {out[:2]}")
+                continue
+            if set(out[2]) != {bad} or f"rank {bad}:" not in out[1]:
+                errs.append(f"{kind} on rank {bad}: failures {out[2]}: {out[1]}")
+            if "exchange failed" in out[1]:
+                errs.append(f"{kind} on rank {bad}: not collective: {out[1]}")
+            if kind != "freed" or rank != bad:
+                errs += [f"{kind}/{bad}: touched {m}" for m in S.mismatches(db, before)]
+            msgs[(kind, bad)] = out[1]
+    return errs, msgs
+
+
+def w_late_rank(rank, world, marker_dir, timeout):
+    """Ranks other than the last give up in preflight waiting for the last one (it arrives
+    only after they raised). The late rank must not write its targets: every rank raises
+    PreflightError and every target stays poisoned."""
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    r = list(range(world))
+    # the late rank has local copies, so a late rank that went on would write at once
+    case = (("zero3", r), ("zero3", r), "fp32", "fp32", 64)
+    src, dst = build(case, shapes)
+    plan = rs.plan(src.layout(), dst.layout(), budget_bytes_per_peer=64)
+    late = world - 1
+    has_local = bool(plan.schedule(late).local)
+    db = dst.empty(rank)
+    before = {k: v.clone() for k, v in db.items()}
+    gave_up = [os.path.join(marker_dir, f"gave_up{r}") for r in range(world - 1)]
+    done = os.path.join(marker_dir, "late_done")
+    if rank == late:
+        while not all(os.path.exists(f) for f in gave_up):
+            time.sleep(0.05)
+    out = _outcome(
+        lambda: rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+    )
+    if rank != late:
+        open(gave_up[rank], "w").close()
+        while not os.path.exists(done):  # stay in the group until the late rank is done
+            time.sleep(0.05)
+    else:
+        open(done, "w").close()
+    return out[:2], S.mismatches(db, before), has_local
+
+
+def w_padded_target(rank, world):
+    """Rank 0 sends two source storages (3 and 4 fp32) to rank 1's one target storage, laid
+    out [a a a pad b b b b]: one message of two segments whose padding between them
+    (message element 3) lines up with the target's padding. The target's padding must keep
+    its poison; the message is not a byte image of the target, so it must be unpacked."""
+    f32 = torch.float32
+    src = rs.Layout(
+        {"a": rs.flat((3,), [(0, 0, 3, 0)]), "b": rs.flat((4,), [(1, 0, 4, 0)])},
+        {0: rs.Storage(0, f32, 3), 1: rs.Storage(0, f32, 4)},
+    )
+    dst = rs.Layout(
+        {"a": rs.flat((3,), [(10, 0, 3, 0)]), "b": rs.flat((4,), [(10, 0, 4, 4)])},
+        {10: rs.Storage(1, f32, 8)},
+    )
+    t = rs.Transfer(src, dst)
+    sb = {0: torch.tensor([1.0, 2, 3]), 1: torch.tensor([4.0, 5, 6, 7])} if rank == 0 else {}
+    segments = [len(m.segments) for msgs in t.plan.schedule(rank).recvs for m in msgs]
+    out = []
+    for _ in range(3):
+        db = {10: torch.full((8,), S.POISON)} if rank == 1 else {}
+        t(sb, db)
+        if rank == 1:
+            out.append(db[10].tolist())
+    return out, segments
+
+
+# ---------------------------------------------------------------- hostile input (random)
+
+# Corruptions of one rank's input; "none" must give exactly the reference result.
+CORRUPTIONS = (
+    "none",
+    "none",
+    "dtype",
+    "meta",
+    "short",
+    "freed",
+    "shrunk",
+    "alias_source",
+    "alias_targets",
+    "requires_grad",
+    "list",
+    "unknown",
+    "missing",
+    "none_buffer",
+    "not_tensor",
+    "two_d",
+    "strided",
+    "timeout",
+    "desc",
+    "schedule",
+    "notready",
+)
+_BAD_TIMEOUTS = (0, -3.0, float("nan"), float("inf"), None, "5", True, 10.0**12)
+
+
+def hostile_case(seed: int, world: int):
+    """(src side, dst side, budget, corruption, bad rank, rng) drawn from `seed` alone, so
+    every rank draws the same case."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    sdt, ddt = FUZZ_DTYPES[int(rng.integers(len(FUZZ_DTYPES)))]
+    if rng.random() < 0.3:  # model-like: many target storages per rank (TP buffers)
+        shapes = S.model_shapes(
+            hidden=int(rng.integers(2, 9)),
+            ffn=int(rng.integers(2, 12)),
+            vocab=int(rng.integers(2, 12)),
+            layers=1,
+        )
+        ranks = list(range(world))
+        kind = [S.Zero3, S.Zero12][int(rng.integers(2))]
+        src = kind(shapes, ranks[int(rng.integers(world)) :] or ranks, dtype=DT[sdt], loc0=0)
+        dst = S.TensorParallel(
+            shapes, [list(rng.permutation(ranks).tolist())], dtype=DT[ddt], loc0=500
+        )
+    else:
+        shapes = S.random_shapes(rng, int(rng.integers(1, 4)))
+        src = _random_side(
+            rng, ["flat", "replicas", "blocks"][int(rng.integers(3))], shapes, world, sdt, 0
+        )
+        dst = _random_side(rng, ["flat", "blocks"][int(rng.integers(2))], shapes, world, ddt, 500)
+    budget = FUZZ_BUDGETS[int(rng.integers(len(FUZZ_BUDGETS)))]
+    kind = CORRUPTIONS[int(rng.integers(len(CORRUPTIONS)))]
+    return shapes, src, dst, budget, kind, int(rng.integers(world)), rng
+
+
+def _corrupt_desc(plan, rank, rng):
+    """A copy of `rank`'s schedule with one field of one descriptor row made hostile."""
+    import copy
+
+    import numpy as np
+
+    sched = copy.copy(plan.schedule(rank))
+    tables = [("local", i) for i in range(len(sched.local))]
+    for side in ("sends", "recvs"):
+        for k, msgs in enumerate(getattr(sched, side)):
+            for j, m in enumerate(msgs):
+                tables += [(side, (k, j, i)) for i in range(len(m.segments))]
+    if not tables:
+        return None
+    where, at = tables[int(rng.integers(len(tables)))]
+    col = int(rng.integers(6))
+    value = [-1, 1 << 62, (1 << 63) - 1, 1 << 40][int(rng.integers(4))]
+    if col == 5 and value > 0 and rng.random() < 0.5:
+        value = 2  # a second repeat, with the stride the row has
+    if where == "local":
+        lc = sched.local[at]
+        d = np.array(lc.desc, dtype=np.int64, copy=True).reshape(-1, 6)
+        d[int(rng.integers(len(d))), col] = value
+        sched.local = list(sched.local)
+        sched.local[at] = type(lc)(lc.src_location, lc.dst_location, d)
+        return sched
+    k, j, i = at
+    rounds = [list(msgs) for msgs in getattr(sched, where)]
+    m = rounds[k][j]
+    seg = m.segments[i]
+    d = np.array(seg.desc, dtype=np.int64, copy=True).reshape(-1, 6)
+    d[int(rng.integers(len(d))), col] = value
+    segs = list(m.segments)
+    segs[i] = type(seg)(
+        seg.src_location, seg.dst_location, seg.wire_dtype, seg.byte_offset, seg.numel, d
+    )
+    rounds[k][j] = type(m)(m.peer, m.round, m.arena_offset, m.nbytes, segs)
+    setattr(sched, where, rounds)
+    return sched
+
+
+def _first_written(plan, rank):
+    """{target location: first element this rank's schedule writes there}."""
+    from reshard import preflight as pf
+
+    return {
+        loc: int(iv[0, 0])
+        for loc, iv in pf.written_elements(plan.schedule(rank)).items()
+        if iv.shape[0]
+    }
+
+
+def corrupt(kind, plan, sb, db, rank, rng):
+    """Apply `kind` to this rank's input (fresh dicts; tensors may be changed in place).
+    Returns (plan, src, dst, timeout, checks, applied); applied is False where the rank owns
+    nothing the corruption needs: the case is then a clean one."""
+    timeout, checks = 60.0, ()
+    srcs, dsts = sorted(sb), sorted(db)
+    same = (plan, sb, db, timeout, checks, False)
+    if kind in (
+        "dtype",
+        "meta",
+        "short",
+        "freed",
+        "two_d",
+        "strided",
+        "requires_grad",
+        "none_buffer",
+        "not_tensor",
+        "missing",
+    ):
+        use_src = bool(srcs) and (not dsts or rng.random() < 0.5) and kind != "requires_grad"
+        names = srcs if use_src else dsts
+        if not names:
+            return same
+        bufs = sb if use_src else db
+        loc = names[int(rng.integers(len(names)))]
+        t = bufs[loc]
+        if kind == "dtype":
+            bufs[loc] = t.to(torch.float16 if t.dtype != torch.float16 else torch.float32)
+        elif kind == "meta":
+            bufs[loc] = t.to("meta")
+        elif kind == "short":
+            bufs[loc] = t[:-1] if t.numel() else torch.zeros(1, dtype=t.dtype)
+        elif kind == "freed":
+            if not t.numel():
+                return same
+            t.untyped_storage().resize_(0)
+        elif kind == "two_d":
+            bufs[loc] = t.reshape(1, -1)
+        elif kind == "strided":
+            n = max(t.numel(), 2)  # a single element is contiguous at any stride
+            bufs[loc] = torch.full((2 * n,), S.POISON, dtype=t.dtype)[::2]
+        elif kind == "requires_grad":
+            bufs[loc] = t.clone().requires_grad_(True)
+        elif kind == "none_buffer":
+            bufs[loc] = None
+        elif kind == "not_tensor":
+            bufs[loc] = t.tolist()
+        elif kind == "missing":
+            del bufs[loc]
+        return plan, sb, db, timeout, checks, True
+    if kind == "shrunk":
+        live = [loc for loc in srcs if sb[loc].numel()]
+        if not live:
+            return same
+        t = sb[live[int(rng.integers(len(live)))]]
+        t.untyped_storage().resize_(t.untyped_storage().nbytes() - t.element_size())
+        return plan, sb, db, timeout, checks, True
+    if kind == "alias_source":  # a target whose first written element lies in a source
+        first = _first_written(plan, rank)
+        for d in sorted(first):
+            s = next(
+                (
+                    sb[x]
+                    for x in srcs
+                    if sb[x].numel() * sb[x].element_size() >= db[d].numel() * db[d].element_size()
+                ),
+                None,
+            )
+            if s is not None:
+                nbytes = db[d].numel() * db[d].element_size()
+                db[d] = s.view(torch.uint8)[:nbytes].view(db[d].dtype)
+                return plan, sb, db, timeout, checks, True
+        return same
+    if kind == "alias_targets":  # two targets placed so that their first writes coincide
+        first = _first_written(plan, rank)
+        pair = sorted(first)[:2]
+        if len(pair) < 2 or db[pair[0]].dtype != db[pair[1]].dtype:
+            return same
+        (a, ia), (b, ib) = ((x, first[x]) for x in pair)
+        oa = max(0, ib - ia)
+        ob = oa + ia - ib
+        n = max(oa + db[a].numel(), ob + db[b].numel())
+        base = torch.full((n,), S.POISON, dtype=db[a].dtype)
+        db[a], db[b] = base[oa : oa + db[a].numel()], base[ob : ob + db[b].numel()]
+        return plan, sb, db, timeout, checks, True
+    if kind == "list":
+        return plan, list(sb.values()), db, timeout, checks, True
+    if kind == "unknown":
+        sb[123456] = torch.zeros(3)
+        return plan, sb, db, timeout, checks, True
+    if kind == "timeout":
+        return plan, sb, db, _BAD_TIMEOUTS[int(rng.integers(len(_BAD_TIMEOUTS)))], checks, True
+    if kind == "desc":
+        sched = _corrupt_desc(plan, rank, rng)
+        if sched is None:
+            return same
+        return _PlanWith(plan, rank, sched=sched), sb, db, timeout, checks, True
+    if kind == "schedule":
+        return _PlanWith(plan, rank, error=ValueError("injected")), sb, db, timeout, checks, True
+    if kind == "notready":
+
+        def not_ready():
+            raise rs.NotReadyError("injected: not ready")
+
+        return plan, sb, db, timeout, (not_ready,), True
+    return same
+
+
+def _inspectable(bufs) -> dict:
+    """The CPU tensors of a buffer set whose storage still holds them (a freed one cannot be
+    read back), keyed as in the set."""
+    items = bufs.items() if isinstance(bufs, dict) else enumerate(bufs)
+    out = {}
+    for k, v in items:
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not v.requires_grad:
+            need = (v.storage_offset() + v.numel()) * v.element_size()
+            if v.untyped_storage().nbytes() >= need:
+                out[k] = v
+    return out
+
+
+def run_hostile_case(seed, rank, world, planner="real"):
+    """One random case, corrupted on one rank. Returns (contract violations seen on this
+    rank, corruption, (outcome, applied here)). The contract: a refused call writes no target
+    byte on any rank and names only the corrupted rank; a corrupted input is refused (a
+    corrupted descriptor may instead pass if it still describes legal copies); a clean case
+    gives exactly the reference; sources never change; no other error, no crash, no hang."""
+    import numpy as np
+
+    shapes, src, dst, budget, kind, bad, _ = hostile_case(seed, world)
+    plan = make_plan(planner, src.layout(), dst.layout(), budget)
+    values = S.model_values(shapes, seed=seed)
+    sb, db = S.source_buffers(src, values, rank), dst.empty(rank)
+    p, timeout, checks, applied = plan, 60.0, (), False
+    if rank == bad and kind != "none":
+        rng = np.random.default_rng([seed, 1])
+        p, sb, db, timeout, checks, applied = corrupt(kind, plan, dict(sb), dict(db), rank, rng)
+    pre_src = {k: v.clone() for k, v in _inspectable(sb).items()}
+    pre_dst = {k: v.clone() for k, v in _inspectable(db).items()}
+    label = f"seed {seed} ({kind} on rank {bad})"
+    try:
+        rs.execute(p, sb, db, timeout=timeout, checks=checks)
+        outcome, failures = "ok", None
+    except rs.PreflightError as exc:
+        outcome, failures = "preflight", exc.failures
+    except Exception as exc:  # noqa: BLE001 - a contract violation, reported
+        return [f"{label}: {type(exc).__name__}: {exc}"], kind, ("error", applied)
+    errs = [f"{label}: source written: {m}" for m in S.mismatches(_inspectable(sb), pre_src)]
+    if outcome == "preflight":
+        if set(failures) != {bad} or kind == "none":
+            errs.append(f"{label}: refused with failures on ranks {sorted(failures)}")
+        errs += [
+            f"{label}: refused, yet wrote {m}" for m in S.mismatches(_inspectable(db), pre_dst)
+        ]
+    elif applied and kind != "desc":
+        errs.append(f"{label}: corrupted input accepted")
+    elif kind != "desc":  # a descriptor corrupted within bounds may move other elements
+        held = {n: v.to(src.dtype).float() for n, v in values.items()}
+        errs += [f"{label}: {m}" for m in S.mismatches(db, dst.fill(held, rank))]
+    return errs, kind, (outcome, applied)
+
+
+def w_hostile_random(rank, world, seeds):
+    errs, seen = [], []
+    for seed in seeds:
+        e, kind, outcome = run_hostile_case(seed, rank, world)
+        errs += e
+        seen.append((kind, outcome))
+    return errs, seen

@@ -98,7 +98,8 @@ def test_buffer_set_hooks():
         rs.execute(plan, Live(S.source_buffers(src, values, 0), False), db)
     rs.execute(plan, Live(S.source_buffers(src, values, 0), True), db)
     assert not S.mismatches(db, dst.fill(values, 0))
-    with pytest.raises(TypeError, match="src_buffers must be a mapping"):
+    # a type error in the arguments is a preflight reason like any other (collective)
+    with pytest.raises(rs.PreflightError, match="rank 0: TypeError: src_buffers must be a mapping"):
         rs.execute(plan, [1, 2], db)
 
 

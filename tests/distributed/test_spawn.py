@@ -46,3 +46,13 @@ def test_hung_rank_is_killed_and_named(tmp_path):
         # generous: rank 0 must import torch and finish before the timeout on a loaded machine
         run_ranks(SW.w_hang, 2, tmp_path, timeout=45)
     assert time.monotonic() - t0 < 120
+
+
+def test_launch_reports_failures_and_keeps_finished_results():
+    """reshard._launch.launch (the demo's and the benchmarks' entry) on the same workers."""
+    from reshard._launch import RanksFailed, launch
+
+    assert [r["sum"] for r in launch(SW.w_sum, 2, args=(1,))] == [3.0, 3.0]
+    with pytest.raises(RanksFailed, match="rank 1 failed:(.|\n)*bad thing on rank 1") as ei:
+        launch(SW.w_raise, 2)
+    assert ei.value.results == [0, None]

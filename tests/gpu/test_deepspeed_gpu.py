@@ -131,3 +131,40 @@ def _fp16_worker(rank, world):
 def test_deepspeed_fp16_gpu(tmp_path):
     out = run_ranks(_fp16_worker, 1, tmp_path, backend="nccl", env=ENV, timeout=300)
     assert [o[0] for o in out[0]] == [2, 3]
+
+
+def _fp16_sync_worker(rank, world):
+    """SyncAfterStep under fp16 loss scaling: steps DeepSpeed skips on overflow neither count nor
+    sync (every=2; steps: skip, ok, ok -> sync, skip, ok, ok -> sync)."""
+    from _dsutil import batch, check_targets, ds_env, make_engine, reference, replicated_targets
+
+    ds_env(rank, world)
+    from reshard.integrations import deepspeed as rsds
+
+    out = []
+    for stage in (1, 2, 3):
+        for offload in ("none", "cpu"):
+            tag = f"fp16 stage {stage} offload {offload}"
+            engine = make_engine(stage, offload, "mlp", dtype="fp16")
+            live = rsds.describe(engine, "param")
+            p_layout, p_bufs = replicated_targets(live, [0], device="cuda")
+            sync = rsds.SyncAfterStep(engine, {"param": (p_layout, p_bufs)}, every=2)
+            for s, overflow in enumerate((True, False, False, True, False, False)):
+                loss = engine(batch(engine, "mlp", 40 + s)).float().pow(2).mean()
+                if overflow:
+                    loss = loss * float("inf")
+                engine.backward(loss)
+                sync.step()
+                assert engine.was_step_applied() != overflow, f"{tag} step {s}: no real skip"
+                if s in (2, 5):
+                    check_targets(p_layout, p_bufs, reference(engine, "param"), f"{tag} {s}")
+            assert engine.skipped_steps == 2, (tag, engine.skipped_steps)
+            assert (sync.applied_steps, sync.syncs) == (4, 2), (tag, sync.applied_steps)
+            out.append(tag)
+            engine.destroy()
+    return out
+
+
+def test_deepspeed_fp16_skipped_steps_do_not_sync(tmp_path):
+    out = run_ranks(_fp16_sync_worker, 1, tmp_path, backend="nccl", env=ENV, timeout=300)
+    assert len(out[0]) == 6

@@ -22,6 +22,7 @@ transfer never reads it into a target nor writes it from a source.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,35 @@ def _stage(engine) -> int:
         raise UnsupportedError(
             f"describe() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}"
         ) from exc
+
+
+def _hook_live(handle) -> bool:
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
+def _destroyed(engine) -> bool:
+    """engine.destroy() leaves no flag: it removes the optimizer's gradient hooks (and ZeRO-1/2
+    unlinks every param's fp32 fragment), so a destroyed engine has hooks, none of them live."""
+    hooks = getattr(engine.optimizer, "_grad_acc_hooks", None) or []
+    if hooks:
+        return not any(_hook_live(h) for h in hooks)
+    groups = getattr(engine.optimizer, "bit16_groups", None)
+    if not groups or _stage(engine) == 3:
+        return False
+    params = [p for g in groups for p in g]
+    return bool(params) and all(getattr(p, "_hp_mapping", None) is None for p in params)
+
+
+_DESTROYED = (
+    "the engine was destroyed (engine.destroy() removed its gradient hooks and parameter "
+    "links): its state is no longer maintained; describe a live engine"
+)
+
+
+def _check_alive(engine) -> None:
+    if _destroyed(engine):
+        raise NotReadyError(_DESTROYED)
 
 
 def _check_supported(engine) -> int:
@@ -306,17 +336,34 @@ def _unit_tensor(engine, geo, kind, u):
     if kind == "fp32":
         return master
     state = _base_state(engine).get(master)
-    if not state or kind not in state:
-        if state and not any(k in state for k in _MOMENTS):
-            raise UnsupportedError(
-                f"{type(engine.optimizer.optimizer).__name__} keeps no {kind!r} state (keys "
-                f"{sorted(state)}): use an Adam-family optimizer"
-            )
-        raise NotReadyError(
-            f"{kind!r} does not exist yet: Adam moments are created by the first applied "
-            "optimizer step (engine.step() on an accumulation boundary without overflow)"
+    if state and kind in state:
+        return state[kind]
+    raise _missing_moment(engine, kind, state)
+
+
+def _applied_steps(engine) -> int:
+    # global_steps counts every boundary step; skipped_steps the overflow-skipped ones.
+    return int(engine.global_steps) - int(getattr(engine, "skipped_steps", 0))
+
+
+def _missing_moment(engine, kind, state):
+    """Why `kind` is absent: not created yet, or an optimizer that never creates it."""
+    optimizer = type(engine.optimizer.optimizer).__name__
+    if state:  # the optimizer has stepped and keeps other state: `kind` will never appear
+        return UnsupportedError(
+            f"{optimizer} keeps no {kind!r} state (its state keys: {sorted(state)}): use an "
+            "Adam-family optimizer"
         )
-    return state[kind]
+    applied = _applied_steps(engine)
+    if applied > 0:  # stateless optimizer (plain SGD): nothing after real steps
+        return UnsupportedError(
+            f"{optimizer} keeps no {kind!r} state (no per-parameter state at all after "
+            f"{applied} applied optimizer steps): use an Adam-family optimizer"
+        )
+    return NotReadyError(
+        f"{kind!r} does not exist yet: Adam moments are created by the first applied "
+        "optimizer step (engine.step() on an accumulation boundary without overflow)"
+    )
 
 
 def _frozen_tensor(geo, index):
@@ -403,6 +450,45 @@ def _cross_check(engine, geo, kind, unit_tensors):
 
 
 # ---------------------------------------------------------------------------------------------
+# readiness: training forwards since the last step
+
+
+class _ForwardWatch:
+    """Remembers the engine's micro step at its latest forward with autograd enabled.
+
+    engine.step() advances `micro_steps`, so a training forward seen at the current micro step
+    ran after the last step: its backward accumulates gradients that the next step applies to
+    whatever was written meanwhile. Forwards under no_grad / inference_mode (rollout log-probs)
+    change no ZeRO state and are not recorded.
+    """
+
+    def __init__(self, engine):
+        self._engine = weakref.ref(engine)
+        self.micro_step = None
+        engine.module.register_forward_pre_hook(self._seen)
+
+    def _seen(self, module, args):
+        engine = self._engine()
+        if engine is not None and torch.is_grad_enabled():
+            self.micro_step = engine.micro_steps
+
+    def forward_since_step(self) -> bool:
+        engine = self._engine()
+        return engine is not None and self.micro_step == engine.micro_steps
+
+
+_WATCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def watch_forwards(engine) -> _ForwardWatch:
+    """The engine's forward watch, installed on first use (describe(), SyncAfterStep)."""
+    watch = _WATCHES.get(engine)
+    if watch is None:
+        watch = _WATCHES[engine] = _ForwardWatch(engine)
+    return watch
+
+
+# ---------------------------------------------------------------------------------------------
 # the public object
 
 
@@ -442,8 +528,16 @@ class LiveState:
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
-        reasons = []
         engine = self.engine
+        if _destroyed(engine):
+            return [_DESTROYED]
+        reasons = []
+        if watch_forwards(engine).forward_since_step():
+            reasons.append(
+                f"a forward with autograd enabled ran after the last engine.step() (micro step "
+                f"{engine.micro_steps}): the safe boundary ends at the next training forward; "
+                "use the state right after engine.step(), or call engine.step() first"
+            )
         offloaded = getattr(engine.optimizer, "offloaded_states", None)
         if offloaded:
             names = sorted(_device_name(s) for s in offloaded)
@@ -499,6 +593,8 @@ def describe(engine, kind: str, group=None) -> LiveState:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     stage = _check_supported(engine)
+    _check_alive(engine)
+    watch_forwards(engine)
     geo = _geometry(engine, stage)
     w = len(geo.dp_ranks)
     owners = _owner_ranks(geo.dp_ranks, group)
@@ -651,6 +747,8 @@ class SyncAfterStep:
         if int(every) < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         _check_supported(engine)
+        _check_alive(engine)
+        watch_forwards(engine)
         self.engine = engine
         self.targets = dict(targets)
         self.every = int(every)

@@ -21,6 +21,7 @@ for _p in (os.path.join(_TESTS, "distributed"), os.path.join(_TESTS, "deepspeed"
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import _faults as F  # noqa: E402
 import _scenarios as S  # noqa: E402
 import _workers as W  # noqa: E402
 
@@ -72,22 +73,12 @@ def w_residency(rank, world, cases, combos, shapes_kw):
     return out
 
 
-PREFLIGHT_KINDS = (
-    "dtype",
-    "short",
-    "foreign",
-    "missing",
-    "alias",
-    "alias_targets",
-    "fingerprint",
-    "notready",
-)
+PREFLIGHT_KINDS = F.PREFLIGHT_KINDS
 
 
 def w_preflight(rank, world, sdev, ddev, kinds):
-    """For each kind and each failing rank: every rank raises the same PreflightError naming
-    the failing rank, and no target byte changes anywhere. "wrong_gpu" (NCCL only): a buffer on
-    the other rank's GPU."""
+    """For each kind (tests/distributed/_faults.py) and each failing rank: every rank raises the
+    same PreflightError naming the failing rank, and no target byte changes anywhere."""
     shapes = S.model_shapes()
     values = S.model_values(shapes)
     case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
@@ -101,37 +92,7 @@ def w_preflight(rank, world, sdev, ddev, kinds):
             db = _to(dst.empty(rank), ddev)
             p, checks = plan, ()
             if rank == bad:
-                sloc = next(iter(sb))
-                if kind == "dtype":
-                    sb[sloc] = sb[sloc].to(torch.float16)
-                elif kind == "short":
-                    sb[sloc] = sb[sloc][:-1]
-                elif kind == "foreign":
-                    peer = (rank + 1) % world
-                    loc = next(loc for loc, s in src.storages.items() if s.rank == peer)
-                    sb[loc] = torch.zeros(src.storages[loc].numel, device=_dev(sdev))
-                elif kind == "missing":
-                    del sb[sloc]
-                elif kind == "alias":  # the largest target is a view of a source's memory
-                    dloc = max(db, key=lambda k: db[k].numel())
-                    if sb[sloc].device != db[dloc].device:  # cannot alias across devices
-                        sb[sloc] = sb[sloc].to(db[dloc].device)
-                    db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
-                elif kind == "alias_targets":  # two targets share memory
-                    big = max(db, key=lambda k: db[k].numel())
-                    small = min(db, key=lambda k: db[k].numel())
-                    db[small] = db[big][: db[small].numel()]
-                elif kind == "fingerprint":
-                    p = other
-                elif kind == "notready":
-
-                    def not_ready():
-                        raise rs.NotReadyError("exp_avg does not exist before the first step")
-
-                    checks = (not_ready,)
-                elif kind == "wrong_gpu":
-                    peer_gpu = torch.device("cuda", (torch.cuda.current_device() + 1) % 2)
-                    sb[sloc] = sb[sloc].to(peer_gpu)
+                p, checks = F.break_inputs(kind, rank, world, src, sb, db, plan, other)
             before = _cpu(db)
             try:
                 rs.execute(p, sb, db, checks=checks)
@@ -159,7 +120,6 @@ def w_killed(rank, world, victim, mode, dev, timeout):
     (mode "die": the survivors must raise TransferError) or in preflight's local checks
     ("die_in_preflight": PreflightError, targets untouched). Returns (error kind, seconds,
     message, rounds)."""
-    import reshard.executor as ex
     from tests._spawn import die
 
     shapes = S.model_shapes(hidden=64, ffn=96, vocab=301)
@@ -174,16 +134,7 @@ def w_killed(rank, world, victim, mode, dev, timeout):
     if rank == victim and mode == "die_in_preflight":
         checks = (die,)
     elif rank == victim:
-        real = ex._copy_runs_op()
-        calls = [0]
-
-        def dying(s, d, o):
-            calls[0] += 1
-            if calls[0] == 5:  # packing round 4, with round 3 posted
-                die()
-            return real(s, d, o)
-
-        ex._copy_runs_op = lambda: dying
+        F.die_in_rounds("die", timeout)  # packing round 4, with round 3 posted
     db = _to(dst.empty(rank), dev)
     before = _cpu(db)
     t0 = time.monotonic()

@@ -3,9 +3,9 @@
 - every residency pair (GPU->GPU, CPU-offloaded->GPU, GPU->CPU, CPU->CPU through the pinned
   ring) x ZeRO-3 / ZeRO-1/2 / TP / replica layouts with uneven shards x dtypes x budgets from
   16 B (hundreds of rounds) to 64 MiB, targets poisoned, compared bitwise with the scenarios'
-  independent reference (tests/distributed/_scenarios.py);
-- preflight failure injection on each rank: every rank raises the same PreflightError, no
-  target byte changes;
+  independent reference (reshard.scenarios);
+- preflight failure injection on each rank (tests/distributed/_faults.py): every rank raises
+  the same PreflightError, no target byte changes;
 - a rank killed mid-transfer: the survivor raises TransferError within the group timeout
   (TORCH_NCCL_BLOCKING_WAIT=1 turns the NCCL timeout into an exception instead of a watchdog
   abort of the whole process); killed in preflight: PreflightError, targets untouched;

@@ -1,0 +1,243 @@
+"""The methods a sync benchmark compares, written once for every benchmark (sync_latency.py,
+nccl_bench.py): reshard and what people do without it. Each method is `make(case, ctx) ->
+(step, info)`: `step(targets)` runs one sync of the benchmark `Case` (benchmarks/_scenarios.py)
+into `targets`; `info()` describes the last step: accounted_extra_bytes (what the method holds
+by its own account), pinned_bytes, recv_bytes (this rank, over the transport), and for reshard
+its report's figures. ctx: {"world", "budget" (bytes per peer; None: cpu_budget)}; reshard
+puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
+
+- reshard: one `reshard.Transfer` reused for every sync.
+- reshard_registered (CUDA, one process): the same with the CPU buffers page-locked in place.
+- gather_broadcast (world > 1): per tensor, dist.gather of the ZeRO-3 chunks on rank 0, which
+  rebuilds the tensor and broadcasts it (skipped when only rank 0 needs it); every rank slices.
+- full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
+- to_device (one process): per tensor `target.copy_(source.to(target.device))`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import reshard as rs
+
+# The CPU budget rule (gloo): about 1/64 of the source bytes the busiest rank holds, so a full
+# sync takes at most ~64 rounds whatever the model (each round costs gloo a fixed handshake),
+# never below 512 KiB, and at most 16 MiB per peer. Staging (2 send + 2 receive arenas) is then
+# at most 1/16 of that rank's state.
+CPU_BUDGET_RULE = "1/64 of the busiest rank's source bytes, clamped to [512 KiB, 16 MiB]"
+CPU_BUDGET_MIN, CPU_BUDGET_MAX, CPU_BUDGET_ROUNDS = 512 << 10, 16 << 20, 64
+
+
+def cpu_budget(case) -> int:
+    """CPU_BUDGET_RULE for this case, the same on every rank (computed from the layout)."""
+    held: dict = {}
+    for st in case.src_layout.storages.values():
+        held[st.rank] = held.get(st.rank, 0) + st.numel * st.dtype.itemsize
+    budget = max(held.values()) // CPU_BUDGET_ROUNDS // 4096 * 4096
+    return min(CPU_BUDGET_MAX, max(CPU_BUDGET_MIN, budget))
+
+
+class _Acct:
+    """Temporaries a baseline holds, tensor by tensor: live bytes and their peak."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.recv = 0
+
+    def reset(self):
+        self.live = self.peak = self.recv = 0
+
+    def alloc(self, t):
+        self.live += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.live)
+        return t
+
+    def free(self, t):
+        self.live -= t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------ methods
+# make(case, ctx) -> (step(bufs), info() -> dict); info of the last step:
+# accounted_extra_bytes, pinned_bytes, recv_bytes (this rank, over the transport), local_bytes.
+
+
+def m_reshard(case, ctx, register=False):
+    t0 = time.perf_counter()
+    sync = rs.Transfer(
+        case.src_layout,
+        case.dst_layout,
+        budget_bytes_per_peer=ctx["budget"] or cpu_budget(case),
+        group=None if ctx["world"] == 1 else dist.group.WORLD,
+        register_host_sources=register,
+        register_host_targets=register,
+    )
+    ctx["plan_s"] = time.perf_counter() - t0
+    last = {}
+
+    def step(bufs):
+        last["r"] = sync(case.src_buffers, bufs)
+
+    def info():
+        r = last["r"]
+        return {
+            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
+            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
+            "staging_bytes": dict(r.peak_staging_bytes),
+            "staging_bound": r.staging_bound,
+            "recv_bytes": r.total_bytes_received,
+            "local_bytes": r.local_bytes,
+            "rounds": r.rounds,
+            "budget_bytes_per_peer": sync.plan.budget_bytes_per_peer,
+            "zero_copy_bytes": r.zero_copy_bytes,
+            "seconds": r.seconds,
+            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
+                "registered_bytes", 0
+            ),
+        }
+
+    step.close = sync.close
+    return step, info
+
+
+def m_reshard_registered(case, ctx):
+    return m_reshard(case, ctx, register=True)
+
+
+def _full_from_flat(case, flat, name):
+    """The world rank-ordered chunks in `flat` -> the logical tensor: a view when ranks hold
+    partitions in order (no copy), else one reordering copy."""
+    order = sorted(range(case.world), key=case.partition_of_rank)
+    if order != list(range(case.world)):
+        flat = flat.view(case.world, -1)[order].reshape(-1)
+    return flat[: math.prod(case.shapes[name])].view(case.shapes[name])
+
+
+def m_gather_broadcast(case, ctx):
+    acct = _Acct()
+    rank, world = case.rank, case.world
+
+    def step(bufs):
+        acct.reset()
+        for t in case.names:
+            c, mine = case.chunk_view(t)
+            need_bcast = case.target_ranks[t] != [0]
+            shape = case.shapes[t]
+            esz = mine.element_size()
+            if rank == 0:
+                flat = acct.alloc(torch.empty(world * c, dtype=mine.dtype, device=mine.device))
+                dist.gather(mine, list(flat.view(world, c)), dst=0)
+                full = _full_from_flat(case, flat, t)
+                acct.recv += (world - 1) * c * esz
+            else:
+                dist.gather(mine, None, dst=0)
+                full = (
+                    acct.alloc(torch.empty(shape, dtype=mine.dtype, device=mine.device))
+                    if need_bcast
+                    else None
+                )
+                if need_bcast:
+                    acct.recv += full.numel() * esz
+            if need_bcast:
+                dist.broadcast(full, src=0)
+            if full is not None:
+                case.write(t, full, bufs)
+                acct.free(flat if rank == 0 else full)
+            # drop this tensor's temporaries before the next one is allocated (else two live)
+            flat = full = None
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+# torch 2.13 deprecates all_gather_into_tensor for all_gather_single; older torch lacks it.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def m_full_gather(case, ctx):
+    acct = _Acct()
+    world = case.world
+
+    def step(bufs):
+        acct.reset()
+        for t in case.names:
+            c, mine = case.chunk_view(t)
+            flat = acct.alloc(torch.empty(c * world, dtype=mine.dtype, device=mine.device))
+            _all_gather_flat(flat, mine)
+            acct.recv += (world - 1) * c * mine.element_size()
+            full = _full_from_flat(case, flat, t)
+            case.write(t, full, bufs)
+            acct.free(flat)
+            flat = full = None  # freed before the next tensor's buffer is allocated
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+def m_to_device(case, ctx):
+    acct = _Acct()
+    pairs = {}
+
+    def step(bufs):
+        acct.reset()
+        key = id(bufs)
+        if key not in pairs:
+            pairs.clear()
+            pairs[key] = case.per_tensor_pairs(bufs)
+        for sv, dv in pairs[key]:
+            tmp = acct.alloc(sv.to(dv.device))
+            dv.copy_(tmp)
+            acct.free(tmp)
+            tmp = None  # freed before the next tensor's copy is allocated
+            acct.recv += sv.numel() * sv.element_size() if sv.device != dv.device else 0
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+METHODS = {
+    "reshard": m_reshard,
+    "reshard_registered": m_reshard_registered,
+    "gather_broadcast": m_gather_broadcast,
+    "full_gather": m_full_gather,
+    "to_device": m_to_device,
+}
+
+
+def methods_for(world, device):
+    if world > 1:
+        return ["reshard", "gather_broadcast", "full_gather"]
+    out = ["reshard"]
+    if device == "cuda":
+        out.append("reshard_registered")
+    return [*out, "to_device"]
+
+
+def _equal(a, b):
+    a = a.cpu()
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    iv = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(iv), b.view(iv))
+
+
+def targets_correct(case, bufs) -> bool:
+    """Every target buffer bitwise equal to the reference, and no other buffer."""
+    return set(bufs) == set(case.reference) and all(
+        _equal(bufs[k], v) for k, v in case.reference.items()
+    )
+
+
+def close(step):
+    """Release what a method holds between syncs (reshard's Transfer)."""
+    if hasattr(step, "close"):
+        step.close()

@@ -1,0 +1,332 @@
+"""vLLM's tensor-parallel weight layout of HF decoder models, as a reshard target.
+
+    tgt = tp_layout(hf_config, tp_size, ranks, dtype=torch.bfloat16)  # ranks[i]: TP rank i's process
+    tgt.layout                            # rs.Layout over the HF parameter names
+    tgt.buffers(named_params, tp_rank)    # {location: view} of one TP rank's engine parameters
+
+A transfer from any source layout of the HF parameters (e.g. a DeepSpeed ZeRO-3 engine's
+`describe(engine, "param").layout`) into `tgt.layout` writes every TP rank's shards straight into
+its vLLM parameters, in vLLM's own kernel layout, with no full tensor materialized anywhere.
+
+The rule, read from vLLM 0.33.0 (`model_executor/layers/linear.py`,
+`model_executor/layers/vocab_parallel_embedding.py`, `model_executor/models/llama.py`,
+`qwen2.py`, `mistral.py`; docs/rollout.md cites the lines), for TP rank r of tp:
+- `qkv_proj` (fused from q/k/v_proj) rows `[q_r | k_r | v_r]`: q heads split evenly; k and v heads
+  split evenly when tp <= num_kv_heads, else rank r holds kv head `r // (tp / num_kv_heads)`
+  (replicated across tp / num_kv_heads ranks). The qkv bias follows the same rows.
+- `gate_up_proj` (fused from gate/up_proj) rows `[gate_r | up_r]`, bias likewise.
+- `o_proj`, `down_proj`: split along the input dim (columns); their biases replicated.
+- `embed_tokens`, `lm_head`: vocab padded to a multiple of 64, split evenly in rows; rank r
+  holds rows `[r * p, min((r + 1) * p, vocab))` at the start of its shard, the padding rows
+  after them are never written. Tied embeddings: one tensor (`model.embed_tokens.weight`).
+- norms replicated on every rank.
+Configs this rule does not cover raise `UnsupportedError` naming the setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+import reshard as rs
+from reshard.errors import UnsupportedError
+
+__all__ = ["TPLayout", "tp_layout"]
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class TPLayout:
+    """vLLM's TP layout of one model: `.layout` (HF names) and where each shard lives.
+
+    shapes: {vLLM parameter name: shape of that parameter on every TP rank}.
+    locations: {(vLLM parameter name, tp_rank): storage location in `.layout`}.
+    """
+
+    layout: rs.Layout
+    tp_size: int
+    ranks: list
+    dtype: torch.dtype
+    shapes: dict = field(repr=False)
+    locations: dict = field(repr=False)
+
+    def buffers(self, named_params, tp_rank: int) -> dict:
+        """{location: flat view} of TP rank `tp_rank`'s parameters, for a transfer's targets.
+
+        named_params: that rank's `model.named_parameters()` (an iterable of (name, tensor) or a
+        mapping), vLLM names. Raises ValueError naming every parameter that is missing or whose
+        shape, dtype or contiguity differs from the layout (call it once at setup, on every
+        process that hosts a TP rank). Parameters the layout does not know are left alone.
+        """
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int):
+            raise ValueError(f"tp_rank must be an int, got {tp_rank!r}")
+        if not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {self.tp_size}")
+        params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+        out, problems = {}, []
+        for name, shape in self.shapes.items():
+            t = params.get(name)
+            if t is None:
+                problems.append(f"{name}: missing")
+                continue
+            t = t.data if isinstance(t, torch.nn.Parameter) else t
+            bad = []
+            if tuple(t.shape) != shape:
+                bad.append(f"shape {tuple(t.shape)}, vLLM's TP layout has {shape}")
+            if t.dtype != self.dtype:
+                bad.append(f"dtype {t.dtype}, the layout was built for {self.dtype}")
+            if not t.is_contiguous():
+                bad.append("not contiguous")
+            if bad:
+                problems.append(f"{name}: " + "; ".join(bad))
+            else:
+                out[self.locations[(name, tp_rank)]] = t.view(-1)
+        if problems:
+            raise ValueError(
+                f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
+                f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class _Spec:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+
+def _spec(cfg) -> _Spec:
+    get_text = getattr(cfg, "get_text_config", None)
+    cfg = get_text() if callable(get_text) else cfg
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise UnsupportedError(
+            f"model_type {model_type!r}: tp_layout covers {MODEL_TYPES} decoders (vLLM's "
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+        )
+
+    def need(key):
+        v = getattr(cfg, key, None)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise UnsupportedError(f"config.{key} = {v!r}: a positive int is required")
+        return v
+
+    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    layers, inter, vocab = need("num_hidden_layers"), need("intermediate_size"), need("vocab_size")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise UnsupportedError(f"num_attention_heads {heads} is not a multiple of kv heads {kv}")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedError(f"hidden_act {act!r}: vLLM's Llama/Qwen2 MLP supports only silu")
+    head_dim = getattr(cfg, "head_dim", None)
+    if model_type == "qwen2":
+        # vLLM's Qwen2Attention always uses hidden_size // num_heads
+        if head_dim not in (None, hidden // heads):
+            raise UnsupportedError(
+                f"qwen2 with head_dim {head_dim} != hidden_size // num_attention_heads: vLLM's "
+                "Qwen2 ignores config.head_dim"
+            )
+        if getattr(cfg, "qk_norm", False):
+            raise UnsupportedError("qwen2 with qk_norm: set config.qk_norm to false")
+        qkv_bias, o_bias, mlp_bias = True, False, False
+    else:
+        for key in ("qkv_bias", "bias"):
+            if getattr(cfg, key, None) is not None:
+                raise UnsupportedError(
+                    f"config.{key} is set: vLLM's Llama reads it for non-HF-Llama models; "
+                    "tp_layout covers HF Llama/Mistral configs (attention_bias, mlp_bias)"
+                )
+        if getattr(cfg, "ada_rms_norm_t_cond", False):
+            raise UnsupportedError("mistral with ada_rms_norm_t_cond adds layers tp_layout lacks")
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = o_bias = attention_bias
+        mlp_bias = bool(getattr(cfg, "mlp_bias", False))
+    head_dim = head_dim or hidden // heads
+    return _Spec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim,
+        intermediate=inter,
+        vocab=vocab,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+    )
+
+
+def _check_tp(s: _Spec, tp: int):
+    """vLLM's divisibility asserts, as UnsupportedErrors."""
+    if s.heads % tp:
+        raise UnsupportedError(f"tp_size {tp} does not divide num_attention_heads {s.heads}")
+    if tp >= s.kv_heads and tp % s.kv_heads:
+        raise UnsupportedError(
+            f"tp_size {tp} is not a multiple of num_key_value_heads {s.kv_heads} (vLLM replicates "
+            "kv heads only evenly)"
+        )
+    if tp < s.kv_heads and s.kv_heads % tp:
+        raise UnsupportedError(f"tp_size {tp} does not divide num_key_value_heads {s.kv_heads}")
+    if s.intermediate % tp:
+        raise UnsupportedError(f"tp_size {tp} does not divide intermediate_size {s.intermediate}")
+    padded = _padded_vocab(s.vocab)
+    if padded % tp:
+        raise UnsupportedError(
+            f"tp_size {tp} does not divide the padded vocab {padded} (vocab_size {s.vocab} "
+            f"rounded up to a multiple of {VOCAB_PADDING})"
+        )
+
+
+def _padded_vocab(vocab: int) -> int:
+    return -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
+    """vLLM's tensor-parallel layout of a Llama / Mistral / Qwen2 model (GQA included).
+
+    hf_config: the model's `transformers` config. tp_size: vLLM's tensor-parallel size.
+    ranks: `ranks[i]` is the rank (in the transfer's process group) of the process hosting
+    TP rank i (one process may host several). dtype: the engine's parameter dtype.
+    Tensors are the HF parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so any
+    source layout of the HF model (e.g. a DeepSpeed `describe()`) transfers into it.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    ranks = list(ranks)
+    if len(ranks) != tp_size:
+        raise ValueError(f"ranks has {len(ranks)} entries, tp_size is {tp_size}: one per TP rank")
+    for r in ranks:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"ranks must be non-negative ints, got {r!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    s = _spec(hf_config)
+    _check_tp(s, tp_size)
+    return _Builder(s, tp_size, ranks, dtype).build()
+
+
+class _Builder:
+    def __init__(self, spec, tp, ranks, dtype):
+        self.s, self.tp, self.ranks, self.dtype = spec, tp, ranks, dtype
+        self.storages, self.tensors, self.shapes, self.locations = {}, {}, {}, {}
+
+    def param(self, vname, shape):
+        """One vLLM parameter: a storage per TP rank; returns their locations by TP rank."""
+        numel = 1
+        for n in shape:
+            numel *= n
+        locs = []
+        for r in range(self.tp):
+            loc = len(self.storages)
+            self.storages[loc] = rs.Storage(self.ranks[r], self.dtype, numel)
+            self.locations[(vname, r)] = loc
+            locs.append(loc)
+        self.shapes[vname] = tuple(shape)
+        return locs
+
+    def rows(self, name, shape, locs, first_row):
+        """HF tensor `name` split evenly by rows, block r at row `first_row` of TP rank r."""
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        per = shape[0] // self.tp
+        self.tensors[name] = rs.split(
+            shape, 0, [per] * self.tp, locs, offsets=[first_row * row] * self.tp, name=name
+        )
+
+    def kv_rows(self, name, shape, locs, first_row):
+        """k or v of the fused qkv: split like q when tp <= kv heads, else one head per rank,
+        each head replicated on tp / kv_heads consecutive ranks."""
+        s = self.s
+        if self.tp <= s.kv_heads:
+            self.rows(name, shape, locs, first_row)
+            return
+        rep = self.tp // s.kv_heads
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        holders = [[locs[r] for r in range(h * rep, (h + 1) * rep)] for h in range(s.kv_heads)]
+        self.tensors[name] = rs.split(
+            shape,
+            0,
+            [s.head_dim] * s.kv_heads,
+            holders,
+            offsets=[[first_row * row] * rep for _ in range(s.kv_heads)],
+            name=name,
+        )
+
+    def columns(self, name, shape, locs):
+        per = shape[1] // self.tp
+        self.tensors[name] = rs.split(shape, 1, [per] * self.tp, locs, name=name)
+
+    def replicated(self, name, vname, shape):
+        self.tensors[name] = rs.replicated(shape, self.param(vname, shape), name=name)
+
+    def vocab(self, name, vname):
+        s = self.s
+        per = _padded_vocab(s.vocab) // self.tp
+        locs = self.param(vname, (per, s.hidden))
+        sizes = [max(0, min(per, s.vocab - r * per)) for r in range(self.tp)]
+        self.tensors[name] = rs.split((s.vocab, s.hidden), 0, sizes, locs, name=name)
+
+    def build(self) -> TPLayout:
+        s, tp = self.s, self.tp
+        hd, hidden = s.head_dim, s.hidden
+        q_rows = s.heads // tp * hd  # per TP rank
+        kv_rows = max(1, s.kv_heads // tp) * hd
+        inter = s.intermediate // tp
+        self.vocab("model.embed_tokens.weight", "model.embed_tokens.weight")
+        for i in range(s.layers):
+            p = f"model.layers.{i}"
+            for kind in ("weight", "bias") if s.qkv_bias else ("weight",):
+                tail = (hidden,) if kind == "weight" else ()
+                locs = self.param(f"{p}.self_attn.qkv_proj.{kind}", (q_rows + 2 * kv_rows, *tail))
+                self.rows(f"{p}.self_attn.q_proj.{kind}", (s.heads * hd, *tail), locs, 0)
+                kv_shape = (s.kv_heads * hd, *tail)
+                self.kv_rows(f"{p}.self_attn.k_proj.{kind}", kv_shape, locs, q_rows)
+                self.kv_rows(f"{p}.self_attn.v_proj.{kind}", kv_shape, locs, q_rows + kv_rows)
+            o_shape = (hidden, s.heads * hd)
+            locs = self.param(f"{p}.self_attn.o_proj.weight", (hidden, q_rows))
+            self.columns(f"{p}.self_attn.o_proj.weight", o_shape, locs)
+            if s.o_bias:
+                name = f"{p}.self_attn.o_proj.bias"
+                self.replicated(name, name, (hidden,))
+            for kind in ("weight", "bias") if s.mlp_bias else ("weight",):
+                tail = (hidden,) if kind == "weight" else ()
+                locs = self.param(f"{p}.mlp.gate_up_proj.{kind}", (2 * inter, *tail))
+                self.rows(f"{p}.mlp.gate_proj.{kind}", (s.intermediate, *tail), locs, 0)
+                self.rows(f"{p}.mlp.up_proj.{kind}", (s.intermediate, *tail), locs, inter)
+            locs = self.param(f"{p}.mlp.down_proj.weight", (hidden, inter))
+            self.columns(f"{p}.mlp.down_proj.weight", (hidden, s.intermediate), locs)
+            if s.mlp_bias:
+                name = f"{p}.mlp.down_proj.bias"
+                self.replicated(name, name, (hidden,))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                name = f"{p}.{norm}.weight"
+                self.replicated(name, name, (hidden,))
+        self.replicated("model.norm.weight", "model.norm.weight", (hidden,))
+        if not s.tied:
+            self.vocab("lm_head.weight", "lm_head.weight")
+        return TPLayout(
+            layout=rs.Layout(self.tensors, self.storages),
+            tp_size=tp,
+            ranks=list(self.ranks),
+            dtype=self.dtype,
+            shapes=self.shapes,
+            locations=self.locations,
+        )

@@ -1,0 +1,88 @@
+"""Faults injected on one rank, shared by the gloo workers (_workers.py) and the NCCL workers
+(tests/gpu/multi/_nccl_workers.py): the same bad inputs on CPU and on GPUs.
+
+`break_inputs` makes one rank's call wrong in one way; the test then checks that every rank
+raises the same PreflightError naming that rank and that no target byte changed.
+`die_in_rounds` makes a rank die (or stall) in the middle of the rounds, after a few copies.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import reshard as rs
+
+# kinds every transport can check ("wrong_gpu" needs two GPUs, "alias_targets" a real device
+# placement of its own; the gloo workers add the executor-specific "oom" and "device")
+PREFLIGHT_KINDS = (
+    "dtype",
+    "short",
+    "foreign",
+    "missing",
+    "alias",
+    "alias_targets",
+    "fingerprint",
+    "notready",
+)
+
+
+def _not_ready():
+    raise rs.NotReadyError("exp_avg does not exist before the first step")
+
+
+def break_inputs(kind, rank, world, src, sb, db, plan, other_plan):
+    """Make this rank's call wrong in the way `kind` names, in place on `sb` / `db` (this rank's
+    source and target buffers; `src` is the source side). Returns (plan, checks) to call with.
+    Raises KeyError for a kind it does not know."""
+    sloc = next(iter(sb))
+    checks = ()
+    if kind == "dtype":
+        sb[sloc] = sb[sloc].to(torch.float16)
+    elif kind == "short":
+        sb[sloc] = sb[sloc][:-1]
+    elif kind == "foreign":  # a location owned by the next rank
+        peer = (rank + 1) % world
+        loc = next(loc for loc, s in src.storages.items() if s.rank == peer)
+        sb[loc] = torch.zeros(src.storages[loc].numel, device=sb[sloc].device)
+    elif kind == "missing":
+        del sb[sloc]
+    elif kind == "alias":  # the largest target is a view of a source's memory
+        dloc = max(db, key=lambda k: db[k].numel())
+        if sb[sloc].device != db[dloc].device:  # cannot alias across devices
+            sb[sloc] = sb[sloc].to(db[dloc].device)
+        db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
+    elif kind == "alias_targets":  # two targets share memory
+        big = max(db, key=lambda k: db[k].numel())
+        small = min(db, key=lambda k: db[k].numel())
+        db[small] = db[big][: db[small].numel()]
+    elif kind == "fingerprint":
+        plan = other_plan
+    elif kind == "notready":
+        checks = (_not_ready,)
+    elif kind == "wrong_gpu":  # a buffer on the other rank's GPU
+        sb[sloc] = sb[sloc].to(torch.device("cuda", (torch.cuda.current_device() + 1) % 2))
+    else:
+        raise KeyError(f"unknown fault {kind!r}")
+    return plan, checks
+
+
+def die_in_rounds(mode, timeout, after_copies=5):
+    """From now on this rank dies (mode "die") or stalls for twice `timeout` (mode "stall") at
+    its `after_copies`-th packing copy, with rounds posted to its peers."""
+    import reshard.executor as ex
+    from tests._spawn import die
+
+    real = ex._copy_runs_op()
+    calls = [0]
+
+    def dying(s, d, o):
+        calls[0] += 1
+        if calls[0] == after_copies:
+            if mode == "die":
+                die()
+            time.sleep(timeout * 2)
+        return real(s, d, o)
+
+    ex._copy_runs_op = lambda: dying

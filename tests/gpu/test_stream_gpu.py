@@ -1,0 +1,92 @@
+"""rs.Stream into GPU tensors, world 1 (no process group): a CPU-offloaded fp32 master set (a
+ZeRO-3 style flat CPU buffer per sub-group, padding between tensors) streamed as bf16 into
+CUDA buffers, bucket by bucket, with a slow consumer holding each bucket while the next moves.
+The reference is plain torch: each full fp32 tensor `.to("cuda").to(torch.bfloat16)`, compared
+bitwise. Skipped without a CUDA device.
+
+Run on the GPU host: python -m pytest -q tests/gpu/test_stream_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_ref import require_cuda_build  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+if torch.cuda.is_available():
+    require_cuda_build()
+
+# a small decoder's shapes (hidden 1024, 4 layers, vocab 32000) plus odd ones
+SHAPES = {"embed": (32000, 1024)}
+for i in range(4):
+    SHAPES.update(
+        {
+            f"l{i}.qkv": (1536, 1024),
+            f"l{i}.o": (1024, 1024),
+            f"l{i}.up": (5632, 1024),
+            f"l{i}.down": (1024, 2816),
+            f"l{i}.norm": (1024,),
+        }
+    )
+SHAPES["odd"] = (37, 19)
+
+
+def _masters(pin):
+    """Two sub-group storages on the CPU, 7 elements of padding after each tensor (poisoned)."""
+    import reshard as rs
+
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    tensors, offs = {}, [0, 0]
+    for k, (n, s) in enumerate(SHAPES.items()):
+        loc = k % 2
+        tensors[n] = rs.flat(s, [(loc, 0, math.prod(s), offs[loc])])
+        offs[loc] += math.prod(s) + 7
+    layout = rs.Layout(tensors, {i: rs.Storage(0, torch.float32, offs[i]) for i in (0, 1)})
+    bufs = {i: torch.full((offs[i],), float("nan"), pin_memory=pin) for i in (0, 1)}
+    for n, tl in tensors.items():
+        (p,) = tl.pieces
+        bufs[p.location][p.offset : p.offset + full[n].numel()] = full[n].reshape(-1)
+    return full, layout, bufs
+
+
+@pytest.mark.parametrize("pin", [False, True], ids=["pageable", "pinned"])
+def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin):
+    import time
+
+    import reshard as rs
+
+    full, layout, bufs = _masters(pin)
+    want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+    stream = rs.Stream(layout, [0], 32 << 20, dtype=torch.bfloat16, device="cuda")
+    assert stream.device.type == "cuda"
+    assert stream.buffer_bytes <= (32 << 20) + max(32 << 20, 32000 * 1024 * 2)
+    for call in range(2):
+        seen, held = [], []
+        bucket_of = {n: b.index for b in stream.buckets for n in b.names}
+        for name, t in stream(bufs):
+            assert t.device.type == "cuda" and t.dtype == torch.bfloat16
+            if held and bucket_of[held[-1][0]] != bucket_of[name]:
+                held = []
+                time.sleep(0.02)  # a slow consumer: the next bucket lands meanwhile
+            held.append((name, t))
+            for hn, ht in held:  # the current bucket stays intact while the next one moves
+                assert torch.equal(ht.view(torch.int16), want[hn].view(torch.int16)), (call, hn)
+            seen.append(name)
+        assert seen == list(SHAPES)
+        rep = stream.report
+        assert rep.transport == "local"
+        for k in rep.peak_staging_bytes:
+            assert rep.peak_staging_bytes[k] <= rep.staging_bound[k], rep.summary()
+        assert rep.peak_staging_bytes["device"] >= stream.buffer_bytes
+        assert rep.local_bytes == sum(w.numel() * 2 for w in want.values())
+        # the sources are read, never written: their padding is still poisoned
+        assert bufs[0][SHAPES["embed"][0] * 1024 :][:7].isnan().all()

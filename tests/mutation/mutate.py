@@ -1,0 +1,370 @@
+"""Mutation check: plant one-line bugs, one at a time, in a throwaway copy of the repository
+and run the tests that should catch each. Every surviving bug is a missing test.
+
+    python tests/mutation/mutate.py            # every mutant (builds nothing: Python only)
+    python tests/mutation/mutate.py --list     # names, files, tests
+    python tests/mutation/mutate.py --only commit_step,zero_copy_gap
+
+Run it from a built checkout (`python setup.py build_clib build_ext --inplace`): the copy
+reuses the compiled extension. A mutant is found by its code text anywhere under its glob
+(so modules may move); a site that is missing or ambiguous is reported as such and makes
+the run fail, never a silent pass. Exit status: 0 when every mutant was caught.
+Not collected by pytest (no test_ prefix); `make mutate` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PKG = "python/reshard/**/*.py"
+HOSTILE = "tests/distributed/test_hostile_ranks.py"
+LOCAL_HOSTILE = "tests/test_hostile_local.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    where: str  # a glob under the repository root
+    find: str  # exact code text, unique across the glob
+    replace: str
+    tests: tuple[str, ...]  # pytest arguments (node ids or files, -k expressions)
+    why: str
+
+
+MUTANTS = (
+    # ---------------------------------------------------------------- preflight
+    Mutant(
+        "target_target_alias",
+        PKG,
+        "            hit = _intervals_overlap(written_bytes[a], written_bytes[b])",
+        "            hit = None",
+        (f"{HOSTILE}::test_non_collective_failures_become_collective",),
+        "two target locations that overlap where both are written are not refused",
+    ),
+    Mutant(
+        "target_source_alias",
+        PKG,
+        "            hit = _intervals_overlap(wb, np.array([[lo, hi]], np.int64))",
+        "            hit = None",
+        ("tests/distributed/test_executor.py::test_preflight_failures_are_collective",),
+        "a target inside a source buffer is not refused",
+    ),
+    Mutant(
+        "local_copy_extents",
+        PKG,
+        "        if s0 < d1 and d0 < s1:",
+        "        if False:",
+        (f"{LOCAL_HOSTILE}::test_local_copy_source_and_target_share_memory",),
+        "a local copy whose source and target extents overlap reaches the op (TransferError)",
+    ),
+    Mutant(
+        "commit_step",
+        PKG,
+        "                _all_gather_rows([1], group, world_size, device, timeout_s)",
+        "                pass",
+        (f"{HOSTILE}::test_a_rank_arriving_after_its_peers_gave_up_writes_nothing",),
+        "a rank arriving after its peers gave up writes its targets",
+    ),
+    Mutant(
+        "fingerprint_ignored",
+        PKG,
+        "    if all(row[0] for row in rows) and not fp_bad:",
+        "    if all(row[0] for row in rows):",
+        ("tests/distributed/test_executor.py::test_preflight_failures_are_collective",),
+        "ranks with different plans go ahead",
+    ),
+    Mutant(
+        "storage_extent",
+        PKG,
+        "            short = _storage_shortfall(t)",
+        "            short = None",
+        (f"{LOCAL_HOSTILE}::test_storage_smaller_than_its_view_is_refused",),
+        "a freed or shrunk storage reaches the kernels",
+    ),
+    Mutant(
+        "requires_grad_target",
+        PKG,
+        '        if side == "target" and t.requires_grad and torch.is_grad_enabled():',
+        "        if False:",
+        (f"{LOCAL_HOSTILE}::test_versions_move_and_grad_targets_are_refused_in_process",),
+        "a leaf that requires grad is written under grad mode",
+    ),
+    Mutant(
+        "copy_support_16_bytes",
+        PKG,
+        "        if size in (1, 2, 4, 8):",
+        "        if size in (1, 2, 4, 8, 16):",
+        (f"{LOCAL_HOSTILE}::test_sixteen_byte_elements_are_refused_before_any_write",),
+        "complex128 passes preflight and fails mid-copy",
+    ),
+    Mutant(
+        "row_overflow",
+        PKG,
+        "    fits = (room >= 0) & ((count <= 1) | (stride <= np.maximum(room, 0) // reps))",
+        "    fits = room >= 0",
+        (f"{HOSTILE}::test_non_collective_failures_become_collective",),
+        "a repeated row reaching past its buffer (or overflowing int64) passes preflight",
+    ),
+    Mutant(
+        "double_write",
+        PKG,
+        "        hit = _overlapping_writes(np.concatenate(tables), 2)",
+        "        hit = None",
+        (f"{LOCAL_HOSTILE}::test_a_schedule_that_writes_an_element_twice_is_refused",),
+        "a schedule writing one target element twice passes preflight",
+    ),
+    Mutant(
+        "timeout_nan",
+        PKG,
+        "    if not math.isfinite(timeout) or timeout <= 0:",
+        "    if timeout <= 0:",
+        (f"{LOCAL_HOSTILE}::test_bad_timeouts",),
+        "nan / inf timeouts are accepted",
+    ),
+    Mutant(
+        "dtype_check",
+        PKG,
+        "        if t.dtype != want:",
+        "        if False:",
+        (
+            "tests/distributed/test_local.py",
+            f"{LOCAL_HOSTILE}::test_property_hostile_input_in_process",
+        ),
+        "a buffer of the wrong dtype is accepted",
+    ),
+    # ---------------------------------------------------------------- executor
+    Mutant(
+        "zero_copy_gap",
+        PKG,
+        " or (r[1:, 0] != ends[:-1]).any()",
+        "",
+        (f"{HOSTILE}::test_multi_segment_message_into_a_padded_target",),
+        "a message with padding between segments is received straight into a padded target",
+    ),
+    Mutant(
+        "zero_copy_shift",
+        PKG,
+        "    if (shift != shift[0]).any():\n        return None\n",
+        "",
+        ("tests/distributed/test_zero_copy.py",),
+        "a message whose segments land at different shifts is received as one range",
+    ),
+    Mutant(
+        "single_arena",
+        PKG,
+        "                arena = self.arenas[key][k % 2]",
+        "                arena = self.arenas[key][0]",
+        ("tests/distributed/test_executor.py::test_layouts_dtypes_budgets",),
+        "round k+1 is packed into the arena round k is still sending from",
+    ),
+    Mutant(
+        "transfer_lock",
+        PKG,
+        "        with self._lock:\n            return self._call(",
+        "        if True:\n            return self._call(",
+        (f"{HOSTILE}::test_concurrent_calls_on_one_transfer_are_serialized",),
+        "two threads' calls on one Transfer interleave",
+    ),
+    Mutant(
+        "group_lock",
+        PKG,
+        '    if group is None:  # in-process ("local"): no collectives to keep in order',
+        "    if True:",
+        (f"{HOSTILE}::test_concurrent_transfers_on_one_group_never_interleave",),
+        "two Transfers' collectives interleave on one group",
+    ),
+    Mutant(
+        "reentrant_call",
+        PKG,
+        "        if self._owner == threading.get_ident():",
+        "        if False:",
+        (f"{LOCAL_HOSTILE}::test_reentrant_call_from_a_hook_is_refused",),
+        "a call from inside a call waits for itself forever",
+    ),
+    Mutant(
+        "version_bump",
+        PKG,
+        "            torch.autograd.graph.increment_version(t)",
+        "            pass",
+        (f"{HOSTILE}::test_writes_move_version_counters_and_grad_targets_are_refused",),
+        "zero-copy receives write targets without autograd noticing",
+    ),
+    Mutant(
+        "local_failure_not_collective",
+        PKG,
+        "    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it",
+        "    except ArithmeticError as exc:  # noqa: BLE001",
+        (f"{HOSTILE}::test_non_collective_failures_become_collective",),
+        "a Python type error on one rank raises there alone; its peers wait for the timeout",
+    ),
+    # ---------------------------------------------------------------- planner
+    Mutant(
+        "coalesce_target_contiguity",
+        PKG,
+        "        & (b[DO] == a[DO] + a[LEN])\n    )",
+        "    )",
+        ("tests/test_plan.py",),
+        "runs contiguous in the source but not in the target are merged",
+    ),
+    Mutant(
+        "coalesce_strided_gap",
+        PKG,
+        "        & ((a[CNT] == 1) | ((a[SS] == gs) & (a[DS] == gd)))",
+        "        & ((a[CNT] == 1) | (a[SS] == gs))",
+        ("tests/test_plan.py",),
+        "a strided run is extended by a row at another target gap",
+    ),
+    Mutant(
+        "staging_bound_single_buffer",
+        PKG,
+        "        arenas = min(2, self.num_rounds) * (",
+        "        arenas = min(1, self.num_rounds) * (",
+        ("tests/test_plan.py", "tests/distributed/test_local.py"),
+        "plan.staging_bytes counts one arena per direction while the executor keeps two",
+    ),
+    Mutant(
+        "wire_dtype_widening",
+        PKG,
+        "        if dst == torch.float32:\n            return src",
+        "        if dst == torch.float32:\n            return dst",
+        ("tests/test_plan.py",),
+        "fp16/bf16 -> fp32 travels as fp32 (twice the bytes)",
+    ),
+    # ---------------------------------------------------------------- DeepSpeed hook
+    Mutant(
+        "sync_after_skipped_step",
+        PKG,
+        "        if boundary and self.engine.was_step_applied():",
+        "        if boundary:",
+        ("tests/deepspeed/test_deepspeed.py", "-k", "sync_after_step or skip or overflow"),
+        "SyncAfterStep counts steps DeepSpeed skipped (fp16 overflow) as applied",
+    ),
+)
+
+_IGNORE = shutil.ignore_patterns(
+    ".git",
+    "build",
+    "dist",
+    "bin",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    "*.egg-info",
+    ".whl",
+)
+
+
+def _locate(root, m):
+    hits = []
+    for path in sorted(glob.glob(os.path.join(root, m.where), recursive=True)):
+        with open(path, encoding="utf-8") as f:
+            n = f.read().count(m.find)
+        hits += [path] * n
+    return hits
+
+
+def _pytest(root, args, timeout):
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - t0, ""
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+    return proc.returncode, time.monotonic() - t0, tail[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default="", help="comma-separated mutant names")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    ap.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip running each test selection unmutated first",
+    )
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
+    if args.only and len(chosen) != len(args.only.split(",")):
+        print(f"unknown mutant in --only {args.only!r}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:32s} {' '.join(m.tests)}\n    {m.why}")
+        return 0
+    if not glob.glob(os.path.join(REPO, "python/reshard/_C*.so")):
+        print(
+            "build the extension first: python setup.py build_clib build_ext --inplace",
+            file=sys.stderr,
+        )
+        return 2
+
+    work = tempfile.mkdtemp(prefix="reshard-mutate-")
+    root = os.path.join(work, "repo")
+    shutil.copytree(REPO, root, ignore=_IGNORE, symlinks=True)
+    print(f"copy of {REPO} in {root}")
+    rows, baseline = [], {}
+    try:
+        for m in chosen:
+            hits = _locate(root, m)
+            if len(hits) != 1:
+                status = "SITE NOT FOUND" if not hits else f"SITE AMBIGUOUS ({len(hits)})"
+                rows.append((m, status, 0.0, ", ".join(sorted(set(hits))) or m.where))
+                print(f"{m.name}: {status}", flush=True)
+                continue
+            if not args.no_baseline and m.tests not in baseline:
+                rc, sec, tail = _pytest(root, m.tests, args.timeout)
+                baseline[m.tests] = rc
+                if rc != 0:
+                    print(f"baseline of {' '.join(m.tests)} fails ({rc}): {tail}", flush=True)
+            if baseline.get(m.tests, 0) != 0:
+                rows.append((m, "BASELINE FAILS", 0.0, ""))
+                continue
+            path = hits[0]
+            with open(path, encoding="utf-8") as f:
+                original = f.read()
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(original.replace(m.find, m.replace, 1))
+                rc, sec, tail = _pytest(root, m.tests, args.timeout)
+            finally:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(original)
+            if rc == 5:
+                status = "NO TESTS RAN"
+            elif rc == 0:
+                status = "SURVIVED"
+            elif rc == "timeout":
+                status = "caught (timeout)"
+            else:
+                status = "caught"
+            rows.append((m, status, sec, os.path.relpath(path, root)))
+            print(f"{m.name}: {status} in {sec:.0f} s ({tail})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print("\n| mutant | file | result | seconds |\n| --- | --- | --- | --- |")
+    for m, status, sec, where in rows:
+        print(f"| {m.name} | {where} | {status} | {sec:.0f} |")
+    bad = [m.name for m, status, _, _ in rows if not status.startswith("caught")]
+    print(
+        f"\n{len(rows) - len(bad)} of {len(rows)} caught" + (f"; not caught: {bad}" if bad else "")
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

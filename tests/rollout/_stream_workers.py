@@ -1,0 +1,215 @@
+"""Workers for the Stream tests (module level: the spawn context re-imports this module).
+
+Sources are ZeRO-3 style: every tensor flattened and cut into `world` equal shards (the last
+one padded), rank r's shards of all fp32 tensors concatenated in one storage and of all bf16
+tensors in another; padding is poisoned. References are the full tensors every rank builds
+from the same seed, cast with torch. Workers return lists of error strings.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+import reshard as rs
+
+POISON = float("nan")
+SHAPES = {
+    "embed": ((37, 12), torch.float32),
+    "w1": ((20, 12), torch.float32),
+    "b1": ((20,), torch.bfloat16),
+    "big": ((64, 24), torch.float32),  # 6144 B as bf16: larger than the small buckets below
+    "empty": ((0, 5), torch.float32),
+    "w2": ((12, 20), torch.float32),
+    "norm": ((12,), torch.bfloat16),
+}
+
+
+def full_values(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=g).to(dt) for n, (shape, dt) in SHAPES.items()}
+
+
+def zero3_source(world, values, rank):
+    """(layout, this rank's buffers): storage 2r holds rank r's fp32 shards, 2r+1 its bf16."""
+    tensors, used = {}, {}
+    for n, (shape, dt) in SHAPES.items():
+        numel = math.prod(shape)
+        part = -(-numel // world)
+        runs = []
+        for r in range(world):
+            loc = 2 * r + (dt == torch.bfloat16)
+            lo, hi = min(r * part, numel), min((r + 1) * part, numel)
+            off = used.get(loc, 0)
+            if hi > lo:
+                runs.append((loc, lo, hi, off))
+            used[loc] = off + part
+        tensors[n] = rs.flat(shape, runs)
+    storages = {}
+    for r in range(world):
+        for k, dt in enumerate((torch.float32, torch.bfloat16)):
+            storages[2 * r + k] = rs.Storage(r, dt, used.get(2 * r + k, 0))
+    layout = rs.Layout(tensors, storages)
+    bufs = {}
+    for loc, st in storages.items():
+        if st.rank != rank:
+            continue
+        bufs[loc] = torch.full((st.numel,), POISON, dtype=st.dtype)
+    for n, tl in tensors.items():
+        flat = values[n].reshape(-1)
+        for p in tl.pieces:
+            if p.location in bufs:
+                k = math.prod(p.shape)
+                # flat() pieces of a row-major range: rebuild the flat index of the box start
+                start = sum(s * st for s, st in zip(p.start, _rowmajor(SHAPES[n][0])))
+                box = flat[start:].as_strided(p.shape, _rowmajor(SHAPES[n][0]))
+                bufs[p.location][p.offset : p.offset + k] = box.reshape(-1)
+    return layout, bufs
+
+
+def _rowmajor(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _bits(t):
+    return t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _same(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def regions_disjoint(stream):
+    """Buckets that may be in flight together never share bytes of the receivers' buffer."""
+    errs = []
+    for a, b in zip(stream.buckets, stream.buckets[1:]):
+        if not stream._overlaps(a.index):
+            continue
+        if a.start < b.start + b.nbytes and b.start < a.start + a.nbytes:
+            errs.append(f"buckets {a.index} and {b.index} share buffer bytes")
+        if max(a.start + a.nbytes, b.start + b.nbytes) > stream.buffer_bytes:
+            errs.append(f"buckets {a.index}, {b.index} exceed the buffer")
+    return errs
+
+
+def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
+    """Iterate once; check each tensor and that tensors of the same bucket stay intact while
+    later ones (and the next bucket, in flight meanwhile) arrive. linger: seconds to wait at
+    each bucket's first tensor, so the next bucket has landed before the checks (a slow
+    consumer; no assertion depends on it). Returns errors."""
+    errs, order = regions_disjoint(stream), []
+    held = []  # (name, view) of the current bucket
+    bucket_of = {n: b.index for b in stream.buckets for n in b.names}
+    for name, t in stream(bufs):
+        order.append(name)
+        if held and bucket_of[held[-1][0]] != bucket_of[name]:
+            held = []
+        if not held and linger:
+            time.sleep(linger)
+        held.append((name, t))
+        if not _same(t, want[name]):
+            errs.append(f"{tag}: {name} differs from the reference")
+        if hold_check:
+            for hn, ht in held:
+                if not _same(ht, want[hn]):
+                    errs.append(f"{tag}: {hn} changed while {name} arrived (same bucket)")
+    expect = list(stream.names) if receiving else []
+    if order != expect:
+        errs.append(f"{tag}: yielded {order}, expected {expect}")
+    rep = stream.report
+    for k in rep.peak_staging_bytes:
+        if rep.peak_staging_bytes[k] > rep.staging_bound[k]:
+            errs.append(f"{tag}: held {rep.peak_staging_bytes} > bound {rep.staging_bound}")
+    bound = stream.staging_bytes(transport="gloo")
+    if rep.staging_bound != bound:
+        errs.append(f"{tag}: report bound {rep.staging_bound} != stated {bound}")
+    return errs
+
+
+def w_stream(rank, world):
+    errs = []
+    values = full_values(seed=1)
+    layout, bufs = zero3_source(world, values, rank)
+    cases = [
+        # (receivers, bucket_bytes, dtype, names)
+        ([0], 1024, torch.bfloat16, None),
+        ([0, world - 1], 1024, None, [n for n in SHAPES if n != "empty"]),
+        ([1], 4096, torch.float32, ["norm", "big", "w1", "empty"]),
+        ([0], 1 << 20, torch.float16, None),  # one bucket
+    ]
+    for receivers, bucket, dtype, names in cases:
+        tag = f"rank {rank} recv {receivers} bucket {bucket} {dtype} {names}"
+        s = rs.Stream(layout, receivers, bucket, dtype=dtype, names=names)
+        chosen = names or list(SHAPES)
+        want = {n: values[n].to(dtype or values[n].dtype) for n in chosen}
+        plans = [id(p) for p in s.plans]
+        errs += consume(s, bufs, want, rank in receivers, tag + " call 1")
+        # sources change between steps: the second call must move the new values, same plans
+        values2 = {n: v * 2 + 1 for n, v in values.items()}
+        _, bufs2 = zero3_source(world, values2, rank)
+        for loc in bufs:
+            bufs[loc].copy_(bufs2[loc])
+        want2 = {n: values2[n].to(dtype or values2[n].dtype) for n in chosen}
+        errs += consume(s, bufs, want2, rank in receivers, tag + " call 2")
+        if [id(p) for p in s.plans] != plans:
+            errs.append(f"{tag}: plans were rebuilt")
+        _, bufs = zero3_source(world, values, rank)
+        if rank in receivers and s.report.peak_staging_bytes["host"] < s.buffer_bytes:
+            errs.append(f"{tag}: receiver buffer not reported")
+    # buckets: the big tensor is alone in its bucket; consecutive buckets never share bytes
+    s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)
+    big = [b for b in s.buckets if "big" in b.names]
+    if len(big) != 1 or big[0].names != ["big"]:
+        errs.append(f"big tensor not alone: {[b.names for b in s.buckets]}")
+    if s.buffer_bytes > 1024 + max(1024, 64 * 24 * 2):
+        errs.append(f"buffer {s.buffer_bytes} B above the stated bound")
+    return errs
+
+
+def w_preflight(rank, world):
+    """A bad buffer on rank 1 (only in a late bucket): every rank raises the same PreflightError
+    before anything is yielded; then a good call works."""
+    values = full_values(seed=2)
+    layout, bufs = zero3_source(world, values, rank)
+    s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)
+    late = s.buckets[-1].src_locations
+    bad = dict(bufs)
+    if rank == 1:
+        loc = next(loc for loc in late if layout.storages[loc].rank == 1)
+        bad[loc] = bufs[loc].to(torch.float16)
+    got, msg = [], None
+    try:
+        for name, _ in s(bad):
+            got.append(name)
+    except rs.PreflightError as exc:
+        msg = str(exc)
+    errs = []
+    if msg is None or "rank 1" not in msg or "dtype torch.float16" not in msg:
+        errs.append(f"rank {rank}: expected a PreflightError naming rank 1, got {msg!r}")
+    if got:
+        errs.append(f"rank {rank}: yielded {got} before the error")
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the error")
+    return errs, msg
+
+
+def w_early_stop(rank, world):
+    """The receiver stops after its first tensor; its peers iterate to the end and finish
+    normally (the closed generator moves the rest); the next call is complete everywhere."""
+    values = full_values(seed=3)
+    layout, bufs = zero3_source(world, values, rank)
+    s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)
+    errs = []
+    for _name, _t in s(bufs):
+        break
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the early stop")
+    dist.barrier()
+    return errs

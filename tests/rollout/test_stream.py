@@ -1,0 +1,204 @@
+"""rs.Stream: full tensors by name, bucket by bucket. In-process cases (no process group) and
+spawned gloo ranks with ZeRO-3 style sources; references are full tensors cast by torch,
+compared bitwise."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _stream_workers as W
+from _spawn import run_ranks
+
+import reshard as rs
+
+ENV = {"RESHARD_TEST_THREADS": "1"}
+
+
+def _local(seed=0):
+    values = W.full_values(seed)
+    layout, bufs = W.zero3_source(1, values, 0)
+    return values, layout, bufs
+
+
+# ------------------------------------------------------------------------ in process
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bucket", [64, 1024, 1 << 20])
+def test_local_stream(dtype, bucket):
+    values, layout, bufs = _local()
+    names = [n for n in values if dtype is not None or n != "empty"]  # see test_empty_tensor
+    s = rs.Stream(layout, [0], bucket, dtype=dtype, names=names)
+    want = {n: values[n].to(dtype or values[n].dtype) for n in names}
+    assert W.consume(s, bufs, want, True, "local") == []
+    assert s.report.buckets == len(s.buckets)
+    assert s.report.local_bytes == sum(w.numel() * w.element_size() for w in want.values())
+
+
+def test_empty_tensor():
+    values, layout, bufs = _local()
+    # no pieces, so no source dtype: the layout mixes fp32 and bf16 storages
+    with pytest.raises(ValueError, match="is empty"):
+        rs.Stream(layout, names=["empty"])
+    got = dict(rs.Stream(layout, dtype=torch.float16, names=["w1", "empty"])(bufs))
+    assert got["empty"].shape == (0, 5) and got["empty"].dtype == torch.float16
+    one = rs.Layout(
+        {"e": rs.TensorLayout((0, 3), []), "x": rs.replicated((2,), [0])},
+        {0: rs.Storage(0, torch.bfloat16, 2)},
+    )
+    got = dict(rs.Stream(one)({0: torch.ones(2, dtype=torch.bfloat16)}))
+    assert got["e"].dtype == torch.bfloat16 and got["e"].shape == (0, 3)
+
+
+def test_names_subset_and_order():
+    values, layout, bufs = _local()
+    names = ["norm", "w2", "embed"]
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16, names=names)
+    got = [(n, t.clone()) for n, t in s(bufs)]
+    assert [n for n, _ in got] == names
+    for n, t in got:
+        assert torch.equal(t, values[n].to(torch.bfloat16))
+    # only the chosen tensors' storages are read
+    assert all(set(b.plan.dst.tensors) <= set(names) for b in s.buckets)
+
+
+def test_oversized_tensor_gets_its_own_bucket():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 1000, dtype=torch.bfloat16)
+    (big,) = [b for b in s.buckets if "big" in b.names]
+    assert big.names == ["big"] and big.nbytes == 64 * 24 * 2
+    assert s.buffer_bytes <= 1000 + 64 * 24 * 2
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    assert W.consume(s, bufs, want, True, "oversized") == []
+
+
+def test_two_oversized_buckets_in_a_row_do_not_overlap_but_fit_one_buffer():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 16, dtype=torch.float32, names=["big", "w1", "embed"])
+    assert [b.names for b in s.buckets] == [["big"], ["w1"], ["embed"]]
+    assert not s._overlaps(0) and not s._overlaps(1)
+    assert s.buffer_bytes == 64 * 24 * 4  # the largest bucket, not two of them
+    want = {n: v.float() for n, v in values.items()}
+    assert W.consume(s, bufs, want, True, "serial") == []
+
+
+def test_slow_consumer_holds_a_bucket_while_the_next_moves():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 700, dtype=torch.bfloat16)
+    assert len(s.buckets) >= 4
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    assert W.consume(s, bufs, want, True, "slow consumer", linger=0.05) == []
+
+
+def test_plans_are_built_once_and_reused():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 512, dtype=torch.bfloat16)
+    plans = s.plans
+    fp = s.fingerprint
+    for _ in range(3):
+        list(s(bufs))
+        assert s.plans == plans and s.report.fingerprint == fp
+
+
+def test_early_break_then_full_call():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    for _ in s(bufs):
+        break
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    assert W.consume(s, bufs, want, True, "after break") == []
+
+
+def test_not_reentrant():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    first = s(bufs)
+    next(first)
+    with pytest.raises(RuntimeError, match="already being iterated"):
+        next(s(bufs))
+    rest = [n for n, _ in first]
+    assert len(rest) == len(s.names) - 1
+    assert len(list(s(bufs))) == len(s.names)  # usable again once the first call ended
+
+
+def test_validation_errors():
+    values, layout, bufs = _local()
+    with pytest.raises(ValueError, match="not in the source layout"):
+        rs.Stream(layout, names=["embed", "nope"])
+    with pytest.raises(ValueError, match="more than once"):
+        rs.Stream(layout, names=["embed", "embed"])
+    with pytest.raises(ValueError, match="empty"):
+        rs.Stream(layout, names=[])
+    with pytest.raises(ValueError, match="not a rank of the group"):
+        rs.Stream(layout, receivers=[1])
+    with pytest.raises(ValueError, match="twice"):
+        rs.Stream(layout, receivers=[0, 0])
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        rs.Stream(layout, bucket_bytes=0)
+    with pytest.raises(ValueError, match="cannot stream"):
+        rs.Stream(layout, dtype=torch.int32)
+    with pytest.raises(TypeError, match="Layout"):
+        rs.Stream({"a": 1})
+    # a tensor whose pieces live in storages of two dtypes needs dtype=
+    mixed = rs.Layout(
+        {"t": rs.flat((4,), [(0, 0, 2, 0), (1, 2, 4, 0)])},
+        {0: rs.Storage(0, torch.float32, 2), 1: rs.Storage(0, torch.bfloat16, 2)},
+    )
+    with pytest.raises(ValueError, match="pass dtype="):
+        rs.Stream(mixed)
+    s = rs.Stream(mixed, dtype=torch.float32)
+    src = {0: torch.tensor([1.0, 2.0]), 1: torch.tensor([3.0, 4.0], dtype=torch.bfloat16)}
+    assert torch.equal(dict(s(src))["t"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+
+class _NotReady:
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    def check(self):
+        raise rs.NotReadyError("moments do not exist yet")
+
+
+def test_preflight_errors_before_anything_is_yielded():
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    last = s.buckets[-1].src_locations[0]
+    cases = [
+        ({k: v for k, v in bufs.items() if k != last}, f"source location {last}"),
+        ({**bufs, last: bufs[last][:-1]}, "elements"),
+        ({**bufs, 99: bufs[0]}, "location 99 does not exist"),
+        (_NotReady(bufs), "moments do not exist yet"),
+    ]
+    for bad, match in cases:
+        got = []
+        with pytest.raises(rs.PreflightError, match=match):
+            for name, _ in s(bad):
+                got.append(name)
+        assert got == []
+
+
+# ------------------------------------------------------------------------ spawned ranks
+
+
+def test_stream_gloo_three_ranks(tmp_path):
+    for errs in run_ranks(W.w_stream, 3, tmp_path, env=ENV, timeout=240):
+        assert errs == []
+
+
+def test_stream_gloo_preflight_is_collective(tmp_path):
+    out = run_ranks(W.w_preflight, 3, tmp_path, env=ENV, timeout=180)
+    for errs, _ in out:
+        assert errs == []
+    assert len({msg for _, msg in out}) == 1, "every rank raises the same PreflightError"
+
+
+def test_stream_gloo_early_stop(tmp_path):
+    for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180):
+        assert errs == []

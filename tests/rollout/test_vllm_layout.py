@@ -1,0 +1,235 @@
+"""tp_layout (vLLM's tensor-parallel weight layout) in one process: every TP rank's engine
+parameters written by a local transfer from full HF weights, checked bitwise against
+`_vllm_ref.shards` (vLLM's loader rule restated with torch slicing), poisoned so that unwritten
+elements show; vocab padding rows must stay poisoned. Configs vLLM's rule does not cover raise
+UnsupportedError."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _vllm_ref
+
+import reshard as rs
+from reshard.integrations import vllm as rsvllm
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(**kw):
+    base = dict(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    base.update(kw)
+    return transformers.LlamaConfig(**base)
+
+
+def _qwen2(**kw):
+    base = dict(
+        vocab_size=130,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    base.update(kw)
+    return transformers.Qwen2Config(**base)
+
+
+def _mistral(**kw):
+    base = dict(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,  # != hidden / heads: vLLM's Llama path reads config.head_dim
+    )
+    base.update(kw)
+    return transformers.MistralConfig(**base)
+
+
+def _full_weights(cfg, seed=0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # norms and biases start constant: make every value distinct
+            p.copy_(torch.randn_like(p))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _sync(cfg, tp, src_dtype, dtype, ranks=None):
+    """Full HF weights (one storage each, rank 0) -> every TP rank's poisoned vLLM params."""
+    full = {n: t.to(src_dtype) for n, t in _full_weights(cfg).items()}
+    tgt = rsvllm.tp_layout(cfg, tp, ranks or [0] * tp, dtype=dtype)
+    assert set(tgt.layout.tensors) == set(full), "tp_layout names must be the HF model's"
+    tensors, storages, src = {}, {}, {}
+    for i, (n, t) in enumerate(full.items()):
+        tensors[n] = rs.replicated(t.shape, [i])
+        storages[i] = rs.Storage(0, t.dtype, t.numel())
+        src[i] = t.reshape(-1)
+    engine = [
+        {n: torch.full(shape, float("nan"), dtype=dtype) for n, shape in tgt.shapes.items()}
+        for _ in range(tp)
+    ]
+    dst = {}
+    for r in range(tp):
+        dst.update(tgt.buffers(engine[r], r))
+    rs.Transfer(rs.Layout(tensors, storages), tgt.layout)(src, dst)
+    return cfg, full, tgt, engine
+
+
+def _bits(t):
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _check(cfg, full, tgt, engine, dtype):
+    tp = tgt.tp_size
+    for r in range(tp):
+        want = _vllm_ref.shards(full, cfg, tp, r, dtype)
+        assert set(want) == set(engine[r]), "vLLM parameter names"
+        for n, w in want.items():
+            got = engine[r][n]
+            assert got.shape == w.shape, (n, r)
+            assert torch.equal(_bits(got), _bits(w)), f"TP rank {r} of {tp}: {n} differs"
+
+
+CASES = [
+    ("llama gqa kv=2", _llama, {}, (1, 2, 4, 8)),  # 4, 8 > kv heads: replicated kv heads
+    ("llama gqa kv=4", _llama, {"num_key_value_heads": 4}, (2,)),  # tp < kv: kv split
+    (
+        "llama mha, biases, tied",
+        _llama,
+        {
+            "num_key_value_heads": 8,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": True,
+        },
+        (2, 4),
+    ),
+    ("qwen2 qkv bias, tied", _qwen2, {}, (1, 2, 4)),
+    ("qwen2 untied", _qwen2, {"tie_word_embeddings": False}, (2,)),
+    ("mistral head_dim", _mistral, {}, (2, 4)),
+]
+
+
+@pytest.mark.parametrize("label,make,kw,tps", CASES, ids=[c[0] for c in CASES])
+def test_tp_layout_matches_vllm_rule(label, make, kw, tps):
+    for tp in tps:
+        cfg, full, tgt, engine = _sync(make(**kw), tp, torch.float32, torch.bfloat16)
+        _check(cfg, full, tgt, engine, torch.bfloat16)
+
+
+def test_same_dtype_and_fp16():
+    for src, dst in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)):
+        cfg, full, tgt, engine = _sync(_llama(), 4, src, dst)
+        _check(cfg, full, tgt, engine, dst)
+
+
+def test_vocab_padding_rows_stay_unwritten():
+    # vocab 200 -> padded 256; tp 4: 64 rows per rank, rank 3 holds rows 192..199 then padding
+    cfg, full, tgt, engine = _sync(_llama(), 4, torch.float32, torch.bfloat16)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        shard = engine[3][name]
+        assert shard.shape == (64, 32)
+        assert not shard[:8].isnan().any()
+        assert shard[8:].isnan().all(), "padding rows were written"
+        assert not engine[0][name].isnan().any()
+
+
+def test_kv_replication_layout():
+    # tp 8, 2 kv heads: ranks 0-3 hold kv head 0, ranks 4-7 kv head 1
+    cfg = _llama()
+    tgt = rsvllm.tp_layout(cfg, 8, list(range(8)))
+    k = tgt.layout.tensors["model.layers.0.self_attn.k_proj.weight"]
+    hd = 32 // 8
+    for piece in k.pieces:
+        r = tgt.layout.storages[piece.location].rank
+        assert piece.start[0] == (r // 4) * hd and piece.shape[0] == hd
+        assert piece.offset == 1 * hd * 32  # after this rank's one q head
+    assert tgt.shapes["model.layers.0.self_attn.qkv_proj.weight"] == (3 * hd, 32)
+
+
+def test_layout_ranks_follow_ranks_argument():
+    tgt = rsvllm.tp_layout(_llama(), 2, [3, 1])
+    for (_name, r), loc in tgt.locations.items():
+        assert tgt.layout.storages[loc].rank == [3, 1][r]
+
+
+@pytest.mark.parametrize(
+    "cfg,tp,match",
+    [
+        (_llama(), 3, "does not divide num_attention_heads"),
+        (
+            _llama(num_attention_heads=6, num_key_value_heads=3, hidden_size=36),
+            2,
+            "num_key_value_heads",
+        ),
+        (
+            _llama(num_attention_heads=12, num_key_value_heads=3, hidden_size=36),
+            2,
+            "num_key_value_heads",
+        ),
+        (_llama(intermediate_size=50), 4, "intermediate_size"),
+        (
+            _llama(num_attention_heads=24, num_key_value_heads=24, hidden_size=48, vocab_size=64),
+            3,
+            "padded vocab",
+        ),
+        (_llama(hidden_act="gelu"), 2, "silu"),
+        (_qwen2(qk_norm=True), 2, "qk_norm"),
+        (_qwen2(head_dim=16), 2, "head_dim"),
+        (transformers.GPT2Config(), 1, "model_type"),
+    ],
+)
+def test_unsupported_configs(cfg, tp, match):
+    with pytest.raises(rs.UnsupportedError, match=match):
+        rsvllm.tp_layout(cfg, tp, list(range(tp)))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="one per TP rank"):
+        rsvllm.tp_layout(_llama(), 2, [0])
+    with pytest.raises(ValueError, match="tp_size"):
+        rsvllm.tp_layout(_llama(), 0, [])
+
+
+def test_buffers_names_every_mismatch():
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    bufs = tgt.buffers(params, 1)
+    assert len(bufs) == len(tgt.shapes)
+    assert all(view.dim() == 1 for view in bufs.values())
+    # views, never copies
+    first = tgt.locations[("model.norm.weight", 1)]
+    assert bufs[first].data_ptr() == params["model.norm.weight"].data_ptr()
+    bad = dict(params)
+    del bad["model.norm.weight"]
+    bad["lm_head.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
+    bad["model.layers.0.mlp.down_proj.weight"] = params[
+        "model.layers.0.mlp.down_proj.weight"
+    ].float()
+    with pytest.raises(ValueError) as err:
+        tgt.buffers(bad.items(), 0)
+    msg = str(err.value)
+    assert "model.norm.weight: missing" in msg
+    assert "lm_head.weight: shape (3, 3)" in msg
+    assert "down_proj.weight: dtype torch.float32" in msg
+    with pytest.raises(ValueError, match="out of range"):
+        tgt.buffers(params, 2)

@@ -1,0 +1,297 @@
+"""Hostile input in one process (no process group): random layouts, dtypes and budgets with
+one corruption of the buffers, the arguments, the timeout or the schedule. A refused call
+writes no byte; a clean one gives exactly the reference; nothing else is raised. The same
+cases run on spawned gloo ranks in tests/distributed/test_hostile_ranks.py.
+
+Also the focused checks of what preflight refuses on its own: element types the C core does
+not copy, descriptor arithmetic, storages smaller than their views, timeouts, targets that
+require grad, concurrent and reentrant calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
+
+import _refplan  # noqa: E402
+import _scenarios as S  # noqa: E402
+import _workers as W  # noqa: E402
+
+import reshard as rs  # noqa: E402
+from reshard import preflight as pf  # noqa: E402
+
+
+@settings(max_examples=250)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_property_hostile_input_in_process(seed):
+    errs, kind, outcome = W.run_hostile_case(seed, 0, 1)
+    assert not errs, "\n".join(errs[:10])
+
+
+def test_hostile_cases_cover_every_corruption():
+    """The property test's draws reach every corruption, applied, and both outcomes."""
+    applied = {}
+    for seed in range(400):
+        _, kind, (outcome, was_applied) = W.run_hostile_case(seed, 0, 1)
+        if was_applied:
+            applied.setdefault(kind, set()).add(outcome)
+    missing = set(W.CORRUPTIONS) - {"none"} - set(applied)
+    assert not missing, f"never applied: {sorted(missing)}"
+    assert all("preflight" in v for k, v in applied.items() if k != "desc"), applied
+
+
+# ------------------------------------------------------------------ element types
+
+
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+]
+
+
+@pytest.mark.parametrize("src", DTYPES)
+@pytest.mark.parametrize("dst", DTYPES)
+def test_copy_support_matches_the_op(src, dst):
+    """copy_support says None exactly when copy_runs copies the pair (checked by running the
+    op on a few elements: same dtype bitwise, casts as torch's .to())."""
+    import reshard._ops  # noqa: F401 - the op
+
+    why = pf.copy_support(src, dst)
+    a = (torch.arange(6) % 3).to(src)
+    out = torch.zeros(6, dtype=dst)
+    desc = torch.tensor([[0, 0, 0, 0, 6, 1]], dtype=torch.int64)
+    try:
+        torch.ops.reshard.copy_runs(a, desc, out)
+        ran = True
+    except RuntimeError:
+        ran = False
+    assert ran == (why is None), (src, dst, why)
+    if why is None:
+        assert torch.equal(
+            out.view(torch.uint8) if src == dst else out,
+            a.view(torch.uint8) if src == dst else a.to(dst),
+        )
+    else:
+        assert (str(src) in why) and (src == dst or str(dst) in why)
+
+
+def _one_rank(dtype=torch.float32, n=6):
+    src = rs.Layout({"w": rs.flat((n,), [(0, 0, n, 0)])}, {0: rs.Storage(0, dtype, n)})
+    dst = rs.Layout({"w": rs.flat((n,), [(10, 0, n, 0)])}, {10: rs.Storage(0, dtype, n)})
+    return src, dst
+
+
+def test_sixteen_byte_elements_are_refused_before_any_write():
+    src, dst = _one_rank(torch.complex128)
+    plan = _refplan.RefPlan(src, dst, 64)  # a planner that does not refuse them itself
+    sb = {0: torch.arange(6.0).to(torch.complex128)}
+    db = {10: torch.full((6,), 7 + 7j, dtype=torch.complex128)}
+    with pytest.raises(rs.PreflightError, match="complex128 has 16-byte elements"):
+        rs.execute(plan, sb, db)
+    assert bool((db[10] == 7 + 7j).all())
+
+
+# ------------------------------------------------------------------ descriptor arithmetic
+
+
+def test_bad_rows_matches_brute_force():
+    """_bad_rows against exact Python integers, on rows near every edge (int64 overflow)."""
+    rng = np.random.default_rng(0)
+    edges = [0, 1, 2, 3, 7, 1 << 31, (1 << 62) - 1, 1 << 62, (1 << 63) - 1, -1]
+    rows = np.array([[rng.choice(edges) for _ in range(6)] for _ in range(4000)], np.int64)
+    for numel in (0, 5, 1 << 40, (1 << 63) - 1):
+        got = pf._bad_rows(rows, 0, numel)
+        for row, g in zip(rows.tolist(), got.tolist(), strict=True):
+            off, stride, _, _, length, count = row
+            neg = min(off, stride, length, count) < 0  # this side's fields only
+            active = length > 0 and count > 0
+            want = neg or (active and off + (count - 1) * stride + length > numel)
+            assert g == want, (row, numel)
+
+
+@settings(max_examples=200)
+@given(
+    rows=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 9), st.integers(0, 5), st.integers(0, 4)),
+        max_size=12,
+    )
+)
+def test_overlapping_writes_matches_brute_force(rows):
+    desc = np.array([[0, 0, o, s, n, c] for o, s, n, c in rows], np.int64).reshape(-1, 6)
+    hit = pf._overlapping_writes(desc, 2)
+    seen, twice = set(), set()
+    for _, _, o, s, n, c in desc.tolist():
+        for k in range(c):
+            for e in range(o + k * s, o + k * s + n):
+                (twice if e in seen else seen).add(e)
+    assert (hit is not None) == bool(twice), (rows, hit, twice)
+    if hit is not None:
+        assert hit[0] < hit[1] and set(range(*hit)) <= twice
+
+
+def test_a_schedule_that_writes_an_element_twice_is_refused():
+    src, dst = _one_rank()
+    plan = rs.plan(src, dst)
+    sched = plan.schedule(0)
+    lc = sched.local[0]
+    twice = np.array([[0, 0, 0, 0, 4, 1], [0, 0, 3, 0, 3, 1]], np.int64)
+    bad = W._PlanWith(plan, 0, sched=type(sched)(0, 0, [type(lc)(0, 10, twice)], [], [], 0, 0))
+    db = {10: torch.full((6,), S.POISON)}
+    with pytest.raises(rs.PreflightError, match=r"writes elements \[3, 4\) twice"):
+        rs.execute(bad, {0: torch.arange(6.0)}, db)
+    assert bool((db[10] == S.POISON).all())
+
+
+def test_local_copy_source_and_target_share_memory():
+    """The target's unwritten padding overlaps the source: no written byte touches the
+    source, but the copy op refuses overlapping extents, so preflight must refuse first."""
+    f32 = torch.float32
+    src = rs.Layout({"w": rs.flat((6,), [(0, 0, 6, 0)])}, {0: rs.Storage(0, f32, 6)})
+    dst = rs.Layout({"w": rs.flat((6,), [(10, 0, 6, 2)])}, {10: rs.Storage(0, f32, 8)})
+    plan = rs.plan(src, dst)
+    base = torch.full((12,), S.POISON)
+    base[:6] = torch.arange(6.0)
+    sb, db = {0: base[:6]}, {10: base[4:]}  # target elements 0, 1 (padding) = source 4, 5
+    before = base.clone()
+    with pytest.raises(rs.PreflightError, match="shares memory with source location 0"):
+        rs.execute(plan, sb, db)
+    assert torch.equal(base, before)
+
+
+# ------------------------------------------------------------------ storages
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+@pytest.mark.parametrize("how", ["freed", "shrunk", "offset"])
+def test_storage_smaller_than_its_view_is_refused(side, how):
+    src, dst = _one_rank(n=64)
+    plan = rs.plan(src, dst)
+    sb, db = {0: torch.arange(64.0)}, {10: torch.full((64,), S.POISON)}
+    keep = db[10]
+    t = (sb if side == "source" else db)[0 if side == "source" else 10]
+    if how == "freed":
+        t.untyped_storage().resize_(0)
+    elif how == "shrunk":
+        t.untyped_storage().resize_(100)
+    else:  # a view at an offset of a storage that is then shrunk under it
+        base = torch.zeros(128)
+        view = base[64:]
+        base.untyped_storage().resize_(300)
+        (sb if side == "source" else db)[0 if side == "source" else 10] = view
+    with pytest.raises(rs.PreflightError, match="its storage is freed|fewer than the"):
+        rs.execute(plan, sb, db)
+    if side == "source":
+        assert bool((keep == S.POISON).all())
+
+
+# ------------------------------------------------------------------ timeouts
+
+
+@pytest.mark.parametrize(
+    "timeout,error",
+    [
+        (None, TypeError),
+        ("30", TypeError),
+        (True, TypeError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        (0, ValueError),
+        (-1.0, ValueError),
+        (1e300, ValueError),
+    ],
+)
+def test_bad_timeouts(timeout, error):
+    src, dst = _one_rank()
+    with pytest.raises(error, match="timeout must be"):
+        rs.Transfer(src, dst, timeout=timeout)
+    db = {10: torch.full((6,), S.POISON)}
+    with pytest.raises(rs.PreflightError, match="timeout must be"):
+        rs.execute(rs.plan(src, dst), {0: torch.arange(6.0)}, db, timeout=timeout)
+    assert bool((db[10] == S.POISON).all())
+    assert math.isfinite(rs.Transfer(src, dst, timeout=2).timeout)
+
+
+# ------------------------------------------------------------------ autograd
+
+
+def test_versions_move_and_grad_targets_are_refused_in_process():
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    db = {10: torch.zeros(6)}
+    v0 = db[10]._version
+    sync(sb, db)
+    assert db[10]._version > v0 and torch.equal(db[10], sb[0])
+    leaf = torch.zeros(6, requires_grad=True)
+    for target in (leaf, leaf.view(-1)):
+        with pytest.raises(rs.PreflightError, match="requires grad"):
+            sync(sb, {10: target})
+    assert not leaf.detach().any()
+    with torch.no_grad():
+        sync(sb, {10: leaf})
+    assert torch.equal(leaf.detach(), sb[0])
+
+
+# ------------------------------------------------------------------ threads
+
+
+def test_reentrant_call_from_a_hook_is_refused():
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb, db = {0: torch.arange(6.0)}, {10: torch.full((6,), S.POISON)}
+
+    def hook():
+        sync(sb, {10: torch.zeros(6)})
+
+    with pytest.raises(rs.PreflightError, match="called again from inside a call"):
+        sync(sb, db, checks=(hook,))
+    assert bool((db[10] == S.POISON).all())
+    sync(sb, db)  # the Transfer is still usable
+    assert torch.equal(db[10], sb[0])
+
+
+def test_threads_share_one_transfer_in_process():
+    src, dst = _one_rank(n=4096)
+    sync = rs.Transfer(src, dst, budget_bytes_per_peer=256)
+    sb = {0: torch.arange(4096.0)}
+    errors, barrier = [], threading.Barrier(4)
+
+    def worker():
+        barrier.wait()
+        for _ in range(20):
+            db = {10: torch.full((4096,), S.POISON)}
+            try:
+                sync(sb, db)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+                return
+            if not torch.equal(db[10], sb[0]):
+                errors.append("wrong data")
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:3]
