@@ -1,6 +1,8 @@
 /* reshard C core: descriptor validation and the strided-run copy with casts. See reshard.h. */
 #include "reshard.h"
 
+#include "casts.h"
+
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -18,13 +20,13 @@
 static const char *const field_names[6] = {"src_offset", "src_stride", "dst_offset",
                                            "dst_stride", "length",     "count"};
 
-static rs_status fail(rs_error *err, rs_status code, int64_t row, int64_t other, const char *fmt,
-                      ...) {
+rs_status rs_fail(rs_error *err, rs_status code, int64_t row, int64_t other_row, const char *fmt,
+                  ...) {
   if (err) {
     va_list ap;
     err->code = code;
     err->row = row;
-    err->other_row = other;
+    err->other_row = other_row;
     va_start(ap, fmt);
     vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
@@ -139,12 +141,13 @@ static keyed *radix_sort(keyed *a, keyed *tmp, int64_t m, int64_t max_key) {
 
 static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
   int64_t lo = r1 < r2 ? r1 : r2, hi = r1 < r2 ? r2 : r1;
-  return fail(err, RS_EOVERLAP, hi, lo,
-              "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
+  return rs_fail(err, RS_EOVERLAP, hi, lo,
+                 "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
 }
 
 static rs_status no_memory(rs_error *err, int64_t m) {
-  return fail(err, RS_ENOMEM, -1, -1, "cannot allocate the overlap check of %" PRId64 " rows", m);
+  return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate the overlap check of %" PRId64 " rows",
+                 m);
 }
 
 /* ---- rectangles in a grid */
@@ -459,17 +462,18 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
   rs_status st = RS_OK;
   int check_overlap = (flags & RS_CHECK_OVERLAP) != 0;
   clear(err);
-  if (n < 0) return fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
-  if (n > 0 && !runs) return fail(err, RS_EINVAL, -1, -1, "null descriptor table");
+  if (n < 0) return rs_fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
+  if (n > 0 && !runs) return rs_fail(err, RS_EINVAL, -1, -1, "null descriptor table");
   if (src_numel < 0 || src_numel > RS_MAX_NUMEL || dst_numel < 0 || dst_numel > RS_MAX_NUMEL) {
-    return fail(err, RS_EINVAL, -1, -1,
-                "buffer extents must be in [0, 2^60]: src has %" PRId64 ", dst has %" PRId64,
-                src_numel, dst_numel);
+    return rs_fail(err, RS_EINVAL, -1, -1,
+                   "buffer extents must be in [0, 2^60]: src has %" PRId64 ", dst has %" PRId64,
+                   src_numel, dst_numel);
   }
-  if (flags & ~RS_CHECK_OVERLAP) return fail(err, RS_EINVAL, -1, -1, "unknown flags 0x%x", flags);
+  if (flags & ~RS_CHECK_OVERLAP)
+    return rs_fail(err, RS_EINVAL, -1, -1, "unknown flags 0x%x", flags);
   if (check_overlap && n > 1) { /* row ends feed only the cross-row check */
     ends = (int64_t *)malloc((size_t)n * sizeof *ends);
-    if (!ends) return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " row ends", n);
+    if (!ends) return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " row ends", n);
   }
   for (i = 0; i < n && st == RS_OK; i++) {
     const rs_run *r = &runs[i];
@@ -478,32 +482,34 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
     int k;
     for (k = 0; k < 6; k++) {
       if (f[k] < 0) {
-        st = fail(err, RS_ENEG, i, -1, "row %" PRId64 ": %s is negative (%" PRId64 ")", i,
-                  field_names[k], f[k]);
+        st = rs_fail(err, RS_ENEG, i, -1, "row %" PRId64 ": %s is negative (%" PRId64 ")", i,
+                     field_names[k], f[k]);
         break;
       }
     }
     if (st != RS_OK) break;
     if (r->length == 0 || r->count == 0) continue; /* legal no-op */
     if (!run_end(r->src_offset, r->src_stride, r->length, r->count, &src_end)) {
-      st = fail(err, RS_EOVERFLOW, i, -1,
-                "row %" PRId64 ": src_offset + (count-1)*src_stride + length overflows int64", i);
+      st =
+          rs_fail(err, RS_EOVERFLOW, i, -1,
+                  "row %" PRId64 ": src_offset + (count-1)*src_stride + length overflows int64", i);
     } else if (!run_end(r->dst_offset, r->dst_stride, r->length, r->count, &dst_end)) {
-      st = fail(err, RS_EOVERFLOW, i, -1,
-                "row %" PRId64 ": dst_offset + (count-1)*dst_stride + length overflows int64", i);
+      st =
+          rs_fail(err, RS_EOVERFLOW, i, -1,
+                  "row %" PRId64 ": dst_offset + (count-1)*dst_stride + length overflows int64", i);
     } else if (src_end > src_numel) {
-      st = fail(err, RS_ERANGE, i, -1,
-                "row %" PRId64 ": reads src[%" PRId64 "] but src has %" PRId64 " elements", i,
-                src_end - 1, src_numel);
+      st = rs_fail(err, RS_ERANGE, i, -1,
+                   "row %" PRId64 ": reads src[%" PRId64 "] but src has %" PRId64 " elements", i,
+                   src_end - 1, src_numel);
     } else if (dst_end > dst_numel) {
-      st = fail(err, RS_ERANGE, i, -1,
-                "row %" PRId64 ": writes dst[%" PRId64 "] but dst has %" PRId64 " elements", i,
-                dst_end - 1, dst_numel);
+      st = rs_fail(err, RS_ERANGE, i, -1,
+                   "row %" PRId64 ": writes dst[%" PRId64 "] but dst has %" PRId64 " elements", i,
+                   dst_end - 1, dst_numel);
     } else if (check_overlap && r->count > 1 && r->dst_stride < r->length) {
-      st = fail(err, RS_EOVERLAP, i, i,
-                "row %" PRId64 ": writes overlap within the row (dst_stride %" PRId64
-                " < length %" PRId64 " with count %" PRId64 ")",
-                i, r->dst_stride, r->length, r->count);
+      st = rs_fail(err, RS_EOVERLAP, i, i,
+                   "row %" PRId64 ": writes overlap within the row (dst_stride %" PRId64
+                   " < length %" PRId64 " with count %" PRId64 ")",
+                   i, r->dst_stride, r->length, r->count);
     } else if (ends) {
       ends[i] = dst_end;
     }
@@ -516,21 +522,21 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
 rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total, rs_error *err) {
   int64_t i, sum = 0;
   clear(err);
-  if (n < 0) return fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
-  if (n > 0 && !runs) return fail(err, RS_EINVAL, -1, -1, "null descriptor table");
+  if (n < 0) return rs_fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
+  if (n > 0 && !runs) return rs_fail(err, RS_EINVAL, -1, -1, "null descriptor table");
   if (prefix) prefix[0] = 0;
   for (i = 0; i < n; i++) {
     int64_t len = runs[i].length, cnt = runs[i].count, w;
     if (len < 0 || cnt < 0) {
-      return fail(err, RS_ENEG, i, -1, "row %" PRId64 ": negative length or count", i);
+      return rs_fail(err, RS_ENEG, i, -1, "row %" PRId64 ": negative length or count", i);
     }
     if (len != 0 && cnt > INT64_MAX / len) {
-      return fail(err, RS_EOVERFLOW, i, -1, "row %" PRId64 ": length*count overflows int64", i);
+      return rs_fail(err, RS_EOVERFLOW, i, -1, "row %" PRId64 ": length*count overflows int64", i);
     }
     w = len * cnt;
     if (w > INT64_MAX - sum) {
-      return fail(err, RS_EOVERFLOW, i, -1,
-                  "row %" PRId64 ": total work of the table overflows int64", i);
+      return rs_fail(err, RS_EOVERFLOW, i, -1,
+                     "row %" PRId64 ": total work of the table overflows int64", i);
     }
     sum += w;
     if (prefix) prefix[i + 1] = sum;
@@ -540,12 +546,7 @@ rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *tot
 }
 
 /* ---------------------------------------------------------------- scalar casts */
-/* Bitwise identical to torch 2.13 CPU .to() on contiguous tensors (checked by
- * tests/test_ops.py against torch itself). NaN handling differs per pair, as in torch:
- *   f32 -> bf16: every NaN becomes 0xFFFF (torch's vectorized path)
- *   f16 -> bf16: every NaN becomes 0x7FC0
- *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as F16C does)
- *   f16 -> f32: sign and payload kept, quiet bit set; bf16 -> f32 is a plain shift. */
+/* The rules are in casts.h, shared with the CUDA kernels; these wrap them for float values. */
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -559,59 +560,10 @@ static inline float bits_f32(uint32_t u) {
   return f;
 }
 
-static inline uint16_t bf16_from_bits_rne(uint32_t u) { /* u is not NaN */
-  return (uint16_t)((u + UINT32_C(0x7FFF) + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline uint16_t bf16_from_f32_bits(uint32_t u) {
-  if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000)) return 0xFFFFu;
-  return bf16_from_bits_rne(u);
-}
-
-static inline uint16_t f16_from_f32_bits(uint32_t w) {
-  uint32_t sign = (w >> 16) & 0x8000u;
-  uint32_t a = w & UINT32_C(0x7FFFFFFF);
-  if (a > UINT32_C(0x7F800000)) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-  if (a >= UINT32_C(0x47800000)) return (uint16_t)(sign | 0x7C00u); /* >= 2^16 and inf */
-  if (a < UINT32_C(0x38800000)) {                                   /* f16 subnormal or 0 */
-    uint32_t e = a >> 23, m, shift, q, rem, half;
-    if (e < 102) return (uint16_t)sign; /* < 2^-25 rounds to zero (2^-25 ties to even 0) */
-    m = (a & UINT32_C(0x7FFFFF)) | UINT32_C(0x800000);
-    shift = 126 - e; /* value / 2^-24 = m >> shift, shift in [14, 24] */
-    q = m >> shift;
-    rem = m & ((UINT32_C(1) << shift) - 1);
-    half = UINT32_C(1) << (shift - 1);
-    q += (rem > half) || (rem == half && (q & 1u));
-    return (uint16_t)(sign | q);
-  }
-  /* normal: rebias the exponent, round to nearest even; a carry into the exponent is
-   * the correct result (up to inf for values in [65520, 65536)) */
-  a += UINT32_C(0xC8000FFF) + ((a >> 13) & 1u);
-  return (uint16_t)(sign | (a >> 13));
-}
-
-static inline uint32_t f32_bits_from_f16(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return sign | UINT32_C(0x7F800000) | (m ? UINT32_C(0x400000) | (m << 13) : 0);
-  if (e == 0) {
-    uint32_t p = 9;
-    if (m == 0) return sign;
-    while (!(m >> p)) p--; /* leading bit: value = m * 2^-24, exponent p - 24 */
-    return sign | ((p + 103) << 23) | ((m << (23 - p)) & UINT32_C(0x7FFFFF));
-  }
-  return sign | ((e + 112) << 23) | (m << 13);
-}
-
-static inline uint16_t bf16_from_f16_bits(uint16_t h) {
-  if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu)) return 0x7FC0u;
-  return bf16_from_bits_rne(f32_bits_from_f16(h));
-}
-
-uint16_t rs_f32_to_bf16(float f) { return bf16_from_f32_bits(f32_bits(f)); }
-uint16_t rs_f32_to_f16(float f) { return f16_from_f32_bits(f32_bits(f)); }
+uint16_t rs_f32_to_bf16(float f) { return rs_bf16_from_f32_bits(f32_bits(f)); }
+uint16_t rs_f32_to_f16(float f) { return rs_f16_from_f32_bits(f32_bits(f)); }
 float rs_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-float rs_f16_to_f32(uint16_t h) { return bits_f32(f32_bits_from_f16(h)); }
+float rs_f16_to_f32(uint16_t h) { return bits_f32(rs_f32_bits_from_f16(h)); }
 
 /* ---------------------------------------------------------------- bulk converters */
 /* Loads/stores go through memcpy so the buffers' declared types never alias (torch may have
@@ -657,11 +609,11 @@ static inline void st16(unsigned char *p, int64_t i, uint16_t v) {
 
 RS_CONVERTER(cvt_f32_bf16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, bf16_from_f32_bits(ld32(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_bf16_from_f32_bits(ld32(s, i)));
 })
 RS_CONVERTER(cvt_f32_f16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, f16_from_f32_bits(ld32(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_f16_from_f32_bits(ld32(s, i)));
 })
 RS_CONVERTER(cvt_bf16_f32, {
   int64_t i;
@@ -669,15 +621,15 @@ RS_CONVERTER(cvt_bf16_f32, {
 })
 RS_CONVERTER(cvt_f16_f32, {
   int64_t i;
-  for (i = 0; i < n; i++) st32(d, i, f32_bits_from_f16(ld16(s, i)));
+  for (i = 0; i < n; i++) st32(d, i, rs_f32_bits_from_f16(ld16(s, i)));
 })
 RS_CONVERTER(cvt_bf16_f16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, f16_from_f32_bits((uint32_t)ld16(s, i) << 16));
+  for (i = 0; i < n; i++) st16(d, i, rs_f16_from_f32_bits((uint32_t)ld16(s, i) << 16));
 })
 RS_CONVERTER(cvt_f16_bf16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, bf16_from_f16_bits(ld16(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_bf16_from_f16_bits(ld16(s, i)));
 })
 
 /* 0: baseline, 1: AVX2, 2: AVX-512BW; the CPU's best, capped by RESHARD_CPU_CAPABILITY. */
@@ -875,22 +827,22 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
   rs_status st;
   clear(err);
   if (!rs_dtype_pair_ok(src_dtype, dst_dtype)) {
-    return fail(err, RS_EDTYPE, -1, -1, "cannot copy %s to %s", rs_dtype_name(src_dtype),
-                rs_dtype_name(dst_dtype));
+    return rs_fail(err, RS_EDTYPE, -1, -1, "cannot copy %s to %s", rs_dtype_name(src_dtype),
+                   rs_dtype_name(dst_dtype));
   }
   st = rs_validate(runs, n, src_numel, dst_numel, flags, err);
   if (st != RS_OK) return st;
   if ((src_numel > 0 && !src) || (dst_numel > 0 && !dst)) {
-    return fail(err, RS_EINVAL, -1, -1, "null src or dst with a nonzero extent");
+    return rs_fail(err, RS_EINVAL, -1, -1, "null src or dst with a nonzero extent");
   }
   prefix = (int64_t *)malloc((size_t)(n + 1) * sizeof *prefix);
   if (!prefix)
-    return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
+    return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
   st = rs_prefix(runs, n, prefix, &total, err);
   if (st == RS_OK)
     st = rs_copy_slice(src, src_dtype, dst, dst_dtype, runs, n, prefix, 0, total, RS_MODE_RUNS);
   if (st != RS_OK && err && err->code == RS_OK)
-    fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
+    rs_fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
   free(prefix);
   return st;
 }

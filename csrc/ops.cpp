@@ -9,8 +9,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/core/InferenceMode.h>
+// torch's autograd headers trip -Wunused-parameter under -Wextra; the warnings are theirs.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+#pragma GCC diagnostic pop
 #include <torch/library.h>
 
 #include <algorithm>
@@ -446,8 +450,6 @@ rs_status host_copy_threaded(void* /*ctx*/, const void* src, rs_dtype sdt, void*
   return static_cast<rs_status>(status.load());
 }
 
-thread_local rs_stage_stats g_last_stats{};
-
 void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) {
   TORCH_CHECK(ring.is_contiguous(), op, ": ring must be contiguous");
   TORCH_CHECK(ring.is_pinned(), op,
@@ -463,8 +465,19 @@ void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) 
   }
 }
 
-void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
-                const at::Tensor& ring, const at::Tensor& dst) {
+// What a stage call did, returned by the op as an int64 CPU tensor, in the order of
+// reshard._ops.STAGE_STATS.
+at::Tensor stats_tensor(const rs_stage_stats& s) {
+  at::Tensor out = at::empty({7}, at::TensorOptions().dtype(at::kLong));
+  int64_t* v = out.mutable_data_ptr<int64_t>();
+  const int64_t values[7] = {s.slots,        s.slot_bytes,    s.chunks,    s.ring_bytes,
+                             s.direct_bytes, s.direct_copies, s.host_waits};
+  std::copy(values, values + 7, v);
+  return out;
+}
+
+at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
+                      const at::Tensor& ring, const at::Tensor& dst) {
   const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
   const at::Tensor& host = dir == RS_H2D ? src : dst;
   const at::Tensor& dev = dir == RS_H2D ? dst : src;
@@ -517,22 +530,22 @@ void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_
   buf.ring_bytes = ring_bytes;
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
-  rs_stage_stats stats;
+  rs_stage_stats stats{};
   rs_error err;
   const rs_status st = rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
   TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
-  g_last_stats = stats;
   record_use(*t, stream);
+  return stats_tensor(stats);
 }
 
-void stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                    const at::Tensor& dst) {
-  stage_cuda(RS_H2D, src, desc, ring, dst);
+at::Tensor stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                          const at::Tensor& dst) {
+  return stage_cuda(RS_H2D, src, desc, ring, dst);
 }
 
-void stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                    const at::Tensor& dst) {
-  stage_cuda(RS_D2H, src, desc, ring, dst);
+at::Tensor stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                          const at::Tensor& dst) {
+  return stage_cuda(RS_D2H, src, desc, ring, dst);
 }
 
 // Page-locks the whole storage of a CPU tensor in place. 1: registered by this call (undo
@@ -555,14 +568,6 @@ void host_unregister(const at::Tensor& t) {
               "reshard::host_unregister: ", err.msg);
 }
 
-// What the calling thread's last stage_h2d/stage_d2h did: [slots, slot_bytes, chunks,
-// ring_bytes, direct_bytes, direct_copies, host_waits]. For tests and reports.
-std::vector<int64_t> last_stage_stats() {
-  const rs_stage_stats& s = g_last_stats;
-  return {s.slots,        s.slot_bytes,    s.chunks,    s.ring_bytes,
-          s.direct_bytes, s.direct_copies, s.host_waits};
-}
-
 // Device bytes a stage call holds for a ring of ring_bytes (0 when the ring is too small).
 int64_t stage_device_bytes(int64_t ring_bytes) { return rs_stage_device_bytes(ring_bytes); }
 
@@ -581,15 +586,16 @@ namespace {
 void copy_runs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   built_without_cuda("reshard::copy_runs");
 }
-void stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&) {
   built_without_cuda("reshard::stage_h2d");
 }
-void stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&) {
   built_without_cuda("reshard::stage_d2h");
 }
 int64_t host_register(const at::Tensor&) { built_without_cuda("reshard::host_register"); }
 void host_unregister(const at::Tensor&) { built_without_cuda("reshard::host_unregister"); }
-std::vector<int64_t> last_stage_stats() { built_without_cuda("reshard::last_stage_stats"); }
 int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_bytes"); }
 
 }  // namespace
@@ -599,11 +605,11 @@ int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_
 // Every schema, in every build: the op set does not depend on which backends were built.
 TORCH_LIBRARY(reshard, m) {
   m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
-  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()");
-  m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()");
+  // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
+  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
+  m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
-  m.def("last_stage_stats() -> int[]", &last_stage_stats);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
 }
 

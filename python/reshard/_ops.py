@@ -17,11 +17,20 @@ import ctypes
 import functools
 import importlib
 import json
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["as_desc", "copy_runs", "is_built", "require_built", "stage_d2h", "stage_h2d"]
+__all__ = [
+    "StageStats",
+    "as_desc",
+    "copy_runs",
+    "is_built",
+    "require_built",
+    "stage_d2h",
+    "stage_h2d",
+]
 
 DESC_COLUMNS = ("src_offset", "src_stride", "dst_offset", "dst_stride", "length", "count")
 
@@ -31,11 +40,10 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 # only for the stand-ins registered when the extension is missing.
 SCHEMAS = (
     "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
-    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()",
-    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> ()",
+    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
+    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "host_register(Tensor t) -> int",
     "host_unregister(Tensor t) -> ()",
-    "last_stage_stats() -> int[]",
     "stage_device_bytes(int ring_bytes) -> int",
 )
 
@@ -125,16 +133,26 @@ def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+class StageStats(NamedTuple):
+    """What one stage_h2d / stage_d2h call did (the ops return these as an int64 tensor)."""
+
+    slots: int  # ring slots used (0 when no row went through the ring)
+    slot_bytes: int  # bytes of one slot
+    chunks: int  # slot-sized chunks moved through the ring
+    ring_bytes: int  # wire bytes moved through the ring
+    direct_bytes: int  # bytes moved by direct copies (pinned or registered host side)
+    direct_copies: int
+    host_waits: int  # event waits on the host (one per reused slot, plus the final one)
+
+
+def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
     """Runs of a CPU `src` into a CUDA `dst` through the pinned host `ring` (CUDA builds)."""
-    torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst)
-    return dst
+    return StageStats(*torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst).tolist())
 
 
-def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
     """Runs of a CUDA `src` into a CPU `dst` through the pinned host `ring` (CUDA builds)."""
-    torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst)
-    return dst
+    return StageStats(*torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst).tolist())
 
 
 # ------------------------------------------------------------------ fake (meta) impls
@@ -180,6 +198,10 @@ def _check_devices(op: str, host: dict, device: dict, desc: torch.Tensor) -> Non
         _check_device(op, name, t, t.device.type == "cuda", "a CUDA tensor")
 
 
+def _stats_fake(ring: torch.Tensor) -> torch.Tensor:
+    return ring.new_empty((len(StageStats._fields),), dtype=torch.int64)
+
+
 def _register_fakes() -> None:
     # The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
     @torch.library.register_fake("reshard::copy_runs")
@@ -197,12 +219,14 @@ def _register_fakes() -> None:
         op = "reshard::stage_h2d"
         _check_devices(op, {"src": src, "ring": ring}, {"dst": dst}, desc)
         _check_runs_meta(op, src, desc, dst)
+        return _stats_fake(ring)
 
     @torch.library.register_fake("reshard::stage_d2h")
     def _stage_d2h_fake(src, desc, ring, dst):
         op = "reshard::stage_d2h"
         _check_devices(op, {"dst": dst, "ring": ring}, {"src": src}, desc)
         _check_runs_meta(op, src, desc, dst)
+        return _stats_fake(ring)
 
 
 if _MISSING is None:
