@@ -12,6 +12,16 @@ puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
   rebuilds the tensor and broadcasts it (skipped when only rank 0 needs it); every rank slices.
 - full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
 - to_device (one process): per tensor `target.copy_(source.to(target.device))`.
+- whole_gather (rollout_stream): every tensor all-gathered on every rank and kept, then
+  the hand-off (the whole-model gather).
+- stream_then_shard (rollout_tp): an rs.Stream of full tensors to every rank that
+  holds a target, each then taking its part (an engine's load_weights on full tensors).
+For a case with `stream` set (rollout_stream) the reshard method is an rs.Stream whose tensors
+are handed to the targets as they arrive.
+- full_tensor (FSDP2 scenarios): per tensor `DTensor.full_tensor()` on every rank, then slice
+  (what FSDP2 weight syncs do today); with one rank the local tensor is the whole one.
+- dcp (fsdp_resize): torch.distributed.checkpoint save of the source DTensors to a temporary
+  directory, then load into the target DTensors (DCP reshards on load).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _scenarios import STREAM_BUCKET_BYTES
 
 import reshard as rs
 
@@ -66,6 +77,8 @@ class _Acct:
 
 
 def m_reshard(case, ctx, register=False):
+    if case.stream is not None:
+        return _m_stream(case, ctx, **case.stream)
     t0 = time.perf_counter()
     sync = rs.Transfer(
         case.src_layout,
@@ -100,6 +113,77 @@ def m_reshard(case, ctx, register=False):
         }
 
     step.close = sync.close
+    return step, info
+
+
+def _m_stream(case, ctx, receivers, bucket_bytes):
+    """An rs.Stream of full tensors to `receivers`, each tensor handed to the 'engine' as it
+    arrives (case.write: a receiver copies its part of the tensor into its weights)."""
+    t0 = time.perf_counter()
+    stream = rs.Stream(
+        case.src_layout,
+        receivers,
+        bucket_bytes,
+        dtype=case.dst.dtype,
+        group=None if ctx["world"] == 1 else dist.group.WORLD,
+        device=case.dst_device,
+    )
+    ctx["plan_s"] = time.perf_counter() - t0
+    last = {}
+
+    def step(bufs):
+        for name, full in stream(case.src_buffers):
+            case.write(name, full, bufs)
+        last["r"] = stream.report
+
+    def info():
+        r = last["r"]
+        return {
+            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
+            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
+            "staging_bytes": dict(r.peak_staging_bytes),
+            "staging_bound": r.staging_bound,
+            "recv_bytes": r.total_bytes_received,
+            "local_bytes": r.local_bytes,
+            "rounds": r.rounds,
+            "buckets": r.buckets,
+            "zero_copy_bytes": r.zero_copy_bytes,
+            "seconds": r.seconds,
+        }
+
+    return step, info
+
+
+def m_stream_then_shard(case, ctx):
+    """Full tensors to every rank that holds a target (rs.Stream), each rank then taking its
+    part (what an engine's load_weights does with full tensors on every TP rank)."""
+    receivers = sorted({r for ranks in case.target_ranks.values() for r in ranks})
+    return _m_stream(case, ctx, receivers, STREAM_BUCKET_BYTES)
+
+
+def m_whole_gather(case, ctx):
+    """The whole model first (every tensor all-gathered on every rank and kept), then the
+    hand-off: what a trainer that gathers all ZeRO-3 params at once does."""
+    acct = _Acct()
+    world = case.world
+
+    def step(bufs):
+        acct.reset()
+        flats = {}
+        for t in case.names:
+            c, mine = case.chunk_view(t)
+            flats[t] = acct.alloc(torch.empty(c * world, dtype=mine.dtype, device=mine.device))
+            _all_gather_flat(flats[t], mine)
+            acct.recv += (world - 1) * c * mine.element_size()
+        for t, flat in flats.items():
+            case.write(t, _full_from_flat(case, flat, t), bufs)
+        for flat in flats.values():
+            acct.free(flat)
+        flats.clear()
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
     return step, info
 
 
@@ -204,16 +288,97 @@ def m_to_device(case, ctx):
     return step, info
 
 
+def m_full_tensor(case, ctx):
+    acct = _Acct()
+
+    def step(bufs):
+        acct.reset()
+        for t in case.names:
+            dt = case.src_dtensors[t]
+            # one rank: the local tensor is the whole tensor (no collective to run)
+            full = acct.alloc(dt.full_tensor() if dt.device_mesh.size() > 1 else dt.to_local())
+            acct.recv += (full.numel() - dt.to_local().numel()) * full.element_size()
+            case.write(t, full, bufs)
+            acct.free(full)
+            full = None  # freed before the next tensor's gather
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
+def m_dcp(case, ctx):
+    """Save the source DTensors with torch.distributed.checkpoint, load them into the targets.
+
+    One directory per step under a temporary directory rank 0 creates (its path broadcast);
+    removed after the load. The checkpoint's bytes are files, not this process's memory."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    box = [tempfile.mkdtemp(prefix="reshard-dcp-") if case.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root, count = box[0], [0]
+    last = {}
+
+    def step(bufs):
+        path = os.path.join(root, f"step{count[0]}")
+        count[0] += 1
+        dcp.save(case.src_dtensors, checkpoint_id=path)
+        dcp.load(case.dst_dtensors(bufs), checkpoint_id=path)
+        dist.barrier()
+        if case.rank == 0:
+            last["file_bytes"] = sum(
+                os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs
+            )
+            shutil.rmtree(path)
+
+    def info():
+        return {
+            "accounted_extra_bytes": 0,
+            "pinned_bytes": 0,
+            "recv_bytes": 0,
+            "checkpoint_file_bytes": last.get("file_bytes", 0),
+        }
+
+    def close():
+        dist.barrier()
+        if case.rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+
+    step.close = close
+    return step, info
+
+
 METHODS = {
     "reshard": m_reshard,
     "reshard_registered": m_reshard_registered,
     "gather_broadcast": m_gather_broadcast,
     "full_gather": m_full_gather,
     "to_device": m_to_device,
+    "whole_gather": m_whole_gather,
+    "stream_then_shard": m_stream_then_shard,
+    "full_tensor": m_full_tensor,
+    "dcp": m_dcp,
 }
 
 
-def methods_for(world, device):
+def methods_for(world, device, scenario=None):
+    """The methods that apply to `scenario` (None: the ZeRO-layout scenarios)."""
+    if scenario in ("fsdp_weight_sync", "fsdp_offload"):
+        registered = ["reshard_registered"] if world == 1 and device == "cuda" else []
+        return ["reshard", *registered, "full_tensor"]
+    if scenario == "fsdp_resize":
+        return ["reshard", "full_tensor", "dcp"]
+    if scenario == "rollout_stream":
+        return ["reshard", "full_gather", "gather_broadcast", "whole_gather"]
+    if scenario == "rollout_tp":
+        return ["reshard", "stream_then_shard", "full_gather"]
+    if scenario == "stream_offload":
+        return ["reshard"]
     if world > 1:
         return ["reshard", "gather_broadcast", "full_gather"]
     out = ["reshard"]

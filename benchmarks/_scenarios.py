@@ -39,6 +39,8 @@ class Case:
     def __init__(self, scenario, model, rank, world, src, dst, description, devices=("cpu", "cpu")):
         self.scenario, self.model, self.rank, self.world = scenario, model, rank, world
         self.src, self.dst, self.description = src, dst, description
+        # {"receivers", "bucket_bytes"}: the reshard method is an rs.Stream (rollout_stream)
+        self.stream = None
         self.dst_device = torch.device(devices[1])
         self.shapes = src.shapes
         self.names = list(src.shapes)
@@ -249,6 +251,265 @@ def lora_sync(model, rank, world, device="cpu"):
     return Case("lora_sync", model, rank, world, src, dst, desc, (device, device))
 
 
+# ------------------------------------------------------------------ rollout engines
+
+
+def rollout_stream(model, rank, world, device="cpu"):
+    """Full tensors by name to one receiver (an inference engine's `load_weights`): ZeRO-3 bf16
+    shards -> every tensor whole on rank 0, where the 'engine weights' are one replica. The
+    reshard method is an `rs.Stream` (bucket_bytes = STREAM_BUCKET_BYTES) whose tensors are
+    copied into the engine weights as they arrive."""
+    shapes = sc.named_shapes(model)
+    src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
+    dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
+    desc = (
+        f"ZeRO-3 bf16 param shards (DP={world}) -> full tensors by name on rank 0 (an engine's "
+        f"load_weights), stream buckets of {STREAM_BUCKET_BYTES >> 20} MiB"
+    )
+    case = Case("rollout_stream", model, rank, world, src, dst, desc, (device, device))
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    return case
+
+
+STREAM_BUCKET_BYTES = 8 << 20
+
+
+def stream_offload(model, rank, world, device="cpu"):
+    """One process (--world 1 --device cuda): CPU-offloaded fp32 masters (a ZeRO-3 flat
+    partition in host memory) streamed as bf16 into GPU tensors by name (rs.Stream with
+    STREAM_BUCKET_BYTES buckets on the GPU, each tensor copied into the 'engine' weights)."""
+    shapes = sc.named_shapes(model)
+    src = sc.Zero3(shapes, range(world), torch.float32, loc0=0)
+    dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
+    desc = (
+        "CPU-offloaded fp32 masters -> bf16 full tensors by name on "
+        f"{device} (rs.Stream, {STREAM_BUCKET_BYTES >> 20} MiB buckets)"
+    )
+    case = Case("stream_offload", model, rank, world, src, dst, desc, ("cpu", device))
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    return case
+
+
+def llama_config(model):
+    """A Llama-style config of `model`'s sizes (GQA: 2 kv heads), for tp_layout."""
+    import types
+
+    hidden, ffn, vocab, layers = MODELS[model]
+    heads = max(4, hidden // 64 // 2 * 2)
+    return types.SimpleNamespace(
+        model_type="llama",
+        hidden_size=hidden,
+        intermediate_size=ffn + ffn % 2,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+    )
+
+
+def llama_shapes(cfg):
+    """The HF parameter shapes of a Llama config (names as transformers' LlamaForCausalLM)."""
+    h, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+class VllmTP(sc.Side):
+    """vLLM's TP weights of a Llama model (`reshard.integrations.vllm.tp_layout`); `write` is
+    vLLM's loader on full tensors (`TPLayout.load`: torch slicing, no layout or plan)."""
+
+    def __init__(self, cfg, hosts, dtype=torch.bfloat16):
+        from reshard.integrations import vllm as rsvllm
+
+        self.cfg, self.hosts, self.dtype = cfg, list(hosts), dtype
+        self.tgt = rsvllm.tp_layout(cfg, len(hosts), hosts, dtype=dtype)
+        self.shapes = llama_shapes(cfg)
+        self.storages = dict(self.tgt.layout.storages)
+
+    def tensor_layouts(self):
+        return dict(self.tgt.layout.tensors)
+
+    def write(self, name, full, bufs, rank):
+        for r, host in enumerate(self.hosts):
+            if host == rank:
+                params = {
+                    v: bufs[self.tgt.locations[(v, r)]].view(shape)
+                    for v, shape in self.tgt.shapes.items()
+                }
+                self.tgt.load(name, full, r, params)
+
+
+def rollout_tp(model, rank, world, device="cpu"):
+    """Pre-sharded rollout weights: ZeRO-3 bf16 shards of a Llama-style model -> vLLM's TP=2
+    layout (fused qkv / gate_up, GQA, padded vocab) on ranks 0 and 1. reshard: one Transfer
+    into tp_layout; stream_then_shard: an rs.Stream of full tensors to both TP hosts, each then
+    loading its shard as vLLM's loader does."""
+    cfg = llama_config(model)
+    shapes = llama_shapes(cfg)
+    src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
+    dst = VllmTP(cfg, [0, 1], torch.bfloat16)
+    desc = (
+        f"ZeRO-3 bf16 param shards (DP={world}) of a Llama-style {model} (GQA {cfg.num_attention_heads}"
+        f"/{cfg.num_key_value_heads} heads) -> vLLM TP=2 weights (tp_layout) on ranks 0, 1"
+    )
+    return Case("rollout_tp", model, rank, world, src, dst, desc, (device, device))
+
+
+class FsdpShards(sc.Side):
+    """FSDP2's sharded parameters (and optimizer states, alike): each tensor Shard(0) over
+    `ranks` with torch.chunk sizes (the last ranks hold fewer rows, or none), one storage per
+    (tensor, rank) holding that rank's local shard, row-major."""
+
+    def __init__(self, shapes, ranks, dtype, loc0):
+        self.shapes, self.ranks, self.dtype = shapes, list(ranks), dtype
+        self.rows, self.loc, self.storages = {}, {}, {}
+        for name, shape in shapes.items():
+            c = math.ceil(shape[0] / len(self.ranks))
+            for i, r in enumerate(self.ranks):
+                a = min(i * c, shape[0])
+                b = min(a + c, shape[0])
+                self.rows[(name, r)] = (a, b)
+                if b > a:
+                    loc = loc0 + len(self.storages)
+                    self.loc[(name, r)] = loc
+                    self.storages[loc] = rs.Storage(r, dtype, (b - a) * math.prod(shape[1:]))
+
+    def tensor_layouts(self):
+        out = {}
+        for name, shape in self.shapes.items():
+            pieces = []
+            for r in self.ranks:
+                if (name, r) in self.loc:
+                    a, b = self.rows[(name, r)]
+                    start = (a,) + (0,) * (len(shape) - 1)
+                    pieces.append(rs.Piece(self.loc[(name, r)], 0, start, (b - a, *shape[1:])))
+            out[name] = rs.TensorLayout(shape, pieces)
+        return out
+
+    def local(self, name, bufs, rank, device="cpu"):
+        """This rank's local shard of `name` (a view of its buffer; empty if it holds none)."""
+        shape = self.shapes[name]
+        a, b = self.rows[(name, rank)]
+        if (name, rank) not in self.loc:
+            return torch.empty((0, *shape[1:]), dtype=self.dtype, device=device)
+        return bufs[self.loc[(name, rank)]].view(b - a, *shape[1:])
+
+    def write(self, name, full, bufs, rank):
+        if (name, rank) in self.loc:
+            a, b = self.rows[(name, rank)]
+            self.local(name, bufs, rank).copy_(full[a:b])
+
+    def dtensors(self, bufs, rank, mesh):
+        """{name: DTensor} over this rank's buffers (no copy), as FSDP2 holds its params."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        out = {}
+        for name, shape in self.shapes.items():
+            local = self.local(name, bufs, rank, mesh.device_type)
+            stride = tuple(math.prod(shape[k + 1 :]) for k in range(len(shape)))
+            out[name] = DTensor.from_local(local, mesh, [Shard(0)], shape=shape, stride=stride)
+        return out
+
+
+def _fsdp_case(scenario, model, rank, world, device, src, dst, desc, dst_mesh_ranks=None):
+    """A Case whose source is FSDP2-style DTensors in CPU memory (FSDP2's state; under
+    CPUOffloadPolicy when the target device is a GPU), described by
+    reshard.integrations.dtensor: the reshard method plans that layout and its preflight runs
+    the LiveDTensors check; the baselines read the same DTensors. dst_mesh_ranks: the target's
+    mesh when its targets are DTensors too (fsdp_resize's DCP load)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from reshard.integrations import dtensor as rsdt
+
+    if not dist.is_initialized():
+        # world 1 runs in this process without a group; DTensors need one. With CUDA it must
+        # have an NCCL backend too, or reshard would take the group's gloo transport, which
+        # refuses GPU buffers.
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    case = Case(scenario, model, rank, world, src, dst, desc, ("cpu", device))
+    # the model's parameters, not its optimizer states' elements
+    case.params = sc.count_params(
+        {n: s for n, s in src.shapes.items() if not n.startswith(("exp_avg/", "exp_avg_sq/"))}
+    )
+    mesh = DeviceMesh("cpu", list(range(world)))
+    case.src_dtensors = src.dtensors(case.src_buffers, rank, mesh)
+    live = rsdt.describe(case.src_dtensors)
+    case.src_layout, case.src_buffers = live.layout, live
+    if dst_mesh_ranks is not None:
+        dst_mesh = DeviceMesh("cpu", dst_mesh_ranks)  # every rank creates it (a collective)
+        inside = rank in dst_mesh_ranks
+        case.dst_dtensors = lambda bufs: dst.dtensors(bufs, rank, dst_mesh) if inside else {}
+    return case
+
+
+def fsdp_weight_sync(model, rank, world, device="cpu"):
+    shapes = sc.named_shapes(model)
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = sc.TensorParallel(shapes, _tp_groups(world), torch.bfloat16, loc0=100000)
+    desc = (
+        f"FSDP2 fp32 sharded params (DTensor Shard(0), DP={world}, torch.chunk rows) -> "
+        f"TP={len(dst.groups[0])} bf16 rollout buffers (fused QKV, row/column splits, "
+        "replicated norms)"
+    )
+    return _fsdp_case("fsdp_weight_sync", model, rank, world, device, src, dst, desc)
+
+
+def fsdp_resize(model, rank, world, device="cpu"):
+    if world < 2:
+        raise ValueError("fsdp_resize needs world >= 2 (DP=world -> DP=world-1)")
+    base = sc.named_shapes(model)
+    shapes = {
+        f"{s}/{n}": shape for s in ("param", "exp_avg", "exp_avg_sq") for n, shape in base.items()
+    }
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = FsdpShards(shapes, range(world - 1), torch.float32, loc0=100000)
+    desc = (
+        f"FSDP2 fp32 params + exp_avg + exp_avg_sq (DTensor Shard(0)): DP={world} -> "
+        f"DP={world - 1} (elastic shrink)"
+    )
+    return _fsdp_case(
+        "fsdp_resize", model, rank, world, device, src, dst, desc, list(range(world - 1))
+    )
+
+
+def fsdp_offload(model, rank, world, device="cpu"):
+    """FSDP2 state under CPUOffloadPolicy into device-side fp32 partitions of the same geometry
+    (world 1: this process's device; world > 1 on a CPU-only box: the next rank's memory)."""
+    base = sc.named_shapes(model)
+    shapes = {
+        f"{s}/{n}": shape for s in ("param", "exp_avg", "exp_avg_sq") for n, shape in base.items()
+    }
+    src = FsdpShards(shapes, range(world), torch.float32, loc0=0)
+    dst = FsdpShards(shapes, [(r + 1) % world for r in range(world)], torch.float32, loc0=100000)
+    where = f"{device} of the same process" if world == 1 else "the next rank"
+    desc = (
+        f"FSDP2 CPU-offloaded fp32 params + exp_avg + exp_avg_sq (DTensor Shard(0), DP={world}) "
+        f"-> fp32 device-side partitions on {where}"
+    )
+    return _fsdp_case("fsdp_offload", model, rank, world, device, src, dst, desc)
+
+
 SCENARIOS = {
     "rl_weight_sync": rl_weight_sync,
     "offload_fp32": offload_fp32,
@@ -256,6 +517,12 @@ SCENARIOS = {
     "offload_back": offload_back,
     "dp_change": dp_change,
     "lora_sync": lora_sync,
+    "rollout_stream": rollout_stream,
+    "rollout_tp": rollout_tp,
+    "stream_offload": stream_offload,
+    "fsdp_weight_sync": fsdp_weight_sync,
+    "fsdp_resize": fsdp_resize,
+    "fsdp_offload": fsdp_offload,
 }
 # default models of a scenario whose size is not the model sweep's (without --models)
 SCENARIO_MODELS = {"lora_sync": ("gpt-125m", "gpt-350m")}

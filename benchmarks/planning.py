@@ -221,7 +221,7 @@ def measure(src, dst, budget=64 << 20, trace=False, materialize=False):
         "tensors": len(dst.tensors),
         "src_pieces": sum(len(t) for t in src.tensors.values()),
         "dst_pieces": sum(len(t) for t in dst.tensors.values()),
-        "jobs": p._stats["jobs"],
+        "jobs": p.num_jobs,
         "storage_pairs": p.num_storage_pairs,
         "rounds": p.num_rounds,
         "remote_wire_bytes": sum(sent.values()),

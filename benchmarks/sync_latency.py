@@ -12,10 +12,23 @@ sharded state with DeepSpeed's layouts):
 - lora_sync (tiny syncs): LoRA adapters, a few MB in hundreds of tensors, ZeRO-3 shards -> TP
   rollout buffers; its own models (gpt-125m, gpt-350m adapters) unless --models names some.
   The "Tiny syncs" table gives the fixed cost per sync next to the per-tensor baselines.
+- rollout_stream / rollout_tp / stream_offload (on request, --scenarios; docs/rollout.md):
+  full tensors by name to rank 0 through an rs.Stream (against per-parameter gathers and the
+  whole-model gather); vLLM's TP layout through tp_layout (against stream_then_shard); with
+  --world 1 --device cuda, CPU fp32 masters streamed as bf16 into GPU tensors.
+- fsdp_weight_sync: FSDP2 fp32 sharded params (DTensors, Shard(0), torch.chunk rows) -> TP=2
+  bf16 rollout buffers; reshard reads them through reshard.integrations.dtensor.
+- fsdp_resize: FSDP2 params + both Adam moments, DP=W -> DP=W-1 (DTensors on a sub-mesh).
+- fsdp_offload: FSDP2 CPU-offloaded params + moments -> fp32 device-side partitions.
+  The FSDP2 scenarios' sources are CPU DTensors. With --world 1 fsdp_offload and
+  fsdp_weight_sync run by default (after the others); on the CPU with --world > 1 name them:
+  `--scenarios fsdp_weight_sync,fsdp_resize`.
 
 Methods (benchmarks/_baselines.py; same run, each checked bitwise against an independent
 reference after its syncs): reshard (one `Transfer` reused), reshard_registered (CUDA),
-gather_broadcast and full_gather (world > 1), to_device (one process).
+gather_broadcast and full_gather (world > 1), to_device (one process); for the FSDP2
+scenarios full_tensor (`DTensor.full_tensor()` then slice) and, for fsdp_resize, dcp
+(torch.distributed.checkpoint save + load with resharding, through a temporary directory).
 
 Metrics per (scenario, model, method): median / p90 / p10 of >= --iters syncs after warm-up
 (per sync, the slowest rank's time; with --world > 1 the methods' timed syncs are interleaved,
@@ -88,7 +101,13 @@ MULTI_SCENARIOS = (
     "lora_sync",
 )
 TINY_SCENARIOS = ("lora_sync",)
-SINGLE_SCENARIOS = ("offload_fp32", "offload_bf16", "offload_back")
+SINGLE_SCENARIOS = (
+    "offload_fp32",
+    "offload_bf16",
+    "offload_back",
+    "fsdp_offload",
+    "fsdp_weight_sync",
+)
 MiB, GiB = C.MiB, C.GiB
 progress = C.progress_logger("sync_latency")
 
@@ -278,6 +297,12 @@ def measure_method(case, method, ctx, timed=True):
     return out
 
 
+def _case_methods(cfg, world, scenario):
+    """The run's methods that apply to `scenario`."""
+    applies = B.methods_for(world, cfg["device"], scenario)
+    return [m for m in cfg["methods"] if m in applies]
+
+
 def run_cases(rank, world, cfg, sink):
     """Every (scenario, model, method) in order; sink(results so far) after each case."""
     cuda = cfg["device"] == "cuda"
@@ -293,8 +318,9 @@ def run_cases(rank, world, cfg, sink):
     out = {"rank": rank, "links": link_bandwidth(rank, world, cuda), "cases": []}
     # One-time process costs (loading the extension, lazy imports, first use of each
     # collective, the CUDA context) are paid here, not charged to whichever method runs first.
-    warm = S.SCENARIOS[cfg["cases"][0][0]]("gpt-nano", rank, world, cfg["device"])
-    for m in cfg["methods"]:
+    scen0 = cfg["cases"][0][0]
+    warm = S.SCENARIOS[scen0]("gpt-nano", rank, world, cfg["device"])
+    for m in _case_methods(cfg, world, scen0):
         step, _ = B.METHODS[m](warm, ctx)
         step(warm.targets())
         B.close(step)
@@ -345,14 +371,15 @@ def run_cases(rank, world, cfg, sink):
         }
         # memory (and the first sync) per method alone, as if it ran by itself; then the
         # timed syncs, interleaved over the methods where cfg["interleave"]
-        for m in cfg["methods"]:
+        methods = _case_methods(cfg, world, scen)
+        for m in methods:
             if rank == 0:
                 progress(f"[{i}/{total}] {scen} {model} ({case.params / 1e6:.1f}M) {m} ...")
             rec["methods"][m] = measure_method(case, m, ctx, timed=not cfg["interleave"])
         if cfg["interleave"]:
             if rank == 0:
                 progress(f"[{i}/{total}] {scen} {model}: timed syncs, methods interleaved")
-            times, correct = interleaved_times(case, cfg["methods"], ctx)
+            times, correct = interleaved_times(case, methods, ctx)
             for m, r in rec["methods"].items():
                 r["times"] = times[m]
                 r["correct"] = r["correct"] and correct[m]
@@ -933,8 +960,8 @@ def main(argv=None) -> int:
     for s in scenarios:
         if s not in S.SCENARIOS:
             ap.error(f"unknown scenario {s!r}; choose from {', '.join(S.SCENARIOS)}")
-        if s == "dp_change" and args.world < 2:
-            ap.error("dp_change needs --world >= 2")
+        if s in ("dp_change", "fsdp_resize") and args.world < 2:
+            ap.error(f"{s} needs --world >= 2")
     models = args.models.split(",") if args.models else None
     for m in models or ():
         if m not in S.MODELS:
@@ -943,7 +970,9 @@ def main(argv=None) -> int:
         return budget_sweep(args, argv, scenarios if args.scenarios else None, models)
     sweep = list(QUICK_MODELS if args.quick else FULL_MODELS)
     cases = [[s, m] for s in scenarios for m in models or S.SCENARIO_MODELS.get(s, sweep)]
-    methods = B.methods_for(args.world, args.device)
+    methods = []  # every method of some scenario, in order; each case runs its own
+    for s in scenarios:
+        methods += [m for m in B.methods_for(args.world, args.device, s) if m not in methods]
     if args.methods:
         for m in args.methods.split(","):
             if m not in methods:

@@ -285,3 +285,185 @@ def test_error_target_aliasing():
         {"a": rs.replicated((2, 2), [1]), "c": rs.replicated((2, 2), [1])}, {1: S(0, 4)}
     )
     rs.plan(src3, fused)
+
+
+# -- integers beyond int64 and extents beyond the geometry's limit -----------------------------
+
+HUGE = [2**64, 2**63, -(2**63) - 1, -(2**64)]
+
+
+@pytest.mark.parametrize("x", HUGE)
+def test_huge_ints_are_layout_errors(x):
+    """Integers that do not fit int64 are refused as LayoutError in every field, by name."""
+    cases = [
+        lambda: rs.Piece(x, 0, (0,), (1,)),
+        lambda: rs.Piece(0, x, (0,), (1,)),
+        lambda: rs.Piece(0, 0, (x,), (1,)),
+        lambda: rs.Piece(0, 0, (0,), (x,)),
+        lambda: rs.Piece(0, 0, (0,), (1,), (x,)),
+        lambda: rs.Storage(x, torch.float32, 1),
+        lambda: rs.Storage(0, torch.float32, x),
+        lambda: rs.TensorLayout((x,), []),
+        lambda: rs.replicated((x, 2), [0]),
+        lambda: rs.replicated((2,), [x]),
+        lambda: rs.split((4,), 0, [2, 2], [0, x]),
+        lambda: rs.split((4,), 0, [2, 2], [0, 1], offsets=[0, x]),
+        lambda: rs.split((4,), x, [4], [0]),
+        lambda: rs.flat((4,), [(0, 0, 4, x)]),
+        lambda: rs.flat((4,), [(x, 0, 4, 0)]),
+        lambda: rs.flat((x,), [(0, 0, 4, 0)]),
+        lambda: rs.Layout({}, {x: S(0, 1)}),
+    ]
+    if x > 0:  # a uint64 table of runs is taken as is by flat(); its values are checked
+        big = min(x, 2**64 - 1)
+        cases.append(lambda: rs.flat((4,), np.array([[0, 0, 4, big]], np.uint64)))
+    for i, make in enumerate(cases):
+        with pytest.raises(rs.LayoutError) as info:
+            make()
+        assert "int64" in str(info.value) or "2**53" in str(info.value), (i, info.value)
+
+
+def test_piece_extent_beyond_int64_is_refused_naming_the_piece():
+    # offset + sum(stride * (shape - 1)) wraps int64: refused where the layout is built, so no
+    # later step (planning, preflight, a kernel mid-copy) meets the piece
+    for strides, offset in (((2**62,), 0), ((1,), 2**63 - 2), ((2**61, 2**61), 2**62)):
+        shape = (3,) * len(strides)
+        with pytest.raises(rs.LayoutError, match=r"tensor 'w': piece 0 Piece\(.*reaches storage"):
+            rs.TensorLayout(
+                shape, [rs.Piece(0, offset, (0,) * len(shape), shape, strides)], name="w"
+            )
+    # start + shape wrapping around int64 is outside the tensor, not inside it
+    with pytest.raises(rs.LayoutError, match="outside the tensor"):
+        rs.TensorLayout((4,), [rs.Piece(0, 0, (0,), (4,)), rs.Piece(0, 0, (2**62,), (2**62,))])
+    # a huge stride on a dim of extent 1 addresses nothing and is fine; empty pieces too
+    tl = rs.TensorLayout((1, 4), [rs.Piece(0, 0, (0, 0), (1, 4), (2**63 - 1, 1))])
+    rs.Layout({"w": tl}, {0: S(0, 4)})
+    rs.TensorLayout((0,), [rs.Piece(0, 2**62, (0,), (0,), (2**62,))])
+
+
+def test_elements_beyond_2_53_are_refused():
+    with pytest.raises(rs.LayoutError, match=r"more than 2\*\*53 elements"):
+        rs.TensorLayout((2**27, 2**27), [])
+    with pytest.raises(rs.LayoutError, match=r"more than 2\*\*53 elements"):
+        rs.flat((2**30, 0, 2**30), [])  # zero dims included: strides of the others overflow
+    with pytest.raises(rs.LayoutError, match=r"negative dim"):
+        rs.TensorLayout((-1,), [])
+    with pytest.raises(rs.LayoutError, match=r"Storage numel .* exceeds 2\*\*53"):
+        S(0, 2**53 + 1)
+    with pytest.raises(rs.LayoutError, match=r"more than 2\*\*53"):
+        rs.Layout({}, {0: S(0, 2**52), 1: S(1, 2**52), 2: S(1, 1)})
+    rs.Layout({}, {0: S(0, 2**52), 1: S(1, 2**52)})
+    # a piece reaching element 2**53 fits int64 but not the geometry's limit
+    with pytest.raises(rs.LayoutError, match="reaches storage element 9007199254740992"):
+        rs.TensorLayout((2,), [rs.Piece(0, 2**53 - 1, (0,), (2,))])
+
+
+def test_nest_with_a_huge_stride_on_an_extent_1_dim():
+    # outer: one row of a (1, 4) box whose row stride is huge (never used); inner: stride 2**40
+    outer = rs.TensorLayout((1, 4), [rs.Piece(9, 0, (0, 0), (1, 4), (2**62, 1))])
+    inner = {9: rs.TensorLayout((4,), [rs.Piece(1, 0, (0,), (4,), (2**40,))])}
+    tl = rs.nest(outer, inner)
+    assert element_map(tl) == {i: [(1, i * 2**40)] for i in range(4)}
+
+
+@st.composite
+def hostile_piece(draw):
+    """Fields drawn near the edges that matter: 0, small, 2**53, 2**62, int64's end."""
+    edge = st.sampled_from([0, 1, 2, 3, 2**31, 2**53 - 2, 2**53, 2**62, 2**63 - 1])
+    d = draw(st.integers(1, 3))
+    box = tuple(draw(st.sampled_from([0, 1, 2, 3, 2**26, 2**40])) for _ in range(d))
+    strides = tuple(draw(edge) for _ in range(d))
+    return box, strides, draw(edge)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(hostile_piece(), min_size=1, max_size=3), st.sampled_from([2**20, 2**53]))
+def test_property_hostile_extents_are_refused_or_fit(pieces, numel):
+    """Whatever the fields, a layout is either refused with LayoutError or every piece's
+    storage footprint, computed exactly in Python ints, lies inside its storage."""
+    tls = []
+    for i, (box, strides, offset) in enumerate(pieces):
+        try:
+            tl = rs.TensorLayout(box, [rs.Piece(i, offset, (0,) * len(box), box, strides)])
+            tls.append(rs.Layout({"w": tl}, {i: S(0, numel)}))
+        except rs.LayoutError:
+            continue
+        p = tl.pieces[0]
+        if all(p.shape):
+            hi = p.offset + sum(s * (n - 1) for s, n in zip(p.strides, p.shape))
+            assert hi < numel
+
+
+# -- the public table and the interval utility ---------------------------------------------------
+
+
+def test_piece_table_is_public_and_read_only():
+    tl = rs.split((4, 6), 1, [2, 4], [[3, 4], 5], name="w")
+    t = tl.table
+    assert isinstance(t, rs.layout.PieceTable) and len(tl) == 3
+    np.testing.assert_array_equal(t.location, [3, 4, 5])
+    np.testing.assert_array_equal(t.shape, [[4, 2], [4, 2], [4, 4]])
+    np.testing.assert_array_equal(t.strides, [[2, 1], [2, 1], [4, 1]])
+    for a in t:
+        assert a.dtype == np.int64 and not a.flags.writeable
+        with pytest.raises(ValueError):
+            a[...] = 0
+    again = rs.TensorLayout.from_table(tl.shape, t, name="w", covered=True)
+    assert again == tl and again.pieces == tl.pieces
+    with pytest.raises(rs.LayoutError, match="gap"):
+        rs.TensorLayout.from_table((4, 6), rs.layout.PieceTable.of(2, *(a[:1] for a in t)))
+    assert rs.layout.as_dtype("bf16") is torch.bfloat16
+
+
+def brute_overlaps(iv):
+    """Element sets of half-open intervals, and whether any two share an element."""
+    seen, dup = set(), False
+    for lo, hi in iv:
+        cells = set(range(lo, hi))
+        dup |= bool(seen & cells)
+        seen |= cells
+    return seen, dup
+
+
+intervals = st.lists(
+    st.tuples(st.integers(0, 40), st.integers(1, 8)).map(lambda t: (t[0], t[0] + t[1])),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(intervals, intervals)
+def test_interval_utility_against_brute_force(a, b):
+    from reshard.layout import intervals as iv
+
+    arr = lambda x: np.array(x, np.int64).reshape(-1, 2)  # noqa: E731
+    ma, mb = iv.merge(arr(a)), iv.merge(arr(b))
+    cells_a, dup_a = brute_overlaps(a)
+    cells_b, _ = brute_overlaps(b)
+    # merged: sorted, disjoint, not touching, the same elements
+    assert brute_overlaps(ma.tolist())[0] == cells_a
+    assert (ma[1:, 0] > ma[:-1, 1]).all()
+    hit = iv.first_overlap(ma, mb)
+    assert (hit is None) == (not cells_a & cells_b)
+    if hit is not None:
+        assert set(range(*hit)) <= cells_a & cells_b and hit[1] > hit[0]
+    rows = iv.overlapping_rows(arr(a)[:, 0], arr(a)[:, 1] - arr(a)[:, 0])
+    assert (rows is not None) == dup_a
+    if rows is not None:
+        (lo1, hi1), (lo2, hi2) = a[rows[0]], a[rows[1]]
+        assert rows[0] != rows[1] and max(lo1, lo2) < min(hi1, hi2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 2**52)), max_size=30))
+def test_segmented_cummax_against_brute_force(pairs):
+    from reshard.layout import intervals as iv
+
+    pairs.sort(key=lambda p: p[0])
+    key = np.array([p[0] for p in pairs], np.int64)
+    x = np.array([p[1] for p in pairs], np.int64)
+    want, run = [], {}
+    for k, v in pairs:
+        run[k] = max(run.get(k, v), v)
+        want.append(run[k])
+    assert iv.segmented_cummax(x, key).tolist() == want

@@ -160,7 +160,9 @@ def run_and_compare(src, desc, dst_dtype, dst_numel, big=False):
 
 @pytest.mark.parametrize("sdt,ddt", list(itertools.product(FLOATS, FLOATS)))
 def test_random_tables_float_pairs(sdt, ddt):
-    gen = np.random.default_rng(hash((str(sdt), str(ddt))) % 2**32)
+    seed = FLOATS.index(sdt) * len(FLOATS) + FLOATS.index(ddt)  # stable across hash seeds
+    print(f"random tables seed {seed}")  # shown by pytest when the test fails
+    gen = np.random.default_rng(seed)
     for _ in range(60):
         sn, dn = int(gen.integers(1, 200)), int(gen.integers(1, 200))
         src = random_values(sn, sdt, gen)

@@ -1,6 +1,8 @@
 """Planner tests: every rank's schedule is simulated in-process with plain torch/numpy
 indexing (pack segments into byte arenas, deliver message bytes, unpack, local copies) and
-compared with an independent element-by-element map built from the layouts."""
+compared with an independent element-by-element map built from the layouts. The wire dtype
+each segment must travel in comes from the brute-force reference planner
+(tests/distributed/_refplan.py), not from the code under test."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,48 +19,84 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import reshard as rs
-from reshard.plan import wire_dtype
+from reshard.planning import intersect, wire_dtype
 
-POISON = -12345.0
+sys.path.insert(0, str(Path(__file__).parent / "distributed"))
+import _refplan  # noqa: E402
+
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SIXTEEN = (torch.bfloat16, torch.float16)
+
+# Every value below is exact in float32, bfloat16 and float16 (at most 8 significant bits,
+# within float16's normal range), so whatever cast chain a value takes it arrives bit for bit
+# unchanged: a wrong wire dtype or a misplaced element shows as a wrong value, not a rounding.
+EXACT16 = np.unique([s * m * 2.0**e for s in (1, -1) for m in range(1, 256) for e in range(-14, 8)])
+EXACT16 = EXACT16[np.random.default_rng(0).permutation(len(EXACT16))]
 
 
 # -- independent reference ----------------------------------------------------------------
 
 
 def piece_map(tl):
-    """Yield (location, storage element, logical flat index) for every element of every piece."""
-    shape = tl.shape
+    """Yield (location, storage elements, logical flat indices) for every non-empty piece."""
     for p in tl.pieces:
         if any(n == 0 for n in p.shape):
             continue
-        for idx in np.ndindex(*p.shape):
-            logical = tuple(s + i for s, i in zip(p.start, idx))
-            flat = int(np.ravel_multi_index(logical, shape)) if shape else 0
-            off = p.offset + sum(s * i for s, i in zip(p.strides, idx))
-            yield p.location, off, flat
+        if not p.shape:
+            yield p.location, np.array([p.offset]), np.array([0])
+            continue
+        rel = np.indices(p.shape).reshape(len(p.shape), -1)
+        off = p.offset + sum(s * r for s, r in zip(p.strides, rel))
+        flat = np.ravel_multi_index(tuple(r + s for r, s in zip(rel, p.start)), tl.shape)
+        yield p.location, off, flat
 
 
-def fill_sources(layout, names):
-    """Storages holding each tensor's logical value (tensor id * 10000 + flat index) in every
-    replica; padding holds a distinct negative value so a read of it is detectable."""
-    bufs = {
-        loc: torch.tensor(-1.0 - np.arange(s.numel), dtype=torch.float64).to(s.dtype)
-        for loc, s in layout.storages.items()
-    }
-    for t, name in enumerate(names):
+def logical_values(t, flat, exact16):
+    """The value of element `flat` of tensor `t`: unique integers (exact in float32 and the
+    integer dtypes) or, when a 16-bit dtype takes part, EXACT16 values (neighbours differ)."""
+    if exact16:
+        return EXACT16[(t * 1009 + np.asarray(flat)) % len(EXACT16)]
+    flat = np.asarray(flat, np.int64)
+    assert t < 2048 and (flat < 8192).all(), "unique values exact in float32 need < 2**24"
+    return ((t << 13) + flat).astype(np.float64)
+
+
+def tensor_ids(layout, names):
+    """(id, name) of the tensors that have elements, ids counted among those only."""
+    return enumerate(n for n in names if layout.tensors[n].numel)
+
+
+def uses_16bit(*layouts):
+    return any(s.dtype in SIXTEEN for lay in layouts for s in lay.storages.values())
+
+
+def poison(dtype):
+    """What an unwritten target element holds: never a value of logical_values."""
+    return float("inf") if dtype.is_floating_point else -12345.0
+
+
+def fill_sources(layout, names, exact16=False):
+    """Storages holding each tensor's logical value in every replica; float padding holds NaN
+    and integer padding negative values, so a read of padding shows in the target."""
+    bufs = {}
+    for loc, s in layout.storages.items():
+        pad = np.full(s.numel, np.nan) if s.dtype.is_floating_point else -1.0 - np.arange(s.numel)
+        bufs[loc] = torch.from_numpy(pad).to(s.dtype)
+    for t, name in tensor_ids(layout, names):
         for loc, off, flat in piece_map(layout.tensors[name]):
-            bufs[loc][off] = t * 10000 + flat
+            vals = torch.from_numpy(logical_values(t, flat, exact16))
+            bufs[loc][torch.from_numpy(off)] = vals.to(bufs[loc].dtype)
     return bufs
 
 
-def expected_targets(layout, names, src_layout):
-    """{loc: (expected values float64, written mask)} from the target layout alone."""
+def expected_targets(layout, names, exact16=False):
+    """{loc: expected values (float64; NaN where nothing is written)} from the target layout."""
     exp = {loc: np.full(s.numel, np.nan) for loc, s in layout.storages.items()}
-    for t, name in enumerate(names):
+    for t, name in tensor_ids(layout, names):
         for loc, off, flat in piece_map(layout.tensors[name]):
-            assert np.isnan(exp[loc][off]), "reference: target aliasing"
-            exp[loc][off] = t * 10000 + flat
+            assert np.isnan(exp[loc][off]).all(), "reference: target aliasing"
+            assert len(np.unique(off)) == len(off), "reference: target aliasing"
+            exp[loc][off] = logical_values(t, flat, exact16)
     return exp
 
 
@@ -65,14 +104,15 @@ def expected_targets(layout, names, src_layout):
 
 
 def desc_index(desc):
-    """(src indices, dst indices) of a descriptor table, element by element."""
-    si, di = [], []
-    for so, ss, do, ds, ln, cnt in np.asarray(desc).tolist():
-        assert min(so, ss, do, ds, ln, cnt) >= 0, desc
-        for c in range(cnt):
-            si.extend(range(so + c * ss, so + c * ss + ln))
-            di.extend(range(do + c * ds, do + c * ds + ln))
-    return np.array(si, np.int64), np.array(di, np.int64)
+    """(src indices, dst indices) of a descriptor table, element by element, row by row."""
+    d = np.asarray(desc, np.int64).reshape(-1, 6)
+    assert (d >= 0).all(), desc
+    so, ss, do, ds, ln, cnt = d.T
+    n = ln * cnt
+    row = np.repeat(np.arange(len(d)), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    c, j = k // ln[row], k % ln[row]
+    return so[row] + c * ss[row] + j, do[row] + c * ds[row] + j
 
 
 def apply_desc(src, desc, dst, written=None):
@@ -89,7 +129,7 @@ def apply_desc(src, desc, dst, written=None):
 def simulate(plan, src_layout, dst_layout, src_bufs):
     """Run every rank's schedule; return the target storages and per-element write counts."""
     dst_bufs = {
-        loc: torch.full((s.numel,), POISON, dtype=torch.float64).to(s.dtype)
+        loc: torch.full((s.numel,), poison(s.dtype), dtype=torch.float64).to(s.dtype)
         for loc, s in dst_layout.storages.items()
     }
     written = {loc: np.zeros(s.numel, np.int64) for loc, s in dst_layout.storages.items()}
@@ -121,7 +161,7 @@ def simulate(plan, src_layout, dst_layout, src_bufs):
                 for seg in msg.segments:
                     assert src_layout.storages[seg.src_location].rank == r
                     assert dst_layout.storages[seg.dst_location].rank == msg.peer
-                    assert seg.wire_dtype == wire_dtype(
+                    assert seg.wire_dtype == _refplan.wire_dtype(
                         src_layout.storages[seg.src_location].dtype,
                         dst_layout.storages[seg.dst_location].dtype,
                     )
@@ -164,8 +204,13 @@ def simulate(plan, src_layout, dst_layout, src_bufs):
                 p for p, s in scheds.items() if any(m.peer == r for m in s.sends[k])
             )
     for loc, buf in src_bufs.items():
-        assert torch.equal(buf, src_before[loc]), f"source storage {loc} was written"
+        # bitwise (padding is NaN)
+        assert bits(buf) == bits(src_before[loc]), f"source storage {loc} was written"
     return dst_bufs, written
+
+
+def bits(t):
+    return t.reshape(-1).contiguous().view(torch.uint8).tolist() if t.numel() else []
 
 
 def check_messages(msgs, arena_bytes, budget, k):
@@ -189,21 +234,16 @@ def check_messages(msgs, arena_bytes, budget, k):
 def check_plan(src, dst, budget=64 << 20, **plan_kw):
     names = sorted(dst.tensors)
     p = rs.plan(src, dst, budget_bytes_per_peer=budget, **plan_kw)
-    src_bufs = fill_sources(src, names)
-    out, written = simulate(p, src, dst, src_bufs)
-    exp = expected_targets(dst, names, src)
-    (sdt,) = {s.dtype for s in src.storages.values()} or {torch.float32}
-    for loc, e in exp.items():
-        ddt = dst.storages[loc].dtype
+    exact16 = uses_16bit(src, dst)
+    out, written = simulate(p, src, dst, fill_sources(src, names, exact16))
+    for loc, e in expected_targets(dst, names, exact16).items():
         got = out[loc].to(torch.float64).numpy()
         cov = ~np.isnan(e)
         assert (written[loc][cov] == 1).all(), f"target {loc}: element not written exactly once"
         assert (written[loc][~cov] == 0).all(), f"target {loc}: padding written"
-        # what the value becomes: source dtype, then the wire dtype, then the target dtype
-        want = torch.from_numpy(e[cov]).to(sdt).to(wire_dtype(sdt, ddt)).to(ddt).double()
-        np.testing.assert_array_equal(got[cov], want.numpy(), err_msg=f"target storage {loc}")
-        poison = torch.tensor(POISON, dtype=torch.float64).to(ddt).double().item()
-        assert (got[~cov] == poison).all()
+        # every value is exact in every dtype involved: the target holds it bit for bit
+        np.testing.assert_array_equal(got[cov], e[cov], err_msg=f"target storage {loc}")
+        assert (got[~cov] == poison(dst.storages[loc].dtype)).all()
     return p
 
 
@@ -356,6 +396,19 @@ def tensor_layout(draw, alloc, name, shp, kind):
             (alloc.new(draw(rank), n - cut), cut, n, 0),
         ]
         return rs.TensorLayout(shp, [a, rs.flat(shp, [r for r in runs if r[1] < r[2]])], name=name)
+    if kind == "chunks":
+        # a fine-grained partition: the flat tensor cut into many runs, each on its own
+        # storage on a random rank, some runs replicated
+        if n == 0:
+            return tensor_layout(draw, alloc, name, shp, "replicated")
+        cuts = draw(st.lists(st.integers(1, max(n - 1, 1)), max_size=min(n - 1, 40)))
+        edges = sorted({0, n, *cuts})
+        runs = []
+        for a, b in zip(edges, edges[1:]):
+            for _ in range(draw(st.integers(1, 2))):
+                pad = draw(st.integers(0, 2))
+                runs.append((alloc.new(draw(rank), b - a + pad), a, b, pad))
+        return rs.flat(shp, runs, name=name)
     if kind == "transposed":
         # the whole tensor stored with reversed dim order (strides of the transpose)
         rev = _rowmajor(shp[::-1])[::-1]
@@ -373,31 +426,48 @@ def _rowmajor(shape):
 
 
 @st.composite
-def shapes_st(draw, max_tensors=3):
+def shapes_st(draw, max_tensors=3, big=False):
+    """Tensor shapes: a few elements each, or (big) up to a few thousand elements."""
     k = draw(st.integers(1, max_tensors))
     out = {}
     for i in range(k):
-        d = draw(st.integers(0, 3))
-        out[f"t{i}"] = tuple(draw(st.integers(0 if d else 1, 6)) for _ in range(d))
+        if big:
+            d = draw(st.integers(1, 3))
+            top = {1: [4096], 2: [48, 96], 3: [8, 16, 40]}[d]
+            out[f"t{i}"] = tuple(draw(st.integers(1, m)) for m in top)
+        else:
+            d = draw(st.integers(0, 3))
+            out[f"t{i}"] = tuple(draw(st.integers(0 if d else 1, 6)) for _ in range(d))
     return out
 
 
-KINDS = ["zero12", "zero3", "replicated", "split", "nested", "transposed", "fused", "mixed"]
+KINDS = [
+    "zero12",
+    "zero3",
+    "replicated",
+    "split",
+    "nested",
+    "transposed",
+    "fused",
+    "mixed",
+    "chunks",
+]
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @st.composite
-def layout_pair(draw):
-    shapes = draw(shapes_st())
+def layout_pair(draw, big=False):
+    shapes = draw(shapes_st(big=big))
     layouts = []
     same = draw(st.booleans())
     dtypes = [torch.float32] * 2 if same else [draw(st.sampled_from(FLOATS)) for _ in range(2)]
     for i in range(2):
-        alloc = Alloc(draw(st.integers(1, 4)), dtypes[i])
+        alloc = Alloc(draw(st.integers(1, 8 if big else 4)), dtypes[i])
         kind = draw(st.sampled_from(KINDS))
         tens = build(draw, alloc, shapes, kind)
         layouts.append(rs.Layout(tens, alloc.storages()))
-    budget = draw(st.sampled_from([16, 17, 48, 100, 4096]))
+    budgets = [64, 1000, 4096, 1 << 20] if big else [16, 17, 48, 100, 4096]
+    budget = draw(st.sampled_from(budgets))
     return layouts[0], layouts[1], budget
 
 
@@ -407,6 +477,13 @@ def layout_pair(draw):
 @settings(max_examples=150, **SETTINGS)
 @given(layout_pair())
 def test_property_plan_executes_to_reference(case):
+    src, dst, budget = case
+    check_plan(src, dst, budget)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(layout_pair(big=True))
+def test_property_large_tensors_many_pieces_execute_to_reference(case):
     src, dst, budget = case
     check_plan(src, dst, budget)
 
@@ -746,13 +823,12 @@ def test_execute_single_process_with_the_real_op():
 def test_property_small_batches_match(case):
     # planning in many batches (a tensor or two each) must execute the same way
     src, dst, budget = case
-    mod = sys.modules["reshard.plan"]
-    old = mod._BATCH_PIECES
-    mod._BATCH_PIECES = 2
+    old = intersect.BATCH_PIECES
+    intersect.BATCH_PIECES = 2
     try:
         check_plan(src, dst, budget)
     finally:
-        mod._BATCH_PIECES = old
+        intersect.BATCH_PIECES = old
 
 
 def test_flat_group_to_flat_group_merges_across_tensors_and_batches(monkeypatch):
@@ -781,7 +857,7 @@ def test_flat_group_to_flat_group_merges_across_tensors_and_batches(monkeypatch)
 
     src, dst = group(2), group(3)
     one = check_plan(src, dst)
-    monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
+    monkeypatch.setattr(intersect, "BATCH_PIECES", 3)
     many = check_plan(src, dst)
     assert len(one.runs) == len(many.runs) == 4  # [0,150) [150,225) [225,300) [300,450)
 
@@ -823,7 +899,7 @@ def test_property_schedule_alone_equals_schedule_among_all(case):
     for r in full.ranks():
         alone = rs.plan(src, dst, budget_bytes_per_peer=budget)
         assert _schedule_key(alone.schedule(r)) == every[r]
-        assert alone._runs is None  # nothing beyond rank r was materialized
+        assert list(alone._cache) == [("schedule", r)]  # nothing beyond rank r built
         assert alone.fingerprint == full.fingerprint
 
 
@@ -856,8 +932,9 @@ def test_property_sender_and_receiver_agree_on_element_order(case):
     # element sequence of the pair's stream must still be the same on both ends
     src, dst, budget = case
     names = sorted(dst.tensors)
-    src_bufs = {k: v.double() for k, v in fill_sources(src, names).items()}
-    exp = expected_targets(dst, names, src)
+    exact16 = uses_16bit(src, dst)
+    src_bufs = {k: v.double() for k, v in fill_sources(src, names, exact16).items()}
+    exp = expected_targets(dst, names, exact16)
     p = rs.plan(src, dst, budget_bytes_per_peer=budget)
     sent, recv = {}, {}
     for r in p.ranks():
@@ -882,7 +959,7 @@ def test_fingerprint_does_not_depend_on_batching(monkeypatch):
         {2 * i + t: S(t, 12) for i in range(12) for t in range(2)},
     )
     one = rs.plan(src, dst, budget_bytes_per_peer=64)
-    monkeypatch.setattr(sys.modules["reshard.plan"], "_BATCH_PIECES", 3)
+    monkeypatch.setattr(intersect, "BATCH_PIECES", 3)
     many = rs.plan(src, dst, budget_bytes_per_peer=64)
     assert one.fingerprint == many.fingerprint
     assert _schedule_key(one.schedule(1)) == _schedule_key(many.schedule(1))
@@ -901,7 +978,108 @@ def test_direct_tensors_keep_no_jobs_globally():
         {10: S(0, 48), 11: S(1, 48), 12: S(2, 48), 13: S(3, 48)},
     )
     p = check_plan(zero3, tp, budget=64)
-    assert len(p._planner.table) == 0 and p._runs is None
+    assert p.replicated_jobs.count == 0 and "runs" not in p._cache
     rep = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(0, 96), 1: S(1, 96)})
     p = check_plan(rep, tp, budget=64)
-    assert len(p._planner.table) == 4  # one job per column block x two target replicas
+    assert p.replicated_jobs.count == 4  # one job per column block x two target replicas
+
+
+# -- arithmetic at the edges: nothing may wrap around int64 ---------------------------------
+
+
+def test_budgets_beyond_int64_are_value_errors():
+    src = rs.Layout({"w": rs.replicated((4,), [0])}, {0: S(0, 4)})
+    dst = rs.Layout({"w": rs.replicated((4,), [1])}, {1: S(1, 4)})
+    for bad in (2**62, 2**63, 2**64):
+        with pytest.raises(ValueError, match="budget_bytes_per_peer must be"):
+            rs.plan(src, dst, budget_bytes_per_peer=bad)
+        with pytest.raises(ValueError, match="budget_bytes_per_rank must be"):
+            rs.plan(src, dst, budget_bytes_per_rank=bad)
+    assert rs.plan(src, dst, budget_bytes_per_peer=2**62 - 1).num_rounds == 1
+
+
+def test_ranks_anywhere_in_int64():
+    # ranks are labels: a huge one must not size a table (replica balancing, peer counts)
+    big = 2**62
+    shp = (8, 8)
+    src = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(big, 64), 1: S(3, 64)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [4, 4], [2, 3])}, {2: S(big + 1, 32), 3: S(5, 32)})
+    p = check_plan(src, dst, budget_bytes_per_rank=1 << 16)
+    assert sorted(p.ranks()) == [3, 5, big, big + 1]
+    assert sum(p.pair_bytes().values()) == 64 * 4
+
+
+def test_empty_tensors_with_huge_dims_do_not_shift_the_others():
+    # 2048 empty tensors of 2**53 rows between two real ones: with the first tensor's one
+    # (padded) row their dim-0 extents add up to 2**64, which would wrap a sweep key built
+    # from them onto the first tensor's keys
+    empty = {f"e{i:04d}": (2**53 - (1 if i == 0 else 0), 0) for i in range(2048)}
+    real = {"a": (4,), "z": (4,)}
+    src_t = {n: rs.replicated(s, [0]) for n, s in empty.items()}
+    src_t.update(a=rs.replicated((4,), [0]), z=rs.replicated((4,), [1]))
+    dst_t = {n: rs.replicated(s, [2]) for n, s in empty.items()}
+    dst_t.update(a=rs.replicated((4,), [2]), z=rs.replicated((4,), [3]))
+    src = rs.Layout(src_t, {0: S(0, 4), 1: S(0, 4)})
+    dst = rs.Layout(dst_t, {2: S(1, 4), 3: S(1, 4)})
+    assert set(real) < set(dst.tensors)
+    check_plan(src, dst)
+
+
+def test_target_aliasing_check_with_many_storages_and_a_huge_one():
+    # 2048 small target storages beside one of almost 2**53 elements: the aliasing sweep
+    # must not wrap when it orders the footprints of every storage in one pass
+    n, big = 2048, 2**53 - 2**16
+    tens = {"big": rs.TensorLayout((4,), [rs.Piece(0, big - 4, (0,), (4,))])}
+    tens.update({f"t{i:04d}": rs.replicated((4,), [i + 1]) for i in range(n)})
+    storages = {0: S(0, big), **{i + 1: S(0, 4) for i in range(n)}}
+    src = rs.Layout({k: rs.replicated((4,), [n + 5]) for k in tens}, {n + 5: S(0, 4)})
+    rs.plan(src, rs.Layout(tens, storages))  # no aliasing
+    tens["x"] = rs.TensorLayout((2,), [rs.Piece(n, 3, (0,), (2,))])
+    storages[n] = S(0, 5)
+    src = rs.Layout({k: rs.replicated(t.shape, [n + 5]) for k, t in tens.items()}, {n + 5: S(0, 4)})
+    with pytest.raises(rs.LayoutError, match=f"writes storage element 3 of location {n}"):
+        rs.plan(src, rs.Layout(tens, storages))
+
+
+# -- the plan as data ------------------------------------------------------------------------------
+
+
+def test_plan_is_frozen_data_and_schedule_a_pure_function():
+    import dataclasses
+
+    import reshard.planning as planning
+
+    assert rs.plan is planning.plan and callable(rs.plan)
+    assert "reshard.plan" not in sys.modules  # the name is the function only
+    shp = (8, 6)
+    src = rs.Layout({"w": rs.replicated(shp, [0, 1])}, {0: S(0, 48), 1: S(1, 48)})
+    dst = rs.Layout({"w": rs.split(shp, 1, [3, 3], [2, 3])}, {2: S(2, 24), 3: S(0, 24)})
+    p = rs.plan(src, dst, 32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.budget_bytes_per_peer = 1
+    arrays = [p.direct, *p.replicated_jobs, *p.rounds.groups, *p.rounds.segments]
+    assert arrays and all(not a.flags.writeable for a in arrays)
+    for r in p.ranks():
+        fresh = planning.schedule(p, r)
+        assert fresh is not planning.schedule(p, r)  # pure: built anew, nothing cached
+        assert _schedule_key(fresh) == _schedule_key(p.schedule(r))
+    assert p.replicated_jobs.count == 2 and p.num_jobs >= 2
+
+
+def test_strided_run_is_not_extended_by_a_row_at_another_target_gap():
+    # target piece A: rows 0-1, cols 0-1 as a (2, 2) block (one strided run, source row
+    # stride 4, target row stride 2); piece B: row 2, cols 0-1 at target offset 7. B's source
+    # row continues A's source stride, but in the target it sits 5 elements after A's last
+    # row, not 2: the runs must not chain
+    shp = (4, 4)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 16)})
+    pieces = [
+        rs.Piece(5, 0, (0, 0), (2, 2), (2, 1)),
+        rs.Piece(5, 7, (2, 0), (1, 2), (2, 1)),
+        rs.Piece(6, 0, (3, 0), (1, 2)),
+        rs.Piece(6, 2, (0, 2), (4, 2)),
+    ]
+    dst = rs.Layout({"w": rs.TensorLayout(shp, pieces)}, {5: S(0, 9), 6: S(1, 10)})
+    p = check_plan(src, dst)
+    runs = [r for r in p.runs.tolist() if r[3] == 5]
+    assert sorted(runs) == [[0, 0, 4, 5, 0, 2, 2, 2], [0, 8, 2, 5, 7, 2, 2, 1]]

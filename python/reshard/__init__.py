@@ -16,10 +16,9 @@ from .errors import (
     UnsupportedError,
 )
 
-# Geometry and planning are pure data and import eagerly. `plan` must be bound here
-# after the submodule import, or the submodule `reshard.plan` would shadow the function.
+# Geometry and planning are pure data and import eagerly.
 from .layout import Layout, Piece, Storage, TensorLayout, flat, nest, replicated, split
-from .plan import Plan, plan
+from .planning import Plan, plan
 
 __version__ = "0.1.0"
 

@@ -4,6 +4,13 @@ Modes (`--mode`; the default is the first one whose requirement imports):
 - `deepspeed`: a real DeepSpeed ZeRO-3 engine with CPU-offloaded optimizer trains a few steps,
   syncing bf16 params into TP=2 rollout buffers after each step and fp32 masters + Adam moments
   into a snapshot; see integrations/deepspeed_demo.py.
+- `rollout` (DeepSpeed and transformers): an HF Llama (GQA) under DeepSpeed ZeRO-3 with CPU
+  optimizer offload; after each step its weights go to an inference engine both ways engines
+  take them: an `rs.Stream` of full tensors by name to rank 0 and one Transfer into vLLM's
+  TP=2 layout (`integrations.vllm.tp_layout`); see integrations/rollout_demo.py.
+- `fsdp`: a model sharded with FSDP2 (`fully_shard`, `CPUOffloadPolicy`, bf16 mixed precision)
+  trains a few steps, syncing its CPU fp32 sharded params into TP=2 bf16 rollout buffers after
+  each step and params + Adam moments into a snapshot; see integrations/fsdp_demo.py.
 - `synthetic` (needs nothing): a ZeRO-3 sharded fp32 state of a small transformer-shaped model
   (reshard.scenarios: every parameter's flat form cut evenly across ranks, padded; shards
   deliberately uneven) synced into TP=2 rollout buffers in bf16: a fused QKV buffer per layer,
@@ -46,6 +53,8 @@ class Mode(NamedTuple):
 MODES = {
     "deepspeed": Mode("reshard.integrations.deepspeed_demo", "deepspeed"),
     "synthetic": Mode("reshard.demo", None),
+    "rollout": Mode("reshard.integrations.rollout_demo", "transformers"),
+    "fsdp": Mode("reshard.integrations.fsdp_demo", None),
 }
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from . import _ops
 from . import preflight as pf
 from .errors import PreflightError, TransferError
-from .plan import _align
+from .planning import align as _align
 from .report import Report
 
 _ops.require_built()  # every torch.ops.reshard op is used here: say how to build, up front
@@ -736,7 +736,7 @@ class Transfer:
         into them). Undone by `close()`, on context exit, when a location's storage changes, or
         on collection; each Report says what was done in `host_registration` (targets under its
         "targets" key)."""
-        from .plan import plan as make_plan
+        from .planning import plan as make_plan
 
         t0 = time.perf_counter()
         p = make_plan(

@@ -20,7 +20,7 @@ On top of that every rank holds the staging of one bucket's transfer at a time (
 arenas, capped per rank by `staging_bytes_per_rank`), freed when that bucket has landed.
 `staging_bytes(rank)` states the whole bound; each call's `report` says what was held.
 
-Overlap (what runs at the same time): every transfer runs on one worker thread per call, in
+Overlap (what runs at the same time): every transfer runs on the Stream's one worker thread, in
 bucket order, so the group sees the same sequence of collectives on every rank. While a
 receiver's caller consumes bucket k, the worker moves bucket k+1 (preflight, pack, transport,
 unpack); the worker starts bucket k+2 only after the caller asked for the tensor after bucket
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import Layout, Piece, Storage, TensorLayout
-from .plan import plan as make_plan
+from .planning import plan as make_plan
 from .report import PHASES, STAGING_KINDS, Report
 
 __all__ = ["Stream"]
@@ -182,6 +182,7 @@ class Stream:
         self._buffer = None  # the receivers' buffer, allocated on the first call
         self._buffer_error = None
         self._active = False  # a call is being iterated (calls are not reentrant)
+        self._pool = None  # the worker thread, started by the first call
         self.report = None  # the last completed call's Report
 
     # ------------------------------------------------------------------ construction
@@ -456,7 +457,13 @@ class Stream:
         nb = len(self.buckets)
         reports = []
         state = {"pending": None, "next": 0, "waited": 0.0, "failed": False}
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reshard-stream")
+        if self._pool is None:
+            # one worker thread for the Stream's life: its allocator arena (the transfers'
+            # staging) is reused by every call instead of a new thread's arena each time
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="reshard-stream"
+            )
+        pool = self._pool
 
         def start():
             k = state["next"]
@@ -506,7 +513,6 @@ class Stream:
             finally:
                 if state["pending"] is not None:
                     state["pending"].exception()  # wait: nothing may write after we return
-                pool.shutdown(wait=True)
         self.report = self._report(reports, time.perf_counter() - t_start, state["waited"])
 
     # ------------------------------------------------------------------ the report

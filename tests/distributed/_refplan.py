@@ -54,7 +54,9 @@ class RankSchedule:
     recv_arena_bytes: int = 0
 
 
-def _wire(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+def wire_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """Equal dtypes travel as themselves, fp16<->bf16 as the target's, fp32 with a 16-bit
+    dtype as the 16-bit one."""
     if a == b:
         return a
     if {a, b} == {torch.float16, torch.bfloat16}:
@@ -128,7 +130,7 @@ class RefPlan:
             if sr == dr:
                 self.scheds[sr].local.append(LocalCopy(sl, dl, _runs(si, di)))
                 continue
-            wire = _wire(self.src.storages[sl].dtype, self.dst.storages[dl].dtype)
+            wire = wire_dtype(self.src.storages[sl].dtype, self.dst.storages[dl].dtype)
             per = max(1, self.budget // wire.itemsize)
             lst = chunks.setdefault((sr, dr), [])
             for lo in range(0, si.size, per):

@@ -47,3 +47,16 @@ def test_zero3_offload_tied_three_ranks(tmp_path):
         W.w_trainer, 3, tmp_path, env=ENV, timeout=300, args=(True, [0, 2], tp_hosts, 100000)
     ):
         assert errs == []
+
+
+def test_demo_rollout_mode():
+    """`python -m reshard.demo --mode rollout`: both rollout shapes after each step, verified."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "reshard.demo", "--mode", "rollout", "--layers", "1"]
+    cmd += ["--hidden", "64", "--ffn", "96", "--vocab", "101", "--steps", "2"]
+    env = dict(os.environ, **ENV)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]

@@ -103,10 +103,15 @@ def _check(cfg, full, tgt, engine, dtype):
     for r in range(tp):
         want = _vllm_ref.shards(full, cfg, tp, r, dtype)
         assert set(want) == set(engine[r]), "vLLM parameter names"
+        # TPLayout.load (stream-then-shard: full tensors sliced on the TP rank) agrees too
+        loaded = {n: torch.full(s, float("nan"), dtype=dtype) for n, s in tgt.shapes.items()}
+        for n, t in full.items():
+            tgt.load(n, t.to(dtype), r, loaded)
         for n, w in want.items():
             got = engine[r][n]
             assert got.shape == w.shape, (n, r)
             assert torch.equal(_bits(got), _bits(w)), f"TP rank {r} of {tp}: {n} differs"
+            assert torch.equal(_bits(loaded[n]), _bits(w)), f"load(): rank {r} of {tp}: {n}"
 
 
 CASES = [

@@ -53,6 +53,41 @@ class TPLayout:
     dtype: torch.dtype
     shapes: dict = field(repr=False)
     locations: dict = field(repr=False)
+    spec: _Spec = field(repr=False, default=None)
+
+    def load(self, name, full, tp_rank, params) -> None:
+        """What vLLM's weight loader does with a full HF tensor on TP rank `tp_rank`: copy the
+        rows (or columns) of that rank into its parameter in `params` ({vLLM name: tensor}),
+        with plain torch slicing. The stream-then-shard path (full tensors to every TP rank,
+        each taking its part); a transfer into `layout` writes the same elements directly.
+        """
+        s, tp = self.spec, self.tp_size
+        hd = s.head_dim
+        q_rows = s.heads // tp * hd
+        kv_rows, rep = (s.kv_heads // tp * hd, 1) if tp < s.kv_heads else (hd, tp // s.kv_heads)
+        inter = s.intermediate // tp
+        full = full.detach()
+        fused = (
+            ("q_proj", "qkv_proj", 0, q_rows, tp_rank),
+            ("k_proj", "qkv_proj", q_rows, kv_rows, tp_rank // rep),
+            ("v_proj", "qkv_proj", q_rows + kv_rows, kv_rows, tp_rank // rep),
+            ("gate_proj", "gate_up_proj", 0, inter, tp_rank),
+            ("up_proj", "gate_up_proj", inter, inter, tp_rank),
+        )
+        for hf, vllm, first, size, shard_rank in fused:
+            if f".{hf}." in name:
+                part = full.narrow(0, shard_rank * size, size)
+                params[name.replace(f".{hf}.", f".{vllm}.")].narrow(0, first, size).copy_(part)
+                return
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            cols = full.shape[1] // tp
+            params[name].copy_(full.narrow(1, tp_rank * cols, cols))
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            per = _padded_vocab(s.vocab) // tp
+            lo, hi = min(tp_rank * per, s.vocab), min((tp_rank + 1) * per, s.vocab)
+            params[name][: hi - lo].copy_(full[lo:hi])
+        else:  # norms and row-parallel biases: replicated
+            params[name].copy_(full)
 
     def buffers(self, named_params, tp_rank: int) -> dict:
         """{location: flat view} of TP rank `tp_rank`'s parameters, for a transfer's targets.
@@ -329,4 +364,5 @@ class _Builder:
             dtype=self.dtype,
             shapes=self.shapes,
             locations=self.locations,
+            spec=self.s,
         )

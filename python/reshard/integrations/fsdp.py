@@ -1,0 +1,269 @@
+"""Live FSDP2 (`fully_shard`) state as reshard Layouts (docs/fsdp.md).
+
+`describe(module, kind, optimizer=None)` says where every element of every parameter's `kind`
+lives across the ranks of the FSDP2 mesh, as an `rs.Layout` identical on every rank, plus this
+rank's live storage views (never copies). Tensor names are `module.named_parameters()` names,
+as in the DeepSpeed integration, so layouts of both frameworks plan against each other.
+
+- "param": the sharded parameters FSDP2 keeps between steps: DTensors whose local tensor is a
+  view into each FSDPParam's padded shard (`_sharded_param_data`). Under a
+  `MixedPrecisionPolicy` these stay in the parameter's own dtype (fp32): the `param_dtype` copy
+  exists only while unsharded. Under `CPUOffloadPolicy` they live in CPU memory.
+- "exp_avg" | "exp_avg_sq": a torch.optim Adam/AdamW moment of every parameter the optimizer
+  holds, keyed by the sharded parameter; a DTensor with the parameter's placements.
+
+The geometry is the parameters' DTensor placements (reshard.integrations.dtensor): FSDP shards
+dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks hold fewer rows
+or none; FSDP2 pads their shard to equal size, and that padding lies outside the local tensor,
+so no piece covers it and a transfer never reads or writes it. HSDP adds a Replicate mesh dim
+(replicas); FSDP2 over TP places `_StridedShard` on the data-parallel mesh dim.
+"""
+
+from __future__ import annotations
+
+from reshard.errors import NotReadyError, UnsupportedError
+
+from . import dtensor as _dt
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+__all__ = ["KINDS", "describe", "init_adam_state"]
+
+
+def _fsdp_params(module):
+    """Every FSDPParam managed by `module` or its submodules, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, seen = [], set()
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        try:
+            state = m._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):  # newer torch: a list per module
+                groups = state._fsdp_param_groups
+            else:
+                groups = [g for g in (state._fsdp_param_group,) if g is not None]
+        except AttributeError as exc:
+            raise UnsupportedError(
+                f"this torch's FSDP2 keeps its state differently ({exc}): reshard reads "
+                "FSDPState._fsdp_param_group(s) as torch 2.13 keeps it"
+            ) from None
+        for group in groups:
+            if id(group) not in seen:  # fully_shard([a, b]) shares one group
+                seen.add(id(group))
+                out += group.fsdp_params
+    if not out:
+        raise UnsupportedError(
+            f"describe() needs a module with fully_shard() applied, got {type(module).__name__} "
+            "without FSDP2 parameters"
+        )
+    return out
+
+
+def _unsharded(module, fsdp_params):
+    """'name (STATE)' of every FSDPParam not in its sharded state."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    bad = [fp for fp in fsdp_params if fp.sharded_state != ShardedState.SHARDED]
+    if not bad:
+        return []
+    prefix = {id(m): n for n, m in module.named_modules()}
+    out = []
+    for fp in bad:
+        info = fp._module_info
+        at = prefix.get(id(info.module), "?")
+        out.append(f"{at + '.' if at else ''}{info.param_name} ({fp.sharded_state.name})")
+    return out
+
+
+def _sharded_params(module):
+    """[(name, sharded DTensor)] of every parameter; NotReadyError if any is unsharded.
+
+    Names are `module.named_parameters()` names: while sharded, the module's registered
+    parameters are FSDP2's sharded DTensors themselves.
+    """
+    fsdp_params = _fsdp_params(module)
+    unsharded = _unsharded(module, fsdp_params)
+    if unsharded:
+        raise NotReadyError(
+            f"FSDP2 parameters are not sharded: {', '.join(unsharded[:8])}"
+            f"{' ...' if len(unsharded) > 8 else ''} (between forward and backward, after a "
+            "forward with reshard_after_forward=False, or after unshard()): the safe boundary "
+            "is after optimizer.step(), before the next forward; or call reshard() on every FSDP "
+            "module"
+        )
+    by_id = {id(fp.sharded_param): fp for fp in fsdp_params}
+    out, plain = [], []
+    for name, p in module.named_parameters():
+        fp = by_id.get(id(p))
+        if fp is None:
+            plain.append(name)
+        else:
+            out.append((name, p))
+    if plain:
+        raise UnsupportedError(
+            f"parameters {plain[:8]} are not managed by fully_shard() under this module: call "
+            "fully_shard() on the module that owns them (e.g. the root)"
+        )
+    return out
+
+
+def _ops(name, p):
+    """The parameter's placements as geometry ops, cross-checked against FSDP2's own sharding.
+
+    FSDP2 over TP shards the TP-local tensor, which DTensor expresses as `_StridedShard` on the
+    data-parallel mesh dim. The storage truth is FSDP2's order (TP placements, then FSDP's
+    chunk of the local tensor); where uneven sizes make that differ from the DTensor spec,
+    DTensor's own redistribution would be wrong too: refuse.
+    """
+    spec = p._spec
+    ops = _dt._placement_ops(name, spec.placements, p.ndim)
+    strided = [op for op in ops if op[1] == "strided"]
+    if strided:
+        import numpy as np
+
+        fsdp_order = [op for op in ops if op[1] != "strided"]
+        fsdp_order += [(m, "shard", d, 1) for m, _, d, _ in strided]
+        mesh_shape = _dt._mesh_ranks(spec.mesh).shape
+        for coord in np.ndindex(*mesh_shape):
+            a = _dt._segments(tuple(p.shape), mesh_shape, coord, ops)
+            b = _dt._segments(tuple(p.shape), mesh_shape, coord, fsdp_order)
+            if a != b:
+                raise UnsupportedError(
+                    f"{name!r}: FSDP2 over TP with shape {tuple(p.shape)} on mesh "
+                    f"{mesh_shape} stores rows that its DTensor placements {spec.placements} "
+                    f"do not describe (uneven strided sharding at mesh coordinate {coord}): "
+                    "use sizes the TP and FSDP degrees divide"
+                )
+    return ops
+
+
+def _moment(name, p, state, kind, opt_name):
+    from torch.distributed.tensor import DTensor
+
+    if not state:
+        raise NotReadyError(
+            f"{name!r} has no optimizer state yet: Adam moments exist after the first "
+            "optimizer.step() that saw its gradient (or rsfsdp.init_adam_state())"
+        )
+    if kind not in state:
+        raise UnsupportedError(
+            f"{opt_name} keeps no {kind!r} state (keys {sorted(state)}): use an Adam-family "
+            "optimizer"
+        )
+    m = state[kind]
+    if not isinstance(m, DTensor) or m._spec.placements != p._spec.placements:
+        what = m.placements if isinstance(m, DTensor) else type(m).__name__
+        raise UnsupportedError(
+            f"{name!r}: {kind} is {what}, not a DTensor placed like its parameter {p.placements}"
+        )
+    if tuple(m.shape) != tuple(p.shape) or m._spec.mesh != p._spec.mesh:
+        raise UnsupportedError(f"{name!r}: {kind} has another shape or mesh than its parameter")
+    return m
+
+
+def describe(module, kind: str, optimizer=None, group=None):
+    """Describe one kind of an FSDP2 module's live state.
+
+    kind: "param" (the sharded parameters), "exp_avg" or "exp_avg_sq" (a torch.optim
+    Adam/AdamW moment; pass `optimizer`). group: the process group the transfer runs over
+    (default: the world); it must contain the FSDP2 mesh. Call on every rank of the mesh at
+    the safe boundary (after optimizer.step(), before the next forward); it communicates
+    nothing. Returns a `LiveDTensors`: `.layout`, `.buffers`, `.check()`, `.reasons()`.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind in _MOMENTS and optimizer is None:
+        raise ValueError(f"kind {kind!r} needs the optimizer: describe(module, kind, optimizer=)")
+    if kind == "param" and optimizer is not None:
+        raise ValueError("kind 'param' takes no optimizer")
+    params = _sharded_params(module)
+    if kind == "param":
+        chosen = params
+        what = "FSDP2 param"
+    else:
+        import torch
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UnsupportedError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+        known = {id(p) for _, p in params}
+        if held - known:
+            raise UnsupportedError(
+                f"the optimizer holds {len(held - known)} tensors that are not this module's "
+                "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
+                "replaced since?)"
+            )
+        chosen = [(n, p) for n, p in params if id(p) in held]
+        what = f"FSDP2 {kind}"
+    entries = [_dt._entry(n, p, _ops(n, p)) for n, p in chosen]
+    names = [n for n, _ in chosen]
+    if kind == "param":
+        # the parameter objects themselves: re-fully_shard / an assign-load replaces them
+        described = [p for _, p in chosen]
+
+        def locals_():
+            now = dict(_sharded_params(module))
+            missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
+            if missing:
+                raise NotReadyError(
+                    f"parameters {missing[:8]} were replaced since describe() "
+                    "(load_state_dict(assign=True)?): describe() again"
+                )
+            return [p._local_tensor for p in described]
+    else:
+        opt_name = type(optimizer).__name__
+        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+
+        def locals_():
+            _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
+            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+            replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
+            if replaced:
+                raise NotReadyError(
+                    f"{kind} of {replaced[:8]} replaced since describe() "
+                    "(optimizer.load_state_dict?): describe() again"
+                )
+            return [m._local_tensor for m in now]
+
+    return _dt._live(what, entries, locals_, group)
+
+
+def init_adam_state(optimizer, step) -> None:
+    """Give every parameter of a torch.optim Adam/AdamW its state, with its step counter = step.
+
+    Parameters without state get zero moments, made as torch does on the first step
+    (`zeros_like(param)`: a DTensor placed like the parameter), so that `describe(...,
+    "exp_avg")` has a target to write before the optimizer ever stepped (elastic resize,
+    migration from another framework). Existing moments are kept. The step counter is not part
+    of any layout: set it to the source's step count, or bias correction differs.
+    """
+    import torch
+
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise UnsupportedError(
+            f"init_adam_state() supports torch.optim.Adam/AdamW, got {type(optimizer).__name__}"
+        )
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            raise UnsupportedError(
+                "init_adam_state() writes a CPU step counter: use capturable=False, fused=False"
+            )
+        for p in group["params"]:
+            state = optimizer.state[p]
+            with torch.no_grad():
+                if not state:  # torch's own order and construction (Adam._init_group)
+                    state["step"] = None
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("amsgrad"):
+                        state["max_exp_avg_sq"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
+                state["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())

@@ -1,0 +1,345 @@
+"""Builders of TensorLayouts for the common shardings: `replicated`, `split` (TP, DTensor
+Shard), `flat` (ZeRO ranges of the flattened tensor) and `nest` (a sharding of a sharding)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import LayoutError
+from .pieces import PieceTable, TensorLayout, find_gap
+from .values import (
+    I64,
+    INT64_MAX,
+    as_int,
+    as_int_array,
+    as_ints,
+    as_shape,
+    num_elements,
+    row_major,
+    tensor_label,
+)
+
+
+def _tensor_layout(shape, loc, off, start, box, strides, name, covered):
+    table = PieceTable.of(len(shape), loc, off, start, box, strides)
+    return TensorLayout.from_table(shape, table, name=name, covered=covered)
+
+
+def replicated(shape, locations, *, name=None) -> TensorLayout:
+    """A full, contiguous copy of the tensor at offset 0 of each location."""
+    shape = as_shape(shape, "replicated shape", name)
+    locs = as_ints(locations, "replicated locations")
+    if not locs:
+        raise LayoutError(f"{tensor_label(name, shape)}: replicated() needs at least one location")
+    n, d = len(locs), len(shape)
+    return _tensor_layout(
+        shape,
+        np.array(locs, I64),
+        np.zeros(n, I64),
+        np.zeros((n, d), I64),
+        np.tile(np.array(shape, I64), (n, 1)).reshape(n, d),
+        np.tile(np.array(row_major(shape), I64), (n, 1)).reshape(n, d),
+        name,
+        covered=True,
+    )
+
+
+def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLayout:
+    """Shard `dim` into consecutive blocks of `sizes` (uneven allowed, zeros allowed).
+
+    Block i is stored contiguously (row-major of its own shape) at `offsets[i]` (default 0)
+    of `locations[i]`. An entry of `locations` may be a sequence of locations (replicas of
+    that block); the matching entry of `offsets` is then an int or a sequence as long.
+    """
+    shape = as_shape(shape, "split shape", name)
+    tn = tensor_label(name, shape)
+    d = len(shape)
+    dim = as_int(dim, "split dim")
+    if not -d <= dim < d:
+        raise LayoutError(f"{tn}: split dim {dim} out of range for {d} dims")
+    dim %= d
+    sizes = as_ints(sizes, "split sizes")
+    locations = list(locations)
+    if len(sizes) != len(locations):
+        raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(locations)} locations")
+    if any(s < 0 for s in sizes):
+        raise LayoutError(f"{tn}: split sizes {sizes} has a negative size")
+    if sum(sizes) != shape[dim]:
+        raise LayoutError(
+            f"{tn}: split sizes {sizes} sum to {sum(sizes)} but dim {dim} has {shape[dim]}"
+        )
+    if offsets is None:
+        offsets = [0] * len(sizes)
+    offsets = list(offsets)
+    if len(offsets) != len(sizes):
+        raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(offsets)} offsets")
+    loc, off, blk = _split_holders(tn, locations, offsets)
+    neg = np.nonzero(off < 0)[0]
+    if len(neg):
+        i = int(neg[0])
+        raise LayoutError(f"{tn}: split block {int(blk[i])}: negative storage offset {off[i]}")
+    size_a = np.array(sizes, I64).reshape(-1)
+    begin = np.cumsum(size_a) - size_a
+    n = len(loc)
+    start = np.zeros((n, d), I64)
+    start[:, dim] = begin[blk]
+    box = np.tile(np.array(shape, I64), (n, 1)).reshape(n, d)
+    box[:, dim] = size_a[blk]
+    strides = np.empty((n, d), I64)
+    for size in set(sizes):  # row-major strides of each distinct block shape
+        pshape = list(shape)
+        pshape[dim] = size
+        strides[size_a[blk] == size] = row_major(pshape)
+    return _tensor_layout(shape, loc, off, start, box, strides, name, covered=True)
+
+
+def _split_holders(tn, locations, offsets):
+    """(location, offset, block) of every holder of every block. Python work per block
+    (few); per location (replicas, hundreds) only numpy."""
+    locs, offs_all, counts = [], [], []
+    for i, (where, offs) in enumerate(zip(locations, offsets)):
+        group = (where,) if not hasattr(where, "__iter__") else tuple(where)
+        if not group:
+            raise LayoutError(f"{tn}: split block {i} has no location")
+        offs = (offs,) * len(group) if not hasattr(offs, "__iter__") else tuple(offs)
+        if len(offs) != len(group):
+            raise LayoutError(
+                f"{tn}: split block {i} has {len(group)} locations but {len(offs)} offsets"
+            )
+        locs.extend(group)
+        offs_all.extend(offs)
+        counts.append(len(group))
+    loc = as_int_array(locs, "split location")
+    off = as_int_array(offs_all, "split offset")
+    return loc, off, np.repeat(np.arange(len(counts)), counts)
+
+
+def flat(shape, runs, *, name=None) -> TensorLayout:
+    """The ZeRO form: ranges of the row-major flattened tensor.
+
+    `runs`: `[(location, flat_start, flat_stop, offset)]`: flat elements
+    `flat_start..flat_stop` live contiguously at `offset` of `location`. Storage outside
+    the runs is padding. Overlapping runs are replicas. Each run becomes at most
+    `2*ndim - 1` boxes (a range that starts mid-row has a partial head row).
+    """
+    shape = as_shape(shape, "flat shape", name)
+    tn = tensor_label(name, shape)
+    numel = num_elements(shape)
+    r = _flat_runs_array(tn, runs)
+    loc, fs, fe, off = r.T
+    bad_any = len(r) and (
+        min(int(loc.min()), int(fs.min()), int(off.min())) < 0
+        or int(fe.max()) > numel
+        or (fs > fe).any()
+    )
+    for bad, why in (
+        (
+            ((fs < 0) | (fs > fe), "flat_start must be in 0..flat_stop"),
+            (fe > numel, f"flat_stop beyond the tensor's {numel} elements"),
+            (off < 0, "negative storage offset"),
+            (loc < 0, "negative location"),
+        )
+        if bad_any
+        else ()
+    ):
+        idx = np.nonzero(bad)[0]
+        if len(idx):
+            i = int(idx[0])
+            raise LayoutError(f"{tn}: flat run {i} {tuple(int(x) for x in r[i])}: {why}")
+    keep = fe > fs
+    if not keep.all():
+        loc, fs, fe, off = loc[keep], fs[keep], fe[keep], off[keep]
+    # the common ZeRO form: ranges in order, each starting where the previous one stopped
+    tiled = len(fs) and fs[0] == 0 and fe[-1] == numel and (fs[1:] == fe[:-1]).all()
+    if numel > 0 and not tiled:
+        gap = find_gap((numel,), fs[:, None], fe[:, None])
+        if gap is not None:
+            g = gap[0]
+            idx = np.unravel_index(g, shape) if shape else ()
+            raise LayoutError(
+                f"{tn}: gap: flat element {g} (index {tuple(int(x) for x in idx)}) is in no run"
+            )
+    bl, bo, bs, bb = _flat_boxes(shape, loc, fs, fe, off)
+    n, d = len(bl), len(shape)
+    strides = np.tile(np.array(row_major(shape), I64), (n, 1)).reshape(n, d)
+    return _tensor_layout(shape, bl, bo, bs, bb, strides, name, covered=True)
+
+
+def _flat_runs_array(tn, runs) -> np.ndarray:
+    """`runs` as an int64 [n, 4] array (location, flat_start, flat_stop, offset)."""
+    if isinstance(runs, np.ndarray) and runs.dtype.kind in "iu":
+        if runs.size and runs.dtype.kind == "u" and int(runs.max()) > INT64_MAX:
+            raise LayoutError(f"{tn}: flat run field {int(runs.max())} does not fit in int64")
+        r = runs.astype(I64, copy=False)  # fast path for generated layouts
+    else:
+        r = np.asarray(runs if len(runs) else np.zeros((0, 4)), dtype=object)
+        try:
+            r = np.array([[as_int(x, f"{tn}: flat run field") for x in row] for row in r], I64)
+        except LayoutError:
+            raise
+        except (TypeError, ValueError):
+            raise LayoutError(
+                f"{tn}: flat runs must be (location, flat_start, flat_stop, offset) integers"
+            ) from None
+        r = r.reshape(-1, 4) if r.size == 0 else r
+    if r.ndim != 2 or r.shape[1] != 4:
+        raise LayoutError(f"{tn}: flat runs must be (location, flat_start, flat_stop, offset)")
+    return r
+
+
+def _flat_boxes(shape, loc, a, b, off):
+    """Decompose flat ranges [a, b) of a row-major `shape` into boxes (vectorized)."""
+    d = len(shape)
+    if d == 0:
+        n = len(loc)
+        return loc, off, np.zeros((n, 0), I64), np.zeros((n, 0), I64)
+    shp = np.array(shape, I64)
+    P = np.array(row_major(shape), I64)  # elements per index step of each dim
+    cur = a.copy()
+    out = []
+
+    def emit(mask, k, x, y):
+        idx = np.nonzero(mask)[0]
+        if not len(idx):
+            return
+        xs, ys = x[idx], y[idx]
+        st = np.zeros((len(idx), d), I64)
+        bx = np.tile(shp, (len(idx), 1))
+        for j in range(k + 1):
+            st[:, j] = (xs // P[j]) % shp[j]
+        bx[:, :k] = 1
+        bx[:, k] = (ys - xs) // P[k]
+        out.append((loc[idx], off[idx] + (xs - a[idx]), st, bx))
+
+    # Head: climb levels while the range reaches the next boundary of the level above.
+    k0 = np.zeros(len(a), I64)
+    active = np.ones(len(a), bool)
+    for k in range(d - 1, 0, -1):
+        B = -(-cur // P[k - 1]) * P[k - 1]
+        ok = active & (B <= b)
+        emit(ok & (B > cur), k, cur, B)
+        cur = np.where(ok, B, cur)
+        k0 = np.where(active & ~ok, k, k0)
+        active &= ok
+    # Tail: descend levels, taking as many whole blocks of each level as fit.
+    for k in range(d):
+        E = (b // P[k]) * P[k]
+        m = (k >= k0) & (E > cur)
+        emit(m, k, cur, E)
+        cur = np.where(m, E, cur)
+    if not out:
+        z = np.zeros(0, I64)
+        return z, z, np.zeros((0, d), I64), np.zeros((0, d), I64)
+    return tuple(np.concatenate([o[k] for o in out]) for k in range(4))
+
+
+def nest(outer, inner, *, name=None) -> TensorLayout:
+    """Compose: `outer` places the tensor into virtual flat storages; `inner[location]` is
+    the 1-D layout of that virtual storage over real locations.
+
+    Example: a TP shard buffer that is itself ZeRO-partitioned, or a 2-D tensor stored whole
+    in one process and ZeRO-partitioned underneath. Outer locations absent from `inner`
+    pass through unchanged. The result keeps `outer`'s logical shape.
+    """
+    if not isinstance(outer, TensorLayout):
+        raise LayoutError(f"nest: outer must be a TensorLayout, got {type(outer).__name__}")
+    shape = outer.shape
+    tn = tensor_label(name if name is not None else outer.name, shape)
+    d = len(shape)
+    for loc, tl in inner.items():
+        if not isinstance(tl, TensorLayout) or len(tl.shape) != 1:
+            raise LayoutError(
+                f"{tn}: nest inner[{loc!r}] must be a 1-D TensorLayout of the location's "
+                "flat storage"
+            )
+    hi = outer.table.footprint_hi()
+    rows = []  # (loc, off, start, box, strides)
+    ot = outer.table
+    for i in range(len(outer)):
+        loc = int(ot.location[i])
+        st, bx, sd = ot.start[i], ot.shape[i], ot.strides[i]
+        off = int(ot.offset[i])
+        if loc not in inner or hi[i] < 0:
+            rows.append((loc, off, st, bx, sd))
+            continue
+        tl = inner[loc]
+        if hi[i] >= tl.shape[0]:
+            raise LayoutError(
+                f"{outer.piece_label(i)}: reaches element {int(hi[i])} of location {loc}, whose "
+                f"inner layout has only {tl.shape[0]} elements"
+            )
+        rows.extend(_composed(off, st, bx, sd, tl.table))
+    n = len(rows)
+    return _tensor_layout(
+        shape,
+        np.array([r[0] for r in rows], I64),
+        np.array([r[1] for r in rows], I64),
+        np.array([r[2] for r in rows], I64).reshape(n, d),
+        np.array([r[3] for r in rows], I64).reshape(n, d),
+        np.array([r[4] for r in rows], I64).reshape(n, d),
+        name if name is not None else outer.name,
+        covered=True,  # outer covers the tensor, each inner covers its whole storage
+    )
+
+
+def _composed(off, st, bx, sd, inner):
+    """Rows (loc, off, start, box, strides) of an outer piece (offset `off`, start `st`, box
+    `bx`, strides `sd`) composed with each piece of the 1-D `inner` table it reaches."""
+    for q in range(len(inner.location)):
+        qs = int(inner.start[q, 0])
+        qe = qs + int(inner.shape[q, 0])
+        qstride = int(inner.strides[q, 0])
+        for rel, sub in _preimage(off, sd.tolist(), bx.tolist(), qs, qe):
+            v = off + sum(s * r for s, r in zip(sd.tolist(), rel))
+            yield (
+                int(inner.location[q]),
+                int(inner.offset[q]) + qstride * (v - qs),
+                st + np.array(rel, I64),
+                np.array(sub, I64),
+                sd * qstride,
+            )
+
+
+def _preimage(off, strides, shape, a, b):
+    """Sub-boxes (relative start, shape) of a strided box whose storage offsets lie in [a, b).
+
+    Splits along the largest-stride dim; rows wholly inside form one box, rows straddling a
+    boundary recurse. For contiguous or row-sliced pieces this yields at most a few boxes.
+    """
+    d = len(shape)
+    if any(n == 0 for n in shape):
+        return []
+    hi = off + sum(s * (n - 1) for s, n in zip(strides, shape))
+    if hi < a or off >= b:
+        return []
+    if off >= a and hi < b:
+        return [((0,) * d, tuple(shape))]
+    k = max((j for j in range(d) if shape[j] > 1), key=lambda j: (strides[j], -j))
+    sk = strides[k]  # > 0: with all strides 0 the footprint is one element, handled above
+    sub_ext = hi - off - sk * (shape[k] - 1)
+    # rows i with off + i*sk >= a and off + i*sk + sub_ext < b are wholly inside
+    i0 = max(0, -(-(a - off) // sk))
+    i1 = min(shape[k] - 1, (b - 1 - sub_ext - off) // sk)
+    out = []
+    if i0 <= i1:
+        rel = [0] * d
+        rel[k] = i0
+        sub = list(shape)
+        sub[k] = i1 - i0 + 1
+        out.append((tuple(rel), tuple(sub)))
+    partial = set()
+    for lo_i, hi_i in (
+        ((a - sub_ext - off) // sk, (a - off) // sk + 1),
+        ((b - sub_ext - off) // sk, (b - off) // sk + 1),
+    ):
+        for i in range(max(0, lo_i), min(shape[k], hi_i + 1)):
+            if not i0 <= i <= i1:
+                partial.add(i)
+    sub_shape = list(shape)
+    sub_shape[k] = 1
+    for i in sorted(partial):
+        for rel, sub in _preimage(off + i * sk, strides, sub_shape, a, b):
+            rel = list(rel)
+            rel[k] = i
+            out.append((tuple(rel), sub))
+    return out

@@ -1,0 +1,349 @@
+"""Pieces of one logical tensor: `Piece`, the `PieceTable` they are kept in, `TensorLayout`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import LayoutError
+from .values import (
+    I64,
+    MAX_ELEMENTS,
+    as_int,
+    as_ints,
+    as_shape,
+    num_elements,
+    row_major,
+    tensor_label,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The logical box `start .. start+shape` stored in storage `location`.
+
+    Element `idx` of the box lives at `offset + sum(strides[k] * (idx[k] - start[k]))`.
+    `strides=None` means row-major (contiguous) strides of `shape`. Any non-negative
+    strides are allowed: a row slice of a fused buffer, a transposed view.
+    """
+
+    location: int
+    offset: int
+    start: tuple
+    shape: tuple
+    strides: tuple = None
+
+    def __post_init__(self):
+        start = as_ints(self.start, "Piece.start")
+        shape = as_ints(self.shape, "Piece.shape")
+        if len(start) != len(shape):
+            raise LayoutError(f"Piece start {start} and shape {shape} have different lengths")
+        if self.strides is None:
+            strides = row_major(shape)
+        else:
+            strides = as_ints(self.strides, "Piece.strides")
+            if len(strides) != len(shape):
+                raise LayoutError(
+                    f"Piece strides {strides} and shape {shape} have different lengths"
+                )
+        object.__setattr__(self, "location", as_int(self.location, "Piece.location"))
+        object.__setattr__(self, "offset", as_int(self.offset, "Piece.offset"))
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "strides", strides)
+
+
+class PieceTable(NamedTuple):
+    """A tensor's pieces as read-only int64 arrays, one row per piece: `location [n]`,
+    `offset [n]`, `start [n, d]`, `shape [n, d]`, `strides [n, d]` (d: the tensor's ndim)."""
+
+    location: np.ndarray
+    offset: np.ndarray
+    start: np.ndarray
+    shape: np.ndarray
+    strides: np.ndarray
+
+    @classmethod
+    def of(cls, d, location, offset, start, shape, strides) -> PieceTable:
+        """Contiguous int64 arrays of the right shapes, as read-only views."""
+        loc = np.ascontiguousarray(location, I64).reshape(-1)
+        n = len(loc)
+        cols = (
+            loc,
+            np.ascontiguousarray(offset, I64).reshape(n),
+            np.ascontiguousarray(start, I64).reshape(n, d),
+            np.ascontiguousarray(shape, I64).reshape(n, d),
+            np.ascontiguousarray(strides, I64).reshape(n, d),
+        )
+        return cls(*(_read_only(a) for a in cols))
+
+    @classmethod
+    def empty(cls, d) -> PieceTable:
+        z = np.zeros((0, d), I64)
+        return cls.of(d, np.zeros(0, I64), np.zeros(0, I64), z, z, z)
+
+    @classmethod
+    def from_pieces(cls, d, pieces) -> PieceTable:
+        n = len(pieces)
+        return cls.of(
+            d,
+            [p.location for p in pieces],
+            [p.offset for p in pieces],
+            np.array([p.start for p in pieces], I64).reshape(n, d),
+            np.array([p.shape for p in pieces], I64).reshape(n, d),
+            np.array([p.strides for p in pieces], I64).reshape(n, d),
+        )
+
+    @classmethod
+    def concat(cls, d, tables) -> PieceTable:
+        return cls.of(d, *(np.concatenate([t[k] for t in tables]) for k in range(5)))
+
+    def footprint_hi(self) -> np.ndarray:
+        """Largest storage offset each piece touches (-1 for empty pieces)."""
+        nonempty = (self.shape > 0).all(axis=1)
+        hi = self.offset + (self.strides * (self.shape - 1)).sum(axis=1)
+        return np.where(nonempty, hi, -1)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class TensorLayout:
+    """Where every element of one logical tensor lives: `pieces` cover `shape`.
+
+    `pieces` may mix `Piece`s and other `TensorLayout`s of the same shape (their pieces are
+    added; handy for replicas: `TensorLayout(shape, [split(...), split(...)])`).
+    Overlapping pieces are replicas. Raises `LayoutError` for pieces outside the tensor,
+    negative offsets/strides, and gaps (an element no piece covers). `table` is the pieces as
+    read-only arrays (what the planner reads); `pieces` builds `Piece` objects on first use.
+    """
+
+    __slots__ = ("_shape", "_table", "_name", "_pieces")
+
+    def __init__(self, shape, pieces, *, name=None):
+        shape = as_shape(shape, "TensorLayout.shape", name)
+        if isinstance(pieces, (Piece, TensorLayout)):
+            pieces = [pieces]
+        d = len(shape)
+        tables, explicit, covered = [], [], False
+        for i, p in enumerate(pieces):
+            if isinstance(p, TensorLayout):
+                if p.shape != shape:
+                    raise LayoutError(
+                        f"{tensor_label(name, shape)}: entry {i} is a TensorLayout of shape "
+                        f"{p.shape}"
+                    )
+                tables.append(p.table)
+                covered = True  # it was validated to cover the tensor on its own
+            elif isinstance(p, Piece):
+                if len(p.shape) != d:
+                    raise LayoutError(
+                        f"{tensor_label(name, shape)}: piece {i} {p}: has {len(p.shape)} dims, "
+                        f"the tensor has {d}"
+                    )
+                explicit.append(p)
+            else:
+                raise LayoutError(
+                    f"{tensor_label(name, shape)}: entry {i} is {type(p).__name__}, "
+                    "expected Piece or TensorLayout"
+                )
+        if explicit:
+            tables.insert(0, PieceTable.from_pieces(d, explicit))
+        table = PieceTable.concat(d, tables) if tables else PieceTable.empty(d)
+        self._set(shape, table, name)
+        check_pieces(self, check_cover=not covered)
+
+    @classmethod
+    def from_table(cls, shape, table: PieceTable, *, name=None, covered=False) -> TensorLayout:
+        """A TensorLayout of validated `shape` from a table of pieces. `covered=True` (the
+        builders): the pieces are known to cover the tensor, the gap search is skipped; every
+        other check runs."""
+        self = object.__new__(cls)
+        self._set(tuple(shape), PieceTable.of(len(shape), *table), name)
+        check_pieces(self, check_cover=not covered)
+        return self
+
+    def _set(self, shape, table, name):
+        self._shape, self._table, self._name, self._pieces = shape, table, name, None
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def name(self):
+        """The tensor's name for error messages, or None."""
+        return self._name
+
+    @property
+    def numel(self) -> int:
+        return num_elements(self._shape)
+
+    @property
+    def table(self) -> PieceTable:
+        return self._table
+
+    @property
+    def pieces(self) -> tuple:
+        if self._pieces is None:
+            self._pieces = tuple(self.piece(i) for i in range(len(self)))
+        return self._pieces
+
+    def __len__(self):
+        return len(self._table.location)
+
+    def piece(self, i) -> Piece:
+        t = self._table
+        return Piece(
+            int(t.location[i]),
+            int(t.offset[i]),
+            tuple(int(x) for x in t.start[i]),
+            tuple(int(x) for x in t.shape[i]),
+            tuple(int(x) for x in t.strides[i]),
+        )
+
+    def piece_label(self, i) -> str:
+        """How errors name piece `i`: the tensor, the index and the piece."""
+        return f"{tensor_label(self._name, self._shape)}: piece {i} {self.piece(i)}"
+
+    def __eq__(self, other):
+        if not isinstance(other, TensorLayout):
+            return NotImplemented
+        return self._shape == other._shape and all(
+            np.array_equal(a, b) for a, b in zip(self._table, other._table)
+        )
+
+    __hash__ = None
+
+    def __getstate__(self):
+        return (self._shape, tuple(self._table), self._name)
+
+    def __setstate__(self, state):
+        shape, arrays, name = state
+        self._set(shape, PieceTable.of(len(shape), *arrays), name)
+
+    def __repr__(self):
+        n = len(self)
+        head = ", ".join(repr(self.piece(i)) for i in range(min(n, 3)))
+        more = f", ... {n - 3} more" if n > 3 else ""
+        return f"TensorLayout(shape={self._shape}, pieces=[{head}{more}])"
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def check_pieces(tl: TensorLayout, check_cover: bool):
+    """Non-negative fields, pieces inside the tensor, footprints below MAX_ELEMENTS, and (with
+    `check_cover`) no gap. Raises LayoutError naming the first bad piece."""
+    t = tl.table
+    shape = np.array(tl.shape, I64)
+    # `box > shape - start`, not `start + box > shape`: the sum could wrap around int64
+    outside = t.shape > shape - t.start
+    if (
+        not check_cover
+        and len(tl)
+        and min(
+            int(t.location.min()),
+            int(t.offset.min()),
+            int(t.start.min(initial=0)),
+            int(t.shape.min(initial=0)),
+            int(t.strides.min(initial=0)),
+        )
+        >= 0
+        and not outside.any()
+    ):
+        check_footprints(tl)
+        return  # fast path for builders (one pass per check; the slow path names the piece)
+    for arr, what in (
+        (t.location[:, None], "negative location"),
+        (t.offset[:, None], "negative storage offset"),
+        (t.start, "negative start"),
+        (t.shape, "negative shape"),
+        (t.strides, "negative stride (flip the piece's start instead)"),
+    ):
+        bad = np.nonzero((arr < 0).any(axis=1))[0]
+        if len(bad):
+            raise LayoutError(f"{tl.piece_label(int(bad[0]))}: {what}")
+    bad = np.nonzero(outside.any(axis=1))[0]
+    if len(bad):
+        raise LayoutError(
+            f"{tl.piece_label(int(bad[0]))}: outside the tensor (start+shape exceeds {tl.shape})"
+        )
+    check_footprints(tl)
+    if check_cover and tl.numel > 0:
+        gap = find_gap(tl.shape, t.start, t.start + t.shape)
+        if gap is not None:
+            raise LayoutError(
+                f"{tensor_label(tl.name, tl.shape)}: gap: element {gap} is in no piece "
+                f"({len(tl)} pieces)"
+            )
+
+
+def check_footprints(tl: TensorLayout):
+    """Every piece's furthest storage element, offset + sum(strides * (shape - 1)), is below
+    MAX_ELEMENTS (fields are non-negative here). A float64 screen finds the candidates; they
+    are checked exactly in Python ints, since int64 arithmetic could wrap."""
+    t = tl.table
+    if not len(tl):
+        return
+    ext = np.maximum(t.shape - 1, 0).astype(np.float64)
+    approx = t.offset.astype(np.float64) + (t.strides.astype(np.float64) * ext).sum(1)
+    for i in np.nonzero(approx >= MAX_ELEMENTS / 2)[0].tolist():
+        if (t.shape[i] == 0).any():
+            continue  # an empty piece touches no storage
+        hi = int(t.offset[i]) + sum(int(s) * (int(b) - 1) for s, b in zip(t.strides[i], t.shape[i]))
+        if hi >= MAX_ELEMENTS:
+            raise LayoutError(
+                f"{tl.piece_label(i)}: reaches storage element {hi} (offset + "
+                "sum(strides * (shape - 1))), beyond the 2**53 elements of reshard's geometry"
+            )
+
+
+def find_gap(shape, starts, ends):
+    """An element of the box `0..shape` covered by no [start, end) box, or None."""
+    d = len(shape)
+    if d == 0:
+        return None if len(starts) else ()
+    keep = (ends > starts).all(axis=1)
+    return _gap_in(np.zeros(d, I64), np.array(shape, I64), starts[keep], ends[keep])
+
+
+def _gap_in(lo, hi, s, e):
+    # Sweep dim 0; slabs between breakpoints with the same set of spanning boxes are
+    # checked once on the remaining dims. Cheap for the layouts people build: ZeRO flat
+    # ranges, splits, replicas (a box that spans everything ends the search at once).
+    m = ((s < hi) & (e > lo)).all(axis=1)
+    s, e = np.maximum(s[m], lo), np.minimum(e[m], hi)
+    if len(s) == 0:
+        return tuple(int(x) for x in lo)
+    if ((s <= lo) & (e >= hi)).all(axis=1).any():
+        return None
+    if len(lo) == 1:
+        order = np.argsort(s[:, 0], kind="stable")
+        ss = s[order, 0]
+        ee = np.maximum.accumulate(e[order, 0])
+        if ss[0] > lo[0]:
+            return (int(lo[0]),)
+        gaps = np.nonzero(ss[1:] > ee[:-1])[0]
+        if len(gaps):
+            return (int(ee[gaps[0]]),)
+        return None if ee[-1] >= hi[0] else (int(ee[-1]),)
+    bps = np.unique(np.concatenate([s[:, 0], e[:, 0], lo[:1], hi[:1]]))
+    a, b = bps[:-1], bps[1:]
+    active = (s[None, :, 0] <= a[:, None]) & (e[None, :, 0] >= b[:, None])
+    seen = set()
+    for k in range(len(a)):
+        key = np.packbits(active[k]).tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        sel = active[k]
+        g = _gap_in(lo[1:], hi[1:], s[sel, 1:], e[sel, 1:])
+        if g is not None:
+            return (int(a[k]), *g)
+    return None

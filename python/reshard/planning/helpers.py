@@ -1,0 +1,37 @@
+"""Small array helpers shared by the planning steps."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .records import I64
+
+
+def expand(counts):
+    """For ranges of `counts`: (owner index, position within the range) of every element."""
+    counts = np.asarray(counts, I64)
+    total = int(counts.sum())
+    owner = np.repeat(np.arange(len(counts), dtype=I64), counts)
+    first = np.cumsum(counts) - counts
+    return owner, np.arange(total, dtype=I64) - first[owner]
+
+
+def segments_of(flags):
+    """Start index of each maximal segment, given `flags[i]`: element i continues i-1."""
+    n = len(flags)
+    new = np.ones(n, bool)
+    if n > 1:
+        new[1:] = ~flags[1:]
+    return np.nonzero(new)[0]
+
+
+def rows_equal(*cols):
+    """flags[i]: row i equals row i-1 in every column (1-D or 2-D column blocks)."""
+    n = len(cols[0])
+    same = np.zeros(n, bool)
+    if n > 1:
+        same[1:] = True
+        for c in cols:
+            c = c.reshape(n, -1)
+            same[1:] &= (c[1:] == c[:-1]).all(axis=1)
+    return same

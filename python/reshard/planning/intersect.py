@@ -1,0 +1,269 @@
+"""Intersection of pieces: batches of tensors, their pieces stacked, source regions, target
+templates, and the jobs (box, source piece, target piece) where they overlap."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .helpers import expand, rows_equal, segments_of
+from .records import I64, Jobs
+
+# Jobs (piece intersections) are made in batches of about this many pieces so that peak
+# memory stays bounded on models with millions of pieces. Read at call time.
+BATCH_PIECES = 1 << 15
+
+
+class Batch(NamedTuple):
+    """Tensors planned together: global tensor ids `tids`, `pos[tid]` the position of a
+    tensor in the batch, `base[i]` its dim-0 sweep key base, `numel[i]` its element count."""
+
+    tids: np.ndarray
+    pos: np.ndarray
+    base: np.ndarray
+    numel: np.ndarray
+
+
+class PieceSet(NamedTuple):
+    """Non-empty pieces of a batch's tensors, stacked: global `tensor` id, storage `location`,
+    `offset`, and `start`/`shape`/`strides` padded in front to the plan's ndim (extent 1,
+    stride 0)."""
+
+    tensor: np.ndarray
+    location: np.ndarray
+    offset: np.ndarray
+    start: np.ndarray
+    shape: np.ndarray
+    strides: np.ndarray
+
+
+class Templates(NamedTuple):
+    """Distinct target (tensor, start, shape, strides) boxes: `order` sorts the target pieces
+    so that the replicas of template i are `order[first[i] : first[i] + count[i]]`."""
+
+    order: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+
+
+class Overlaps(NamedTuple):
+    """Pairs (a[i], b[i]) of boxes that intersect in the box [lo[i], hi[i])."""
+
+    a: np.ndarray
+    b: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+class Regions(NamedTuple):
+    """Distinct source boxes [lo, hi) of batch tensor `tensor`, each read from any of its
+    holders: source pieces `holders[first[r] : first[r] + count[r]]`."""
+
+    tensor: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    holders: np.ndarray
+
+
+def batches(src, dst, names, tids):
+    """Tensors in batches of about BATCH_PIECES pieces, so temporaries stay small."""
+    out, cur, size = [], [], 0
+    for t in tids:
+        name = names[t]
+        cur.append(t)
+        size += len(src.tensors[name]) + len(dst.tensors[name])
+        if size >= BATCH_PIECES:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def batch_of(layout, names, tids, ndim) -> Batch:
+    tids = np.asarray(tids, I64)
+    shapes = []
+    for t in tids.tolist():
+        shp = layout.tensors[names[t]].shape
+        shapes.append((1,) * (ndim - len(shp)) + tuple(shp))
+    shapes = np.array(shapes, I64).reshape(len(tids), ndim)
+    pos = np.zeros(int(tids.max()) + 1, I64)
+    pos[tids] = np.arange(len(tids))
+    numel = shapes.prod(axis=1)
+    # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch. An
+    # empty tensor has no pieces here and takes no key range, so the bases stay within the
+    # elements of the batch (below 2**53) however long its dim 0 is.
+    dim0 = np.where(numel > 0, shapes[:, 0], 0)
+    return Batch(tids, pos, np.cumsum(dim0) - dim0, numel)
+
+
+def gather(layout, names, tids, ndim) -> PieceSet:
+    """The non-empty pieces of tensors `tids`. One concatenation per ndim, so the cost per
+    tensor is a list append, not numpy calls."""
+    by_d = {}
+    for t in tids.tolist():
+        tl = layout.tensors[names[t]]
+        by_d.setdefault(len(tl.shape), []).append((t, tl))
+    parts = []
+    for d, items in sorted(by_d.items()):
+        tables = [tl.table for _, tl in items]
+        loc, off, start, box, strides = (np.concatenate([t[k] for t in tables]) for k in range(5))
+        counts = np.array([len(t.location) for t in tables], I64)
+        tid = np.repeat(np.array([t for t, _ in items], I64), counts)
+        n = len(loc)
+        start, box, strides = (a.reshape(n, d) for a in (start, box, strides))
+        keep = (box > 0).all(axis=1)
+        if keep.all():
+            keep = slice(None)  # a view, not a copy
+        pad = ndim - d
+
+        def padded(a, fill, keep=keep, pad=pad):
+            a = a[keep]
+            if pad:
+                a = np.concatenate([np.full((len(a), pad), fill, I64), a], axis=1)
+            return a
+
+        parts.append(
+            PieceSet(
+                tid[keep],
+                loc[keep],
+                off[keep],
+                padded(start, 0),
+                padded(box, 1),
+                padded(strides, 0),
+            )
+        )
+    return PieceSet(*(np.concatenate([pt[k] for pt in parts]) for k in range(6)))
+
+
+def templates(ti, start, box, strides) -> Templates:
+    """Distinct target (box, strides) per tensor; replicas of a template differ only in
+    storage and base offset."""
+    order = np.lexsort(tuple(strides.T[::-1]) + tuple(box.T[::-1]) + tuple(start.T[::-1]) + (ti,))
+    first = segments_of(rows_equal(ti[order], start[order], box[order], strides[order]))
+    return Templates(order, first, np.diff(np.append(first, len(order))))
+
+
+def intersect(base, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi) -> Overlaps:
+    """All pairs (i, j) of boxes a_i, b_j of the same tensor that intersect, with the
+    intersection. Output-sensitive: pairs are enumerated from dim-0 overlaps found by
+    binary search (one box's dim-0 start lies inside the other's range), then filtered.
+    The order of the pairs carries no meaning: callers sort what needs an order."""
+    ak0 = base[a_ti] + a_lo[:, 0]
+    ak1 = base[a_ti] + a_hi[:, 0]
+    bk0 = base[b_ti] + b_lo[:, 0]
+    bk1 = base[b_ti] + b_hi[:, 0]
+    ao = np.argsort(ak0, kind="stable")
+    bo = np.argsort(bk0, kind="stable")
+    ak0s, bk0s = ak0[ao], bk0[bo]
+    # a starts inside [b0, b1)
+    x0 = np.searchsorted(ak0s, bk0, "left")
+    x1 = np.searchsorted(ak0s, bk1, "left")
+    oj, k = expand(x1 - x0)
+    pa, pb = ao[x0[oj] + k], oj
+    # b starts strictly inside (a0, a1)
+    y0 = np.searchsorted(bk0s, ak0, "right")
+    y1 = np.searchsorted(bk0s, ak1, "left")
+    oi, k = expand(y1 - y0)
+    pa = np.concatenate([pa, oi])
+    pb = np.concatenate([pb, bo[y0[oi] + k]])
+    lo = np.maximum(a_lo[pa], b_lo[pb])
+    hi = np.minimum(a_hi[pa], b_hi[pb])
+    ok = (hi > lo).all(axis=1)
+    if ok.all():
+        return Overlaps(pa, pb, lo, hi)
+    return Overlaps(pa[ok], pb[ok], lo[ok], hi[ok])
+
+
+def source_regions(ti, start, box, direct, numel) -> Regions:
+    """Source regions of a batch (`ti`, `start`, `box`: its source pieces; `direct[i]`: batch
+    tensor i's pieces do not overlap). A direct tensor's pieces are its regions (one holder
+    each); the pieces of the others are grouped by box, and boxes that overlap only partly
+    are made disjoint."""
+    dpc = np.nonzero(direct[ti])[0]
+    rep = np.nonzero(~direct[ti])[0]
+    order = rep[np.lexsort(tuple(box[rep].T[::-1]) + tuple(start[rep].T[::-1]) + (ti[rep],))]
+    starts = segments_of(rows_equal(ti[order], start[order], box[order]))
+    holders = np.concatenate([dpc, order])
+    first = np.concatenate([np.arange(len(dpc), dtype=I64), len(dpc) + starts])
+    lead = holders[first]
+    r = Regions(
+        ti[lead],
+        start[lead],
+        start[lead] + box[lead],
+        first,
+        np.diff(np.append(first, len(holders))),
+        holders,
+    )
+    vol = np.bincount(
+        r.tensor, weights=(r.hi - r.lo).prod(axis=1).astype(np.float64), minlength=len(numel)
+    )
+    overlapping = np.nonzero(vol > numel)[0]
+    return disjoint_regions(overlapping, r) if len(overlapping) else r
+
+
+def disjoint_regions(tensors, r: Regions) -> Regions:
+    """Make the distinct source boxes of `tensors` disjoint (partially overlapping replicas).
+
+    Each box keeps only what earlier boxes did not claim; the pieces it keeps are read from its
+    own holders. Quadratic in the boxes of such a tensor; only unusual layouts get here.
+    """
+    bad = np.isin(r.tensor, tensors)
+    keep = np.nonzero(~bad)[0]
+    new_ti, new_lo, new_hi, new_first, new_count = [], [], [], [], []
+    claimed = {}
+    for i in np.nonzero(bad)[0].tolist():
+        t = int(r.tensor[i])
+        prev = claimed.setdefault(t, [])
+        parts = [(r.lo[i].tolist(), r.hi[i].tolist())]
+        for clo, chi in prev:
+            nxt = []
+            for plo, phi in parts:
+                nxt.extend(box_minus(plo, phi, clo, chi))
+            parts = nxt
+        prev.append((r.lo[i].tolist(), r.hi[i].tolist()))
+        for plo, phi in parts:
+            new_ti.append(t)
+            new_lo.append(plo)
+            new_hi.append(phi)
+            new_first.append(int(r.first[i]))
+            new_count.append(int(r.count[i]))
+    D = r.lo.shape[1]
+    return Regions(
+        np.concatenate([r.tensor[keep], np.array(new_ti, I64)]),
+        np.concatenate([r.lo[keep], np.array(new_lo, I64).reshape(-1, D)]),
+        np.concatenate([r.hi[keep], np.array(new_hi, I64).reshape(-1, D)]),
+        np.concatenate([r.first[keep], np.array(new_first, I64)]),
+        np.concatenate([r.count[keep], np.array(new_count, I64)]),
+        r.holders,
+    )
+
+
+def box_minus(plo, phi, clo, chi):
+    """The box [plo, phi) minus the box [clo, chi), as disjoint boxes."""
+    if any(ph <= cl or ch <= pl for pl, ph, cl, ch in zip(plo, phi, clo, chi)):
+        return [(plo, phi)]
+    out = []
+    plo, phi = list(plo), list(phi)
+    for k in range(len(plo)):
+        if plo[k] < clo[k]:
+            hi = list(phi)
+            hi[k] = clo[k]
+            out.append((list(plo), hi))
+            plo[k] = clo[k]
+        if phi[k] > chi[k]:
+            lo = list(plo)
+            lo[k] = chi[k]
+            out.append((lo, list(phi)))
+            phi[k] = chi[k]
+    return out
+
+
+def jobs_of(h, pj, lo, hi, S: PieceSet, T: PieceSet) -> Jobs:
+    """Jobs copying box [lo, hi) from source piece `h` to target piece `pj`."""
+    so = S.offset[h] + (S.strides[h] * (lo - S.start[h])).sum(axis=1)
+    do = T.offset[pj] + (T.strides[pj] * (lo - T.start[pj])).sum(axis=1)
+    return Jobs(S.location[h], so, S.strides[h], T.location[pj], do, T.strides[pj], hi - lo)

@@ -1,0 +1,184 @@
+"""Helpers for the FSDP2 / DTensor tests, used inside spawned ranks: real fully_shard models.
+
+Kept import-light at module level (the spawn context re-imports it in every worker). Layout
+checks (`assemble`, `check_targets`, `tp_targets`, bitwise comparison) are the DeepSpeed
+tests' (tests/deepspeed/_dsutil.py): they read only an rs.Layout and buffers.
+"""
+
+from __future__ import annotations
+
+LR = 1e-2
+BETAS = (0.9, 0.99)
+
+
+def make_net(seed, dtype=None, hidden=11):
+    """Uneven sizes on purpose: with dp 2..4 the last ranks get fewer rows, `scale` (1 row) and
+    `gate` (2 rows) leave some ranks with an empty shard. The root keeps `head`, `gate`,
+    `scale` and a LayerNorm with a frozen weight (the root stays unsharded after forward).
+    `hidden`: fc1's outputs (even for tensor parallelism, which DTensor needs even)."""
+    import torch
+
+    torch.manual_seed(seed)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(13, hidden)
+            self.fc2 = torch.nn.Linear(hidden, 7)
+            self.norm = torch.nn.LayerNorm(7)
+            self.head = torch.nn.Linear(7, 5)
+            self.gate = torch.nn.Parameter(torch.randn(2, 5))
+            self.scale = torch.nn.Parameter(torch.ones(1))
+            self.norm.weight.requires_grad_(False)
+
+        def forward(self, x):
+            h = self.norm(self.fc2(torch.relu(self.fc1(x))))
+            return (self.head(h) * self.scale) @ self.gate.t()
+
+    net = Net()
+    if dtype is not None:
+        net = net.to(dtype)
+    return net
+
+
+def param_groups(net):
+    """Weights decayed, everything else not (two groups, as in the DeepSpeed tests)."""
+    decay, other = [], []
+    for name, p in net.named_parameters():
+        if p.requires_grad:
+            (decay if name.endswith("weight") else other).append(p)
+    return [{"params": decay, "weight_decay": 0.01}, {"params": other, "weight_decay": 0.0}]
+
+
+def shard(net, mesh, root=True, **kw):
+    """fully_shard fc1 and fc2 as their own groups, then the root (the rest)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(net.fc1, mesh=mesh, **kw)
+    fully_shard(net.fc2, mesh=mesh, **kw)
+    if root:
+        fully_shard(net, mesh=mesh, **kw)
+    return net
+
+
+def policies(mode):
+    """fully_shard keyword arguments of a named configuration."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    if mode == "mp":
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}
+    if mode == "offload":
+        # pin_memory needs CUDA; on the CPU the policy still keeps params, grads, optimizer
+        # state in host memory through FSDP's offload path
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=False)}
+    if mode == "offload_mp":
+        return {
+            "offload_policy": CPUOffloadPolicy(pin_memory=False),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        }
+    return {}
+
+
+def make_fsdp(mesh, seed=0, mode="fp32", dtype=None, adamw=True):
+    import torch
+
+    net = shard(make_net(seed, dtype), mesh, **policies(mode))
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls(param_groups(net), lr=LR, betas=BETAS)
+    return net, opt
+
+
+def batch(seed, dtype=None, device=None):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 13, generator=g).to(device=device, dtype=dtype)
+
+
+def step(net, opt, seed, dtype=None, device=None):
+    loss = net(batch(seed, dtype, device)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def train(net, opt, steps, seed, rank, dtype=None, first=0, device=None):
+    for s in range(first, first + steps):
+        step(net, opt, seed * 1000 + s * 10 + rank, dtype, device)
+
+
+def full_params(net):
+    """Reference: DTensor.full_tensor() of every parameter (collective over the mesh)."""
+    return {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()}
+
+
+def full_moments(net, opt, kind):
+    out = {}
+    for n, p in net.named_parameters():
+        st = opt.state.get(p)
+        if st:
+            out[n] = st[kind].full_tensor().detach().clone()
+    return out
+
+
+def reference(net, opt, kind):
+    return full_params(net) if kind == "param" else full_moments(net, opt, kind)
+
+
+def steps_of(net, opt):
+    """{name: step counter} of every parameter with optimizer state."""
+    return {n: float(opt.state[p]["step"]) for n, p in net.named_parameters() if opt.state.get(p)}
+
+
+def poison_padding(net):
+    """NaN into FSDP2's padding (the tail of each padded shard beyond the local tensor);
+    returns (undo, number of padding elements). Writing padding or reading it into a target
+    shows up as a changed or NaN value."""
+    import torch
+
+    from reshard.integrations.fsdp import _fsdp_params
+
+    saved = []
+    for fp in _fsdp_params(net):
+        data = fp._sharded_param_data
+        n = fp.sharded_param._local_tensor.numel()
+        if data.numel() > n and data.is_floating_point():
+            saved.append((data, n, data[n:].clone()))
+            with torch.no_grad():
+                data[n:] = float("nan")
+
+    def undo():
+        with torch.no_grad():
+            for data, n, vals in saved:
+                data[n:] = vals
+
+    def intact():
+        return all(bool(data[n:].isnan().all()) for data, n, _ in saved)
+
+    return undo, intact, sum(d.numel() - n for d, n, _ in saved)
+
+
+def sub_layout(layout, names):
+    """The layout restricted to `names` (a target may name a subset of its source's tensors)."""
+    import reshard as rs
+
+    return rs.Layout({n: layout.tensors[n] for n in names}, layout.storages)
+
+
+def same_layout_everywhere(layout, group=None):
+    import torch.distributed as dist
+
+    got = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, layout, group=group)
+    return all(g == layout for g in got)
+
+
+def broadcast_layout(layout, src=0):
+    """A layout known only on the ranks that hold the state, sent to every rank."""
+    import torch.distributed as dist
+
+    box = [layout]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

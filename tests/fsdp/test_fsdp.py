@@ -1,0 +1,526 @@
+"""reshard.integrations.fsdp / dtensor against real FSDP2 (fully_shard) models on gloo ranks.
+
+CPU, spawned gloo ranks. References are DTensor.full_tensor() of the parameters and of the
+torch.optim AdamW state, computed in the test only; targets are poisoned (NaN) so an unwritten
+element shows; FSDP2's own padding is poisoned so a read or write of it shows. Several
+configurations share one spawn so the module stays within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _fsdputil.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))  # _dsutil.py
+
+from _spawn import run_ranks
+
+ENV = {"RESHARD_TEST_THREADS": "1"}
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _describe(net, opt, kind):
+    from reshard.integrations import fsdp as rsfsdp
+
+    return rsfsdp.describe(net, kind) if kind == "param" else rsfsdp.describe(net, kind, opt)
+
+
+def _check_views(net, opt, live, kind):
+    """Every described buffer is the live local tensor FSDP2 / the optimizer holds (a view)."""
+    locals_ = []
+    for p in net.parameters():
+        t = p if kind == "param" else (opt.state.get(p) or {}).get(kind)
+        if t is not None and t._local_tensor.numel():
+            locals_.append(t._local_tensor)
+    assert len(live.buffers) == len(locals_), (len(live.buffers), len(locals_))
+    ptrs = {(b.data_ptr(), b.numel()) for b in live.buffers.values()}
+    assert ptrs == {(t.data_ptr(), t.numel()) for t in locals_}
+
+
+# ------------------------------------------------------------------------------- geometry
+
+
+def _check_geometry(net, opt, tag):
+    """Every kind's layout, assembled from this rank's views and the peers', equals
+    full_tensor() bitwise; identical on every rank; views of the live tensors; FSDP2's padding
+    (poisoned) is never read. Returns the number of padding elements poisoned here."""
+    from _dsutil import assemble, assert_bitwise
+    from _fsdputil import poison_padding, reference, same_layout_everywhere
+
+    undo, intact, npad = poison_padding(net)
+    try:
+        for kind in KINDS:
+            live = _describe(net, opt, kind)
+            assert same_layout_everywhere(live.layout), f"{tag} {kind}: layouts differ"
+            want = reference(net, opt, kind)
+            assert sorted(live.layout.tensors) == sorted(want)
+            assert live.check() is None
+            _check_views(net, opt, live, kind)
+            got = assemble(live.layout, live.buffers)
+            for n in want:
+                assert_bitwise(got[n], want[n], f"{tag} {kind} {n}")
+            if "offload" in tag:
+                assert all(b.device.type == "cpu" for b in live.buffers.values())
+        assert intact()
+    finally:
+        undo()
+    return npad
+
+
+# ------------------------------------------------------------------- DTensor placements, 2-D
+
+
+def _dtensor_cases(mesh1, mesh2):
+    """(name, mesh, placements, shape) of hand-made DTensors: uneven, empty shards, replicas,
+    two mesh dims on one tensor dim, a strided shard."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return [
+        ("s0_uneven", mesh1, [Shard(0)], (7, 3)),
+        ("s1_uneven", mesh1, [Shard(1)], (2, 6)),
+        ("s0_empty", mesh1, [Shard(0)], (3, 2)),  # the 4th rank holds nothing
+        ("rep", mesh1, [Replicate()], (5,)),
+        ("s0_s1", mesh2, [Shard(0), Shard(1)], (5, 7)),
+        ("s0_s0", mesh2, [Shard(0), Shard(0)], (9, 2)),
+        ("rep_s0", mesh2, [Replicate(), Shard(0)], (5, 3)),
+        ("s1_rep", mesh2, [Shard(1), Replicate()], (3, 5)),
+        ("strided", mesh2, [_StridedShard(0, split_factor=2), Shard(0)], (8, 3)),
+        ("strided_3d", mesh2, [_StridedShard(1, split_factor=2), Shard(1)], (2, 12, 2)),
+        # alone, a strided shard leaves each rank rows k and 4 + k: two pieces per local tensor
+        ("strided_alone", mesh1, [_StridedShard(0, split_factor=2)], (8, 3)),
+        # a sliced mesh: one instance per row of mesh2, each holding a replica
+        ("sliced", mesh2["b"], [Shard(0)], (5, 2)),
+    ]
+
+
+def _placements_worker(rank, world):
+    import torch
+    from _dsutil import assemble, assert_bitwise, check_targets, replicated_targets
+    from _fsdputil import same_layout_everywhere
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    import reshard as rs
+    from reshard.errors import UnsupportedError
+    from reshard.integrations import dtensor as rsdt
+
+    mesh1 = init_device_mesh("cpu", (world,))
+    mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
+    g = torch.Generator().manual_seed(5)
+    dts, full = {}, {}
+    for name, mesh, placements, shape in _dtensor_cases(mesh1, mesh2):
+        t = torch.randn(shape, generator=g)
+        full[name] = t
+        dts[name] = distribute_tensor(t, mesh, placements)
+    for name, dt in dts.items():
+        assert torch.equal(dt.full_tensor(), full[name]), f"{name}: torch itself disagrees"
+    live = rsdt.describe(dts)
+    assert same_layout_everywhere(live.layout)
+    got = assemble(live.layout, live.buffers)
+    for name in full:
+        assert_bitwise(got[name], full[name], name)
+    # read every DTensor into one fp32 and one bf16 replica on ranks 0 and 2
+    for dtype in (torch.float32, torch.bfloat16):
+        dst, bufs = replicated_targets(live, [0, world - 1], dtype=dtype)
+        rs.Transfer(live.layout, dst, budget_bytes_per_peer=64)(live, bufs)
+        check_targets(dst, bufs, full, f"replicas {dtype}")
+    # and write them back from poisoned DTensors: every element of every shard is written
+    for dt in dts.values():
+        dt._local_tensor.fill_(float("nan"))
+    rs.Transfer(dst, live.layout, budget_bytes_per_peer=64)(bufs, live)
+    for name, dt in dts.items():
+        want = full[name].to(torch.bfloat16).float()
+        assert_bitwise(dt.full_tensor(), want, f"written back {name}")
+    # a Partial placement stores no element: refused, naming it
+    part = distribute_tensor(torch.ones(4), mesh1, [Partial()])
+    with pytest.raises(UnsupportedError, match=r"placement Partial\(sum\) on mesh dim 0"):
+        rsdt.describe({"p": part})
+    return sorted(full)
+
+
+def _placements_and_2d_worker(rank, world):
+    return _placements_worker(rank, world), _fsdp_2d_worker(rank, world)
+
+
+def _fsdp_2d_worker(rank, world):
+    import torch
+    from _dsutil import check_targets, tp_targets
+    from _fsdputil import BETAS, LR, full_params, make_fsdp, make_net, param_groups, shard, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    # HSDP: replicate over mesh dim 0, shard over mesh dim 1
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    net, opt = make_fsdp(hsdp, seed=3)
+    assert isinstance(net.fc1.weight.placements[0], Replicate)
+    train(net, opt, 2, seed=4, rank=hsdp["replicate"].get_local_rank())
+    _check_geometry(net, opt, "HSDP")
+
+    # FSDP x TP: fc1 column-parallel, fc2 row-parallel (10 over tp 2: DTensor's TP ops need
+    # even shards), then FSDP over dp (5 rows -> 3 + 2, 7 rows -> 4 + 3); the data-parallel
+    # mesh dim of fc1.weight carries a _StridedShard
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    net = make_net(5, hidden=10)
+    parallelize_module(net, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    shard(net, mesh["dp"])
+    opt = torch.optim.AdamW(param_groups(net), lr=LR, betas=BETAS)
+    assert isinstance(net.fc1.weight.placements[0], _StridedShard), net.fc1.weight.placements
+    train(net, opt, 2, seed=6, rank=mesh["dp"].get_local_rank())  # same data across tp
+    _check_geometry(net, opt, "FSDPxTP")
+    # weight sync out of FSDP x TP into bf16 TP=2 rollout buffers on ranks 0 and 1
+    live = rsfsdp.describe(net, "param")
+    dst, bufs = tp_targets(live, [0, 1], dtype=torch.bfloat16)
+    rs.Transfer(live.layout, dst, budget_bytes_per_peer=256)(live, bufs)
+    check_targets(dst, bufs, full_params(net), "FSDPxTP -> TP2 bf16")
+    return True
+
+
+def test_dtensor_placements_and_2d_meshes(tmp_path):
+    names, fsdp_2d = run_ranks(_placements_and_2d_worker, 4, tmp_path, env=ENV, timeout=400)[0]
+    assert len(names) == 12 and fsdp_2d
+
+
+# ------------------------------------------------------------------------ weight sync, restore
+
+
+def _sync_restore_worker(rank, world, modes, budget):
+    """Weight sync into TP=2 rollout buffers; snapshot -> restore -> the next step matches."""
+    import torch
+    from _dsutil import assert_bitwise, check_targets, tp_targets
+    from _fsdputil import (
+        batch,
+        full_params,
+        make_fsdp,
+        poison_padding,
+        reference,
+        steps_of,
+        train,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import reshard as rs
+    from reshard.errors import NotReadyError
+
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+    for mode, dtype in modes:
+        dt = getattr(torch, dtype) if dtype else None
+        tag = f"{mode} {dtype} dp {world}"
+        a, opt_a = make_fsdp(mesh, seed=0, mode=mode, dtype=dt)
+        b, opt_b = make_fsdp(mesh, seed=7, mode=mode, dtype=dt)  # other init, other data
+        for kind in MOMENTS:
+            with pytest.raises(NotReadyError, match="no optimizer state yet"):
+                _describe(a, opt_a, kind)
+        train(a, opt_a, 2, seed=1, rank=rank, dtype=dt)
+        train(b, opt_b, 2, seed=2, rank=rank, dtype=dt)
+        npad = _check_geometry(a, opt_a, tag)
+
+        # weight sync: FSDP2 params -> bf16 TP=2 rollout buffers on ranks 0 and 1 (poisoned)
+        live = _describe(a, opt_a, "param")
+        dst, bufs = tp_targets(live, [0, 1], dtype=torch.bfloat16)
+        undo, intact, _ = poison_padding(a)
+        try:
+            rs.Transfer(live.layout, dst, budget_bytes_per_peer=budget)(live, bufs)
+        finally:
+            undo()
+        check_targets(dst, bufs, full_params(a), f"{tag} weight sync")
+
+        # snapshot A into TP shards over every rank (source dtype), restore into B
+        want = {k: reference(a, opt_a, k) for k in KINDS}
+        before = reference(b, opt_b, "param")
+        assert any(not torch.equal(before[n], want["param"][n]) for n in before), tag
+        undo, intact, _ = poison_padding(b)
+        try:
+            for kind in KINDS:
+                src = _describe(a, opt_a, kind)
+                snap, snap_bufs = tp_targets(src, list(range(world)))
+                rs.Transfer(src.layout, snap, budget_bytes_per_peer=budget)(src, snap_bufs)
+                dst = _describe(b, opt_b, kind)
+                rs.Transfer(snap, dst.layout, budget_bytes_per_peer=budget)(snap_bufs, dst)
+            assert intact(), f"{tag}: FSDP2 padding was written"
+        finally:
+            undo()
+        assert steps_of(a, opt_a) == steps_of(b, opt_b)  # both stepped twice
+        for kind in KINDS:
+            got = reference(b, opt_b, kind)
+            for n in want[kind]:
+                assert_bitwise(got[n], want[kind][n], f"{tag} restored {kind} {n}")
+        # the next step of B equals the uninterrupted A's, bitwise
+        x = batch(100 + rank, dt)
+        losses = []
+        for net, opt in ((a, opt_a), (b, opt_b)):
+            loss = net(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert_bitwise(losses[1], losses[0], f"{tag} step-3 loss")
+        for kind in KINDS:
+            ra, rb = reference(a, opt_a, kind), reference(b, opt_b, kind)
+            for n in ra:
+                assert_bitwise(rb[n], ra[n], f"{tag} after step 3 {kind} {n}")
+        done.append((tag, npad))
+    return done
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layouts_weight_sync_and_restore(world, tmp_path):
+    modes = [("fp32", None), ("fp32", "bfloat16"), ("mp", None), ("offload", None)]
+    modes.append(("offload_mp", None))
+    if world == 3:
+        modes = modes[1:4]
+    out = run_ranks(_sync_restore_worker, world, tmp_path, args=(modes, 256), env=ENV, timeout=400)
+    assert len(out[0]) == len(modes)
+    assert sum(n for r in out for _, n in r) > 0  # padding existed and was poisoned
+
+
+# --------------------------------------------------------------------------- elastic resize
+
+
+def _resize_worker(rank, world, configs, budget):
+    """dp=N -> dp=M of params and both moments inside one world; the resized run's next step
+    equals a control at dp=M whose state torch itself scattered from A's full tensors."""
+    import torch
+    import torch.distributed as dist
+    from _dsutil import assert_bitwise
+    from _fsdputil import (
+        batch,
+        broadcast_layout,
+        make_fsdp,
+        poison_padding,
+        reference,
+        steps_of,
+        train,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    done = []
+    for n_src, n_dst, mode, dtype in configs:
+        dt = getattr(torch, dtype) if dtype else None
+        tag = f"{mode} {dtype} dp {n_src} -> {n_dst}"
+        # every rank builds both meshes (group creation is collective); rank 0 is in both
+        mesh_a = DeviceMesh("cpu", list(range(n_src)))
+        mesh_b = DeviceMesh("cpu", list(range(n_dst)))
+        in_a, in_b = rank < n_src, rank < n_dst
+        a = b = c = None
+        if in_a:
+            a, opt_a = make_fsdp(mesh_a, seed=0, mode=mode, dtype=dt)
+            train(a, opt_a, 2, seed=3, rank=rank, dtype=dt)
+        if in_b:
+            b, opt_b = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # fresh: never stepped
+            c, opt_c = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # the control
+        box = [None, None]
+        if rank == 0:
+            box = [{k: reference(a, opt_a, k) for k in KINDS}, steps_of(a, opt_a)]
+        # A's full tensors on every rank: the reference (a collective of A's mesh, then a copy)
+        if in_a and rank != 0:
+            for k in KINDS:
+                reference(a, opt_a, k)
+        dist.broadcast_object_list(box, src=0)
+        want, steps = box
+        step = set(steps.values())
+        assert len(step) == 1, steps
+        step = step.pop()
+
+        # B has no moments yet: make them (zeros, with A's step count), then poison everything
+        if in_b:
+            rsfsdp.init_adam_state(opt_b, step)
+            with torch.no_grad():
+                for p in b.parameters():
+                    p._local_tensor.fill_(float("nan"))
+                    for k in MOMENTS if p.requires_grad else ():
+                        opt_b.state[p][k]._local_tensor.fill_(float("nan"))
+            undo, intact, _ = poison_padding(b)
+        for kind in KINDS:
+            src = _describe(a, opt_a, kind) if in_a else None
+            dst = _describe(b, opt_b, kind) if in_b else None
+            # ranks outside a mesh get that side's layout from rank 0 (it is in both)
+            src_layout = broadcast_layout(src.layout if src else None)
+            dst_layout = broadcast_layout(dst.layout if dst else None)
+            sync = rs.Transfer(src_layout, dst_layout, budget_bytes_per_peer=budget)
+            sync(src if in_a else {}, dst if in_b else {})
+        if in_b:
+            assert intact(), f"{tag}: FSDP2 padding was written"
+            undo()
+            for kind in KINDS:
+                got = reference(b, opt_b, kind)
+                assert sorted(got) == sorted(want[kind])
+                for n in got:
+                    assert_bitwise(got[n], want[kind][n], f"{tag} resized {kind} {n}")
+
+            # the control: torch's own state creation (a step with lr 0 and zero grads), then
+            # A's full tensors scattered by distribute_tensor, A's step count
+            for p in c.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            lrs = [g["lr"] for g in opt_c.param_groups]
+            for g in opt_c.param_groups:
+                g["lr"] = 0.0
+            opt_c.step()
+            opt_c.zero_grad()
+            for g, lr in zip(opt_c.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            with torch.no_grad():
+                for n, p in c.named_parameters():
+                    pairs = [(p, want["param"][n])]
+                    if opt_c.state.get(p):
+                        opt_c.state[p]["step"].fill_(step)
+                        pairs += [(opt_c.state[p][k], want[k][n]) for k in MOMENTS]
+                    for t, full in pairs:
+                        t._local_tensor.copy_(
+                            distribute_tensor(full.to(t.dtype), mesh_b, t.placements).to_local()
+                        )
+            # one step of B and of the control on the same data (per dp rank of M): bitwise
+            x = batch(500 + rank, dt)
+            losses = []
+            for net, opt in ((b, opt_b), (c, opt_c)):
+                loss = net(x).float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            assert_bitwise(losses[0], losses[1], f"{tag} next loss")
+            for kind in KINDS:
+                rb, rc = reference(b, opt_b, kind), reference(c, opt_c, kind)
+                for n in rc:
+                    assert_bitwise(rb[n], rc[n], f"{tag} after the next step {kind} {n}")
+            assert steps_of(b, opt_b) == steps_of(c, opt_c)
+        dist.barrier()
+        done.append(tag)
+    return done
+
+
+def test_elastic_resize(tmp_path):
+    configs = [(3, 2, "fp32", None), (2, 3, "fp32", "bfloat16"), (3, 2, "offload", None)]
+    out = run_ranks(_resize_worker, 3, tmp_path, args=(configs, 256), env=ENV, timeout=400)
+    assert len(out[0]) == len(configs)
+
+
+# ------------------------------------------------------------------------ readiness, errors
+
+
+def _errors_worker(rank, world):
+    import copy
+
+    import torch
+    from _dsutil import replicated_targets
+    from _fsdputil import BETAS, LR, batch, make_fsdp, make_net, param_groups, shard, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    import reshard as rs
+    from reshard.errors import NotReadyError, PreflightError, UnsupportedError
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    seen = []
+
+    def expect(exc, match, fn, *args):
+        with pytest.raises(exc, match=match):
+            fn(*args)
+        seen.append(match)
+
+    def refused_everywhere(src, match):
+        """A transfer from `src` is refused on every rank and writes no target."""
+        dst, bufs = replicated_targets(src, list(range(world)))
+        expect(PreflightError, match, rs.Transfer(src.layout, dst), src, bufs)
+        assert all(bool(b.isnan().all()) for b in bufs.values())
+
+    # not FSDP2 / bad arguments
+    expect(UnsupportedError, "fully_shard", rsfsdp.describe, make_net(0), "param")
+    partial = shard(make_net(0), mesh, root=False)  # the root's own params stay plain
+    expect(UnsupportedError, "not managed by fully_shard", rsfsdp.describe, partial, "param")
+    net, opt = make_fsdp(mesh)
+    expect(ValueError, "kind must be one of", rsfsdp.describe, net, "grad")
+    expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
+    foreign = torch.optim.AdamW(make_net(1).parameters())
+    train(net, opt, 1, seed=1, rank=rank)
+    expect(UnsupportedError, "not this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign)
+    sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
+    train(net, sgd, 1, seed=2, rank=rank)
+    expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", sgd)
+
+    # between forward and backward the root's parameters are unsharded: describe refuses, a
+    # state described before refuses in preflight on every rank
+    live = rsfsdp.describe(net, "param")
+    loss = net(batch(rank)).float().pow(2).mean()
+    expect(NotReadyError, "not sharded", rsfsdp.describe, net, "param")
+    expect(NotReadyError, "not sharded", live.check)
+    refused_everywhere(live, "not sharded")
+    loss.backward()
+    opt.step()
+    assert live.reasons() == []
+
+    # reshard_after_forward=False keeps every group unsharded after a forward
+    keep = shard(make_net(2), mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        keep(batch(rank))
+    expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", rsfsdp.describe, keep, "param")
+    for m in keep.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    assert rsfsdp.describe(keep, "param").reasons() == []
+
+    # replaced storage: the optimizer's load_state_dict, the module's load_state_dict(assign)
+    moments = rsfsdp.describe(net, "exp_avg", opt)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    expect(NotReadyError, "replaced since describe", moments.check)
+    # only rank 0 passes the stale state, the others a fresh one: every rank still refuses
+    fresh = rsfsdp.describe(net, "exp_avg", opt)
+    refused_everywhere(moments if rank == 0 else fresh, "replaced since describe")
+    assert fresh.reasons() == []
+    live = rsfsdp.describe(net, "param")
+    state = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    net.load_state_dict(state)  # in place: the same storage
+    assert live.reasons() == []
+    net.load_state_dict(state, assign=True)  # new parameter objects
+    expect(NotReadyError, "replaced since describe", live.check)
+
+    # moments of a fresh optimizer: not ready until the first step or init_adam_state()
+    net, _ = make_fsdp(mesh, seed=3)
+    opt = torch.optim.AdamW(param_groups(net), lr=LR, betas=BETAS)
+    expect(NotReadyError, "no optimizer state yet", rsfsdp.describe, net, "exp_avg_sq", opt)
+    rsfsdp.init_adam_state(opt, 5)
+    live = rsfsdp.describe(net, "exp_avg_sq", opt)
+    assert all(float(s["step"]) == 5 for s in opt.state.values())
+    assert all(bool((b == 0).all()) for b in live.buffers.values())
+    expect(UnsupportedError, "Adam/AdamW", rsfsdp.init_adam_state, sgd, 1)
+    return seen
+
+
+def test_readiness_and_errors(tmp_path):
+    seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
+    assert len(seen) == 15, seen
+
+
+def test_demo_fsdp_mode():
+    """`python -m reshard.demo --mode fsdp`: a real FSDP2 + CPUOffloadPolicy model, verified
+    bitwise in-process against DTensor.full_tensor()."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "reshard.demo", "--mode", "fsdp", "--layers", "1"]
+    cmd += ["--hidden", "34", "--ffn", "50", "--vocab", "101", "--steps", "2", "--budget", "512"]
+    env = dict(os.environ, **ENV)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]
