@@ -37,12 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _ops  # noqa: F401 - loads the compiled extension: every torch.ops.reshard op used here
+from . import _ops
 from . import preflight as pf
 from .errors import PreflightError, TransferError
 from .planning import align as _align
 from .report import Report
 
+_ops.require_built()  # every torch.ops.reshard op is used here: say how to build, up front
 log = logging.getLogger("reshard")
 
 DEFAULT_TIMEOUT_S = 300.0
