@@ -20,7 +20,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reshard.h"
@@ -33,7 +36,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <list>
-#include <memory>
 #include <mutex>
 
 #include "cuda/reshard_cuda.h"
@@ -653,6 +655,18 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
   for (const auto& t : written) torch::autograd::increment_version(t);
 }
 
+// torch holds autograd nodes in std::shared_ptr up to 2.11 and in c10::intrusive_ptr later:
+// take the pointer type from Tensor::grad_fn() so one source builds against both.
+using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+template <class N, class... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<N>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+}
+
 // Autograd kernel of the mutating ops, as torch's kernels of in-place ops without a derivative:
 // in grad mode, when an argument requires grad, writing a leaf that requires grad (or a view
 // of one) is refused, and what is written gets a history whose backward raises "derivative
@@ -669,10 +683,10 @@ void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet 
       requiring_grad.push_back(v.toTensor());
     if (schema.is_mutable({c10::SchemaArgType::input, i})) written.push_back(v.toTensor());
   }
-  c10::intrusive_ptr<torch::autograd::Node> grad_fn;
+  NodePtr grad_fn;
   if (!requiring_grad.empty()) {
     for (const auto& t : written) torch::autograd::check_inplace(t, true);
-    grad_fn = c10::make_intrusive<torch::autograd::NotImplemented>(
+    grad_fn = make_node<torch::autograd::NotImplemented>(
         schema.name(), torch::autograd::collect_next_edges(requiring_grad));
   }
   {
