@@ -25,6 +25,7 @@ SHELL := /bin/bash
 
 BIN := tests/c/bin
 CORE := csrc/copy_runs.c
+CORE_HEADERS := csrc/reshard.h csrc/casts.h
 SAN_FLAGS := -std=c11 -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=all -Wall -Wextra -Werror -Icsrc
 C_FORMAT_FILES := $(wildcard csrc/*.c csrc/*.h csrc/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh \
@@ -159,21 +160,21 @@ cstrict:
 	@mkdir -p $(BIN)
 	cc -std=c11 -O2 -Wall -Wextra -Wpedantic -Wconversion -Wshadow -Werror -Icsrc \
 		-c $(CORE) -o $(BIN)/copy_runs_strict.o
-	printf '#include "reshard.h"\nint main(void){return 0;}\n' | \
+	printf '#include "reshard.h"\n#include "casts.h"\nint main(void){return 0;}\n' | \
 		c++ -std=c++17 -Wall -Wextra -Werror -Icsrc -x c++ - -o $(BIN)/header_cxx
 
-$(BIN)/test_core: tests/c/test_core.c $(CORE) csrc/reshard.h
+$(BIN)/test_core: tests/c/test_core.c $(CORE) $(CORE_HEADERS)
 	@mkdir -p $(BIN)
 	$(SAN_CC) $(SAN_FLAGS) $(CORE) tests/c/test_core.c -lm -o $@
 
-$(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) csrc/reshard.h
+$(BIN)/fuzz_validate: tests/c/fuzz_validate.c $(CORE) $(CORE_HEADERS)
 	@mkdir -p $(BIN)
 	$(FUZZ_CC) -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
 		-Icsrc $(CORE) tests/c/fuzz_validate.c -o $@
 
 # The same tests again in a build that streams every same-dtype table (the production build
 # streams only destinations of >= 4 MiB; see RS_STREAM_MIN_BYTES in csrc/copy_runs.c).
-$(BIN)/test_core_stream: tests/c/test_core.c $(CORE) csrc/reshard.h
+$(BIN)/test_core_stream: tests/c/test_core.c $(CORE) $(CORE_HEADERS)
 	@mkdir -p $(BIN)
 	$(SAN_CC) $(SAN_FLAGS) -DRS_STREAM_MIN_BYTES=1 $(CORE) tests/c/test_core.c -lm -o $@
 

@@ -193,7 +193,7 @@ def bench_staging(quick):
             ("h2d pageable->bf16", host_pageable, dev_bf16, host_floor),
         ]:
             s = time_wall(lambda h=host, t=dst, d=desc: ops.stage_h2d(h, d, ring, t), reps=3)
-            st = torch.ops.reshard.last_stage_stats()
+            st = ops.stage_h2d(host, desc, ring, dst)  # what each timed call did
             moved = dst.numel() * 4  # source bytes delivered
             row = {
                 "case": name,
@@ -201,8 +201,8 @@ def bench_staging(quick):
                 "GBps": moved / s / GB,
                 "ratio_floor": moved / s / GB / floor,
                 "floor_GBps": floor,
-                "direct_copies": st[5],
-                "chunks": st[2],
+                "direct_copies": st.direct_copies,
+                "chunks": st.chunks,
             }
             record("staging", row)
         # D2H: device runs back into host buffers (the reverse table)
@@ -212,7 +212,7 @@ def bench_staging(quick):
             ("d2h pageable", host_pageable, min(c["pinned_d2h_GBps"], c["host_copy_GBps"] / 2)),
         ]:
             s = time_wall(lambda h=host, v=dev, d=rev: ops.stage_d2h(v, d, ring, h), reps=3)
-            st = torch.ops.reshard.last_stage_stats()
+            st = ops.stage_d2h(dev, rev, ring, host)  # what each timed call did
             moved = dev.nbytes
             row = {
                 "case": name,
@@ -220,8 +220,8 @@ def bench_staging(quick):
                 "GBps": moved / s / GB,
                 "ratio_floor": moved / s / GB / floor,
                 "floor_GBps": floor,
-                "direct_copies": st[5],
-                "chunks": st[2],
+                "direct_copies": st.direct_copies,
+                "chunks": st.chunks,
             }
             record("staging", row)
         del host_pageable, host_pinned, dev, dev_bf16
@@ -269,7 +269,7 @@ def bench_ring(quick):
                 "ring_MiB": ring_mib,
                 "wire_GBps": wire / s / GB,
                 "of_pcie": wire / s / GB / link,
-                "slots": torch.ops.reshard.last_stage_stats()[0],
+                "slots": fn().slots,
             }
             record("ring", row)
         del ring
@@ -332,8 +332,7 @@ def bench_model_sync(quick):
                 b.copy_(a.to(DEV))
 
     def ours(targets):
-        for c, g in zip(cpu, targets, strict=True):
-            ops.stage_h2d(c, desc, ring, g)
+        return [ops.stage_h2d(c, desc, ring, g) for c, g in zip(cpu, targets, strict=True)]
 
     r["per_tensor_pageable_s"] = time_wall(per_tensor, reps=reps)
     r["copy_then_cast_s"] = time_wall(copy_then_cast, reps=reps)
@@ -353,7 +352,7 @@ def bench_model_sync(quick):
     try:
         r["per_tensor_pinned_s"] = time_wall(lambda: per_tensor(True), reps=reps)  # PCIe floor
         r["ours_registered_s"] = time_wall(lambda: ours(gpu), reps=reps)
-        r["ours_registered_direct_copies"] = torch.ops.reshard.last_stage_stats()[5]
+        r["ours_registered_direct_copies"] = ours(gpu)[-1].direct_copies
         r["ours_registered_bf16_s"] = time_wall(lambda: ours(gpu_bf16), reps=reps)
     finally:
         t = time.perf_counter()

@@ -424,6 +424,60 @@ def target_lines(checks):
     return lines
 
 
+def validation_times(rows=64_000, repeats=5):
+    """Seconds of `rs_validate` (the C core's check of a whole table, overlap included, run
+    before every copy) on tables of `rows` rows, each 8 runs of one float32 (2 MiB in all):
+    sorted by dst; a transpose (every row's runs interleave with every other row's) in row
+    order and in random order; and the transpose with every 7th row split in two rows of twice
+    the stride. The median of `repeats` calls each, through ctypes on the loaded extension."""
+    lib = ctypes.CDLL(_ops._C.__file__)
+    lib.rs_validate.restype = ctypes.c_int
+    lib.rs_validate.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.rs_validate.argtypes += [ctypes.c_uint, ctypes.c_void_p]
+    err = ctypes.create_string_buffer(512)  # rs_error
+    count = 8
+    transpose = np.zeros((rows, 6), np.int64)
+    transpose[:, 0] = np.arange(rows) * count
+    transpose[:, 1] = 1
+    transpose[:, 2] = np.arange(rows)
+    transpose[:, 3] = rows
+    transpose[:, 4] = 1
+    transpose[:, 5] = count
+    # every 7th row as two rows of twice the stride (its even and its odd runs): the same
+    # elements, but the interleaved rows no longer share one stride
+    split = transpose[::7].copy()
+    split[:, 1] = 2
+    split[:, 3] *= 2
+    split[:, 5] //= 2
+    odd = split.copy()
+    odd[:, 0] += 1
+    odd[:, 2] += rows
+    keep = np.ones(rows, bool)
+    keep[::7] = False
+    two_strides = np.concatenate([transpose[keep], split, odd])
+    sorted_rows = transpose.copy()  # the same runs, each row's 8 elements contiguous in dst
+    sorted_rows[:, 2] = np.arange(rows) * count
+    sorted_rows[:, 3] = 1
+    tables = {
+        "sorted by dst": sorted_rows,
+        "transpose": transpose,
+        "transpose, random row order": transpose[np.random.default_rng(0).permutation(rows)],
+        "transpose + a second stride": two_strides,
+    }
+    out = {}
+    for name, table in tables.items():
+        table = np.ascontiguousarray(table, np.int64)
+        dst_numel = int((table[:, 2] + (table[:, 5] - 1) * table[:, 3] + table[:, 4]).max())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            status = lib.rs_validate(table.ctypes.data, len(table), rows * count, dst_numel, 1, err)
+            times.append(time.perf_counter() - t0)
+            assert status == 0, (name, err.raw[24:].split(b"\0")[0])
+        out[name] = statistics.median(times)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few points (about half a minute)")
@@ -479,6 +533,11 @@ def main(argv=None):
     checks = targets(results)
     for line in target_lines(checks):
         print("target:", line)
+    validation = validation_times()
+    validation_md = "\nDescriptor validation (`rs_validate`), 64,000 rows of 8 runs:\n\n" + "".join(
+        f"- {name}: {sec * 1e3:.1f} ms\n" for name, sec in validation.items()
+    )
+    print(validation_md.strip())
 
     out_dir = args.out or os.path.join(HERE, "results", device.type)
     stem = "kernels_quick" if args.quick else "kernels"
@@ -486,8 +545,8 @@ def main(argv=None):
         del res["samples"]
     C.write_results(
         os.path.join(out_dir, stem + ".json"),
-        {"env": env, "results": results, "targets": checks},
-        lambda rec: markdown(rec["results"], rec["env"], rec["targets"]),
+        {"env": env, "results": results, "targets": checks, "validation_s": validation},
+        lambda rec: markdown(rec["results"], rec["env"], rec["targets"]) + validation_md,
     )
     print(f"wrote {out_dir}/{stem}.json and .md")
 

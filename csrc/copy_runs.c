@@ -1,6 +1,8 @@
 /* reshard C core: descriptor validation and the strided-run copy with casts. See reshard.h. */
 #include "reshard.h"
 
+#include "casts.h"
+
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -18,13 +20,13 @@
 static const char *const field_names[6] = {"src_offset", "src_stride", "dst_offset",
                                            "dst_stride", "length",     "count"};
 
-static rs_status fail(rs_error *err, rs_status code, int64_t row, int64_t other, const char *fmt,
-                      ...) {
+rs_status rs_fail(rs_error *err, rs_status code, int64_t row, int64_t other_row, const char *fmt,
+                  ...) {
   if (err) {
     va_list ap;
     err->code = code;
     err->row = row;
-    err->other_row = other;
+    err->other_row = other_row;
     va_start(ap, fmt);
     vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
@@ -103,74 +105,8 @@ static int run_end(int64_t offset, int64_t stride, int64_t length, int64_t count
   return 1;
 }
 
-/* The destination footprint of a non-empty row: `count` intervals [start + i*stride, +length). */
-typedef struct {
-  int64_t start, end, stride, length, count, row;
-} footprint;
-
-static footprint row_footprint(const rs_run *r, int64_t row, int64_t end) {
-  footprint f;
-  f.start = r->dst_offset;
-  f.end = end;
-  f.stride = r->dst_stride;
-  f.length = r->length;
-  f.count = r->count;
-  f.row = row;
-  return f;
-}
-
-static int64_t floor_div(int64_t a, int64_t b) { /* b > 0 */
-  int64_t q = a / b;
-  return (a % b != 0 && a < 0) ? q - 1 : q;
-}
-
-/* Does [x, x + len) intersect any interval of footprint g? g has no self-overlap, so when
- * g.count > 1, g.stride >= g.length > 0 and intervals are ordered. */
-static int interval_hits(int64_t x, int64_t len, const footprint *g) {
-  int64_t j = 0;
-  if (g->count > 1) {
-    /* smallest j with g.start + j*stride + g.length > x */
-    int64_t num = x - g->length + 1 - g->start;
-    if (num > 0) j = num / g->stride + (num % g->stride != 0);
-  }
-  if (j >= g->count) return 0;
-  return g->start + j * g->stride < x + len;
-}
-
-/* Exact test of whether two self-non-overlapping footprints share an element. */
-static int footprints_overlap(const footprint *a, const footprint *b) {
-  int64_t i0, i1, i;
-  const footprint *few, *many;
-  if (a->end <= b->start || b->end <= a->start) return 0;
-  if (a->count > 1 && b->count > 1 && a->stride == b->stride) {
-    /* intervals i of a and j of b overlap iff -Lb < d + k*s < La with k = j - i,
-     * k in [-(na-1), nb-1] and d = b.start - a.start. Bounded by RS_MAX_NUMEL. */
-    int64_t s = a->stride, d = b->start - a->start;
-    int64_t k = floor_div(-b->length - d, s) + 1;
-    if (k < -(a->count - 1)) k = -(a->count - 1);
-    return k <= b->count - 1 && d + k * s < a->length;
-  }
-  few = a->count <= b->count ? a : b;
-  many = few == a ? b : a;
-  /* only intervals of `few` inside many's extent can hit it */
-  i0 = 0;
-  i1 = few->count - 1;
-  if (few->count > 1) {
-    int64_t num = many->start - few->length + 1 - few->start;
-    if (num > 0) i0 = num / few->stride + (num % few->stride != 0);
-    i1 = floor_div(many->end - 1 - few->start, few->stride);
-    if (i1 > few->count - 1) i1 = few->count - 1;
-  }
-  for (i = i0; i <= i1; i++) {
-    if (interval_hits(few->start + i * few->stride, few->length, many)) return 1;
-  }
-  return 0;
-}
-
-/* (dst start, row) keys sorted by an LSD radix sort: stable, so equal starts stay in row
- * order; O(n) per 11-bit digit, and digits that do not vary are skipped. Keys are 16 bytes
- * and a row's full footprint is read only when its extent meets another's: qsort of
- * footprints cost more than the copy itself for 1e5 tiny runs. */
+/* (key, row) pairs sorted by an LSD radix sort: stable, so equal keys stay in row order; O(n)
+ * per 11-bit digit, and digits that do not vary are skipped. */
 typedef struct {
   int64_t start, row;
 } keyed;
@@ -178,8 +114,8 @@ typedef struct {
 #define RS_RADIX_BITS 11
 #define RS_RADIX (1 << RS_RADIX_BITS)
 
-/* Sorts a[0..m) by start (>= 0) using tmp (m entries); returns the buffer holding the
- * result. */
+/* Sorts a[0..m) by start (>= 0, <= max_key) using tmp (m entries); returns the buffer holding
+ * the result. */
 static keyed *radix_sort(keyed *a, keyed *tmp, int64_t m, int64_t max_key) {
   static const int64_t mask = RS_RADIX - 1;
   int64_t counts[RS_RADIX];
@@ -205,19 +141,288 @@ static keyed *radix_sort(keyed *a, keyed *tmp, int64_t m, int64_t max_key) {
 
 static rs_status report_overlap(rs_error *err, int64_t r1, int64_t r2) {
   int64_t lo = r1 < r2 ? r1 : r2, hi = r1 < r2 ? r2 : r1;
-  return fail(err, RS_EOVERLAP, hi, lo,
-              "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
+  return rs_fail(err, RS_EOVERLAP, hi, lo,
+                 "rows %" PRId64 " and %" PRId64 " write the same dst element", lo, hi);
 }
 
-/* Cross-row overlap check of the non-empty rows. Sorted tables (the common case: plans emit
- * rows in dst order) take one linear pass; others are sorted and swept with an active set
- * of rows whose extent reaches the current start. */
+static rs_status no_memory(rs_error *err, int64_t m) {
+  return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate the overlap check of %" PRId64 " rows",
+                 m);
+}
+
+/* ---- rectangles in a grid */
+
+/* Seen in a grid `width` elements wide, destination element x sits at line x / width, phase
+ * x % width. A run repeated at stride `width` covers one rectangle (lines of its repeats x
+ * phases of the run), or two when the run wraps past a line's end; a single run covers at most
+ * three (a partial line, whole lines, a partial line). A row whose stride divides the width
+ * is width / stride such repeated runs, one per residue of its run index. Two rows write a
+ * common element iff two of their rectangles intersect. */
+typedef struct {
+  int64_t line_lo, line_hi, phase_lo, phase_hi, row;
+} rect;
+
+static rect make_rect(int64_t line_lo, int64_t line_hi, int64_t phase_lo, int64_t phase_hi,
+                      int64_t row) {
+  rect r;
+  r.line_lo = line_lo;
+  r.line_hi = line_hi;
+  r.phase_lo = phase_lo;
+  r.phase_hi = phase_hi;
+  r.row = row;
+  return r;
+}
+
+/* The rectangles of a run [a, a + len) repeated `lines` times at stride `width` (len <= width
+ * when lines > 1); returns how many (at most 3). */
+static int64_t run_rects(int64_t a, int64_t len, int64_t lines, int64_t width, int64_t row,
+                         rect *out) {
+  const int64_t q0 = a / width, p0 = a % width;
+  int64_t q1, p1, k = 0;
+  if (p0 + len <= width) {
+    out[k++] = make_rect(q0, q0 + lines, p0, p0 + len, row);
+  } else if (lines > 1) {
+    out[k++] = make_rect(q0, q0 + lines, p0, width, row);
+    out[k++] = make_rect(q0 + 1, q0 + lines + 1, 0, p0 + len - width, row);
+  } else {
+    q1 = (a + len - 1) / width;
+    p1 = (a + len - 1) % width + 1;
+    out[k++] = make_rect(q0, q0 + 1, p0, width, row);
+    if (q1 > q0 + 1) out[k++] = make_rect(q0 + 1, q1, 0, width, row);
+    out[k++] = make_rect(q1, q1 + 1, 0, p1, row);
+  }
+  return k;
+}
+
+/* Residue classes of a repeated row's runs in a grid of `width` (a multiple of its stride). */
+static int64_t row_classes(const rs_run *r, int64_t width) {
+  const int64_t k = width / r->dst_stride;
+  return k < r->count ? k : r->count;
+}
+
+/* The rectangles of a non-empty row (count == 1, or a stride dividing width). */
+static int64_t row_rects(const rs_run *r, int64_t row, int64_t width, rect *out) {
+  int64_t j, n = 0, k, classes;
+  if (r->count == 1) return run_rects(r->dst_offset, r->length, 1, width, row, out);
+  k = width / r->dst_stride;
+  classes = row_classes(r, width);
+  for (j = 0; j < classes; j++) {
+    const int64_t lines = (r->count - j + k - 1) / k;
+    n += run_rects(r->dst_offset + j * r->dst_stride, r->length, lines, width, row, out + n);
+  }
+  return n;
+}
+
+static int64_t gcd(int64_t a, int64_t b) {
+  while (b != 0) {
+    const int64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+/* Fenwick tree over ranks 1..m: count of active rectangles at each phase rank. */
+static void fenwick_add(int64_t *tree, int64_t m, int64_t i, int64_t delta) {
+  for (; i <= m; i += i & -i) tree[i] += delta;
+}
+
+static int64_t fenwick_prefix(const int64_t *tree, int64_t i) {
+  int64_t sum = 0;
+  for (; i > 0; i -= i & -i) sum += tree[i];
+  return sum;
+}
+
+/* The smallest rank whose prefix count reaches c (1 <= c <= the active count). */
+static int64_t fenwick_find(const int64_t *tree, int64_t m, int64_t c) {
+  int64_t pos = 0, step = 1;
+  while (step * 2 <= m) step *= 2;
+  for (; step > 0; step /= 2) {
+    if (pos + step <= m && tree[pos + step] < c) {
+      pos += step;
+      c -= tree[pos];
+    }
+  }
+  return pos + 1;
+}
+
+/* Do any two of the m rectangles intersect? A sweep over lines keeps the rectangles that cross
+ * the current line in a Fenwick tree ordered by phase; they are disjoint (else the sweep has
+ * stopped), so an entering rectangle can only meet its two phase neighbours: O(m log m). */
+static rs_status rects_overlap(const rect *rects, int64_t m, rs_error *err) {
+  keyed *keys = (keyed *)malloc((size_t)m * 4 * sizeof *keys), *sorted;
+  int64_t *rank = (int64_t *)malloc((size_t)m * sizeof *rank);
+  int64_t *by_rank = (int64_t *)malloc((size_t)m * sizeof *by_rank);
+  int64_t *tree = (int64_t *)calloc((size_t)m + 1, sizeof *tree);
+  int64_t i, max_key = 0, active = 0;
+  rs_status st = RS_OK;
+  if (!keys || !rank || !by_rank || !tree) {
+    st = no_memory(err, m);
+    goto done;
+  }
+  for (i = 0; i < m; i++) {
+    keys[i].start = rects[i].phase_lo;
+    keys[i].row = i;
+    if (rects[i].phase_lo > max_key) max_key = rects[i].phase_lo;
+  }
+  sorted = radix_sort(keys, keys + m, m, max_key);
+  for (i = 0; i < m; i++) {
+    rank[sorted[i].row] = i + 1;
+    by_rank[i] = sorted[i].row;
+  }
+  /* events: line * 2 for a rectangle leaving (before) line * 2 + 1 for one entering */
+  max_key = 0;
+  for (i = 0; i < m; i++) {
+    keys[2 * i].start = rects[i].line_lo * 2 + 1;
+    keys[2 * i].row = i;
+    keys[2 * i + 1].start = rects[i].line_hi * 2;
+    keys[2 * i + 1].row = i;
+    if (keys[2 * i + 1].start > max_key) max_key = keys[2 * i + 1].start;
+  }
+  sorted = radix_sort(keys, keys + 2 * m, 2 * m, max_key);
+  for (i = 0; i < 2 * m && st == RS_OK; i++) {
+    const int64_t k = sorted[i].row, r = rank[k];
+    if ((sorted[i].start & 1) == 0) {
+      fenwick_add(tree, m, r, -1);
+      active--;
+      continue;
+    }
+    {
+      const int64_t below = fenwick_prefix(tree, r - 1);
+      if (below > 0) {
+        const rect *p = &rects[by_rank[fenwick_find(tree, m, below) - 1]];
+        if (p->phase_hi > rects[k].phase_lo) st = report_overlap(err, p->row, rects[k].row);
+      }
+      if (st == RS_OK && below < active) {
+        const rect *q = &rects[by_rank[fenwick_find(tree, m, below + 1) - 1]];
+        if (q->phase_lo < rects[k].phase_hi) st = report_overlap(err, q->row, rects[k].row);
+      }
+    }
+    fenwick_add(tree, m, r, 1);
+    active++;
+  }
+done:
+  free(keys);
+  free(rank);
+  free(by_rank);
+  free(tree);
+  return st;
+}
+
+/* ---- rows of several strides: a merge of the rows' runs in dst order */
+
+typedef struct {
+  int64_t start, row, index; /* the row's next run: index `index`, at dst element `start` */
+} next_run;
+
+static int run_before(const next_run *a, const next_run *b) {
+  return a->start < b->start || (a->start == b->start && a->row < b->row);
+}
+
+static void heap_down(next_run *h, int64_t m, int64_t i) {
+  for (;;) {
+    int64_t l = 2 * i + 1, r = l + 1, best = i;
+    next_run t;
+    if (l < m && run_before(&h[l], &h[best])) best = l;
+    if (r < m && run_before(&h[r], &h[best])) best = r;
+    if (best == i) return;
+    t = h[i];
+    h[i] = h[best];
+    h[best] = t;
+    i = best;
+  }
+}
+
+/* The rows' runs merged in dst order by a heap; consecutive runs of one row (already known to
+ * be disjoint) are taken as one step, up to the next other row's run. O(s log m) for s
+ * alternations between rows, at most the number of runs, which a table that passes never has
+ * more of than the copy itself moves. */
+static rs_status merge_overlap(const rs_run *runs, const keyed *rows, int64_t m, rs_error *err) {
+  next_run *heap = (next_run *)malloc((size_t)m * sizeof *heap);
+  int64_t i, size = m, last_end = 0, last_row = -1;
+  rs_status st = RS_OK;
+  if (!heap) return no_memory(err, m);
+  for (i = 0; i < m; i++) {
+    heap[i].start = rows[i].start;
+    heap[i].row = rows[i].row;
+    heap[i].index = 0;
+  }
+  for (i = m / 2; i-- > 0;) heap_down(heap, m, i);
+  while (size > 0) {
+    const rs_run *r = &runs[heap[0].row];
+    int64_t last = r->count - 1;
+    if (last_row >= 0 && heap[0].start < last_end) {
+      st = report_overlap(err, last_row, heap[0].row);
+      break;
+    }
+    if (size > 1 && r->count > 1) { /* its runs that start before the next row's run */
+      const next_run *second = size > 2 && run_before(&heap[2], &heap[1]) ? &heap[2] : &heap[1];
+      if (second->start <= heap[0].start) {
+        last = heap[0].index;
+      } else {
+        const int64_t k = heap[0].index + (second->start - 1 - heap[0].start) / r->dst_stride;
+        if (k < last) last = k;
+      }
+    }
+    last_row = heap[0].row;
+    last_end = r->dst_offset + last * r->dst_stride + r->length;
+    if (last + 1 < r->count) {
+      heap[0].index = last + 1;
+      heap[0].start = r->dst_offset + (last + 1) * r->dst_stride;
+    } else {
+      heap[0] = heap[--size];
+    }
+    heap_down(heap, size, 0);
+  }
+  free(heap);
+  return st;
+}
+
+/* Rectangles per row beyond which a cluster is merged instead: the rectangles would cost more
+ * memory than the merge's one entry per row, and not less time. */
+#define RS_RECTS_PER_ROW 8
+
+/* Overlap among the rows of one cluster (rows sorted by dst start whose extents chain). In a
+ * grid as wide as the lcm of the repeated rows' strides each row is a few rectangles: one or
+ * two for a transpose or a column slice (one stride), a few more when strides are small
+ * multiples of each other. Otherwise (coprime strides, say) the runs are merged. */
+static rs_status cluster_overlap(const rs_run *runs, const keyed *rows, int64_t m, rs_error *err) {
+  int64_t i, width = 1, nrects = 0;
+  rect *rects;
+  rs_status st;
+  for (i = 0; i < m; i++) {
+    const int64_t s = runs[rows[i].row].dst_stride; /* >= length >= 1 when count >= 2 */
+    int64_t multiple;
+    if (runs[rows[i].row].count < 2) continue;
+    multiple = width / gcd(width, s);
+    if (multiple > RS_MAX_NUMEL / s) return merge_overlap(runs, rows, m, err);
+    width = multiple * s;
+  }
+  for (i = 0; i < m; i++) {
+    const rs_run *r = &runs[rows[i].row];
+    nrects += r->count < 2 ? 3 : 2 * row_classes(r, width);
+    if (nrects > RS_RECTS_PER_ROW * m) return merge_overlap(runs, rows, m, err);
+  }
+  rects = (rect *)malloc((size_t)nrects * sizeof *rects);
+  if (!rects) return no_memory(err, m);
+  nrects = 0;
+  for (i = 0; i < m; i++)
+    nrects += row_rects(&runs[rows[i].row], rows[i].row, width, rects + nrects);
+  st = rects_overlap(rects, nrects, err);
+  free(rects);
+  return st;
+}
+
+/* Cross-row overlap check of the non-empty rows. Tables sorted by dst (what plans emit) take
+ * one linear pass. Others are sorted by dst start and cut into clusters of rows whose extents
+ * chain, and each cluster is checked on its own: O(n log n) in rows when a cluster's strides
+ * are one stride or small multiples of each other (transposes, column slices), else O(s log n)
+ * for s alternations between rows in dst order (see merge_overlap). */
 static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_t *ends,
                                      rs_error *err) {
-  int64_t i, m = 0, max_end = -1, max_start = 0, nactive = 0;
+  int64_t i, m = 0, max_end = -1, max_start = 0;
   int sorted = 1;
   keyed *buf, *key;
-  int64_t *active;
   rs_status st = RS_OK;
   for (i = 0; i < n && sorted; i++) {
     if (runs[i].length == 0 || runs[i].count == 0) continue;
@@ -228,12 +433,7 @@ static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_
 
   for (i = 0; i < n; i++) m += runs[i].length != 0 && runs[i].count != 0;
   buf = (keyed *)malloc((size_t)m * 2 * sizeof *buf);
-  active = (int64_t *)malloc((size_t)m * sizeof *active);
-  if (!buf || !active) {
-    free(buf);
-    free(active);
-    return fail(err, RS_ENOMEM, -1, -1, "overlap check: cannot allocate %" PRId64 " entries", m);
-  }
+  if (!buf) return no_memory(err, m);
   m = 0;
   for (i = 0; i < n; i++) {
     if (runs[i].length != 0 && runs[i].count != 0) {
@@ -244,25 +444,15 @@ static rs_status check_cross_overlap(const rs_run *runs, int64_t n, const int64_
     }
   }
   key = radix_sort(buf, buf + m, m, max_start);
-  for (i = 0; i < m && st == RS_OK; i++) {
-    int64_t a = 0, row = key[i].row;
-    while (a < nactive && st == RS_OK) {
-      int64_t other = active[a];
-      if (ends[other] <= key[i].start) { /* ends before this one starts: never again */
-        active[a] = active[--nactive];
-        continue;
-      }
-      {
-        footprint f = row_footprint(&runs[other], other, ends[other]);
-        footprint g = row_footprint(&runs[row], row, ends[row]);
-        if (footprints_overlap(&f, &g)) st = report_overlap(err, other, row);
-      }
-      a++;
-    }
-    active[nactive++] = row;
+  for (i = 0; i < m && st == RS_OK;) {
+    int64_t j = i + 1;
+    max_end = ends[key[i].row];
+    for (; j < m && key[j].start < max_end; j++)
+      if (ends[key[j].row] > max_end) max_end = ends[key[j].row];
+    if (j - i > 1) st = cluster_overlap(runs, key + i, j - i, err);
+    i = j;
   }
   free(buf);
-  free(active);
   return st;
 }
 
@@ -272,17 +462,18 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
   rs_status st = RS_OK;
   int check_overlap = (flags & RS_CHECK_OVERLAP) != 0;
   clear(err);
-  if (n < 0) return fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
-  if (n > 0 && !runs) return fail(err, RS_EINVAL, -1, -1, "null descriptor table");
+  if (n < 0) return rs_fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
+  if (n > 0 && !runs) return rs_fail(err, RS_EINVAL, -1, -1, "null descriptor table");
   if (src_numel < 0 || src_numel > RS_MAX_NUMEL || dst_numel < 0 || dst_numel > RS_MAX_NUMEL) {
-    return fail(err, RS_EINVAL, -1, -1,
-                "buffer extents must be in [0, 2^60]: src has %" PRId64 ", dst has %" PRId64,
-                src_numel, dst_numel);
+    return rs_fail(err, RS_EINVAL, -1, -1,
+                   "buffer extents must be in [0, 2^60]: src has %" PRId64 ", dst has %" PRId64,
+                   src_numel, dst_numel);
   }
-  if (flags & ~RS_CHECK_OVERLAP) return fail(err, RS_EINVAL, -1, -1, "unknown flags 0x%x", flags);
+  if (flags & ~RS_CHECK_OVERLAP)
+    return rs_fail(err, RS_EINVAL, -1, -1, "unknown flags 0x%x", flags);
   if (check_overlap && n > 1) { /* row ends feed only the cross-row check */
     ends = (int64_t *)malloc((size_t)n * sizeof *ends);
-    if (!ends) return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " row ends", n);
+    if (!ends) return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " row ends", n);
   }
   for (i = 0; i < n && st == RS_OK; i++) {
     const rs_run *r = &runs[i];
@@ -291,32 +482,34 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
     int k;
     for (k = 0; k < 6; k++) {
       if (f[k] < 0) {
-        st = fail(err, RS_ENEG, i, -1, "row %" PRId64 ": %s is negative (%" PRId64 ")", i,
-                  field_names[k], f[k]);
+        st = rs_fail(err, RS_ENEG, i, -1, "row %" PRId64 ": %s is negative (%" PRId64 ")", i,
+                     field_names[k], f[k]);
         break;
       }
     }
     if (st != RS_OK) break;
     if (r->length == 0 || r->count == 0) continue; /* legal no-op */
     if (!run_end(r->src_offset, r->src_stride, r->length, r->count, &src_end)) {
-      st = fail(err, RS_EOVERFLOW, i, -1,
-                "row %" PRId64 ": src_offset + (count-1)*src_stride + length overflows int64", i);
+      st =
+          rs_fail(err, RS_EOVERFLOW, i, -1,
+                  "row %" PRId64 ": src_offset + (count-1)*src_stride + length overflows int64", i);
     } else if (!run_end(r->dst_offset, r->dst_stride, r->length, r->count, &dst_end)) {
-      st = fail(err, RS_EOVERFLOW, i, -1,
-                "row %" PRId64 ": dst_offset + (count-1)*dst_stride + length overflows int64", i);
+      st =
+          rs_fail(err, RS_EOVERFLOW, i, -1,
+                  "row %" PRId64 ": dst_offset + (count-1)*dst_stride + length overflows int64", i);
     } else if (src_end > src_numel) {
-      st = fail(err, RS_ERANGE, i, -1,
-                "row %" PRId64 ": reads src[%" PRId64 "] but src has %" PRId64 " elements", i,
-                src_end - 1, src_numel);
+      st = rs_fail(err, RS_ERANGE, i, -1,
+                   "row %" PRId64 ": reads src[%" PRId64 "] but src has %" PRId64 " elements", i,
+                   src_end - 1, src_numel);
     } else if (dst_end > dst_numel) {
-      st = fail(err, RS_ERANGE, i, -1,
-                "row %" PRId64 ": writes dst[%" PRId64 "] but dst has %" PRId64 " elements", i,
-                dst_end - 1, dst_numel);
+      st = rs_fail(err, RS_ERANGE, i, -1,
+                   "row %" PRId64 ": writes dst[%" PRId64 "] but dst has %" PRId64 " elements", i,
+                   dst_end - 1, dst_numel);
     } else if (check_overlap && r->count > 1 && r->dst_stride < r->length) {
-      st = fail(err, RS_EOVERLAP, i, i,
-                "row %" PRId64 ": writes overlap within the row (dst_stride %" PRId64
-                " < length %" PRId64 " with count %" PRId64 ")",
-                i, r->dst_stride, r->length, r->count);
+      st = rs_fail(err, RS_EOVERLAP, i, i,
+                   "row %" PRId64 ": writes overlap within the row (dst_stride %" PRId64
+                   " < length %" PRId64 " with count %" PRId64 ")",
+                   i, r->dst_stride, r->length, r->count);
     } else if (ends) {
       ends[i] = dst_end;
     }
@@ -329,21 +522,21 @@ rs_status rs_validate(const rs_run *runs, int64_t n, int64_t src_numel, int64_t 
 rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *total, rs_error *err) {
   int64_t i, sum = 0;
   clear(err);
-  if (n < 0) return fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
-  if (n > 0 && !runs) return fail(err, RS_EINVAL, -1, -1, "null descriptor table");
+  if (n < 0) return rs_fail(err, RS_EINVAL, -1, -1, "negative number of rows (%" PRId64 ")", n);
+  if (n > 0 && !runs) return rs_fail(err, RS_EINVAL, -1, -1, "null descriptor table");
   if (prefix) prefix[0] = 0;
   for (i = 0; i < n; i++) {
     int64_t len = runs[i].length, cnt = runs[i].count, w;
     if (len < 0 || cnt < 0) {
-      return fail(err, RS_ENEG, i, -1, "row %" PRId64 ": negative length or count", i);
+      return rs_fail(err, RS_ENEG, i, -1, "row %" PRId64 ": negative length or count", i);
     }
     if (len != 0 && cnt > INT64_MAX / len) {
-      return fail(err, RS_EOVERFLOW, i, -1, "row %" PRId64 ": length*count overflows int64", i);
+      return rs_fail(err, RS_EOVERFLOW, i, -1, "row %" PRId64 ": length*count overflows int64", i);
     }
     w = len * cnt;
     if (w > INT64_MAX - sum) {
-      return fail(err, RS_EOVERFLOW, i, -1,
-                  "row %" PRId64 ": total work of the table overflows int64", i);
+      return rs_fail(err, RS_EOVERFLOW, i, -1,
+                     "row %" PRId64 ": total work of the table overflows int64", i);
     }
     sum += w;
     if (prefix) prefix[i + 1] = sum;
@@ -353,12 +546,7 @@ rs_status rs_prefix(const rs_run *runs, int64_t n, int64_t *prefix, int64_t *tot
 }
 
 /* ---------------------------------------------------------------- scalar casts */
-/* Bitwise identical to torch 2.13 CPU .to() on contiguous tensors (checked by
- * tests/test_ops.py against torch itself). NaN handling differs per pair, as in torch:
- *   f32 -> bf16: every NaN becomes 0xFFFF (torch's vectorized path)
- *   f16 -> bf16: every NaN becomes 0x7FC0
- *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as F16C does)
- *   f16 -> f32: sign and payload kept, quiet bit set; bf16 -> f32 is a plain shift. */
+/* The rules are in casts.h, shared with the CUDA kernels; these wrap them for float values. */
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -372,59 +560,10 @@ static inline float bits_f32(uint32_t u) {
   return f;
 }
 
-static inline uint16_t bf16_from_bits_rne(uint32_t u) { /* u is not NaN */
-  return (uint16_t)((u + UINT32_C(0x7FFF) + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline uint16_t bf16_from_f32_bits(uint32_t u) {
-  if ((u & UINT32_C(0x7FFFFFFF)) > UINT32_C(0x7F800000)) return 0xFFFFu;
-  return bf16_from_bits_rne(u);
-}
-
-static inline uint16_t f16_from_f32_bits(uint32_t w) {
-  uint32_t sign = (w >> 16) & 0x8000u;
-  uint32_t a = w & UINT32_C(0x7FFFFFFF);
-  if (a > UINT32_C(0x7F800000)) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-  if (a >= UINT32_C(0x47800000)) return (uint16_t)(sign | 0x7C00u); /* >= 2^16 and inf */
-  if (a < UINT32_C(0x38800000)) {                                   /* f16 subnormal or 0 */
-    uint32_t e = a >> 23, m, shift, q, rem, half;
-    if (e < 102) return (uint16_t)sign; /* < 2^-25 rounds to zero (2^-25 ties to even 0) */
-    m = (a & UINT32_C(0x7FFFFF)) | UINT32_C(0x800000);
-    shift = 126 - e; /* value / 2^-24 = m >> shift, shift in [14, 24] */
-    q = m >> shift;
-    rem = m & ((UINT32_C(1) << shift) - 1);
-    half = UINT32_C(1) << (shift - 1);
-    q += (rem > half) || (rem == half && (q & 1u));
-    return (uint16_t)(sign | q);
-  }
-  /* normal: rebias the exponent, round to nearest even; a carry into the exponent is
-   * the correct result (up to inf for values in [65520, 65536)) */
-  a += UINT32_C(0xC8000FFF) + ((a >> 13) & 1u);
-  return (uint16_t)(sign | (a >> 13));
-}
-
-static inline uint32_t f32_bits_from_f16(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return sign | UINT32_C(0x7F800000) | (m ? UINT32_C(0x400000) | (m << 13) : 0);
-  if (e == 0) {
-    uint32_t p = 9;
-    if (m == 0) return sign;
-    while (!(m >> p)) p--; /* leading bit: value = m * 2^-24, exponent p - 24 */
-    return sign | ((p + 103) << 23) | ((m << (23 - p)) & UINT32_C(0x7FFFFF));
-  }
-  return sign | ((e + 112) << 23) | (m << 13);
-}
-
-static inline uint16_t bf16_from_f16_bits(uint16_t h) {
-  if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu)) return 0x7FC0u;
-  return bf16_from_bits_rne(f32_bits_from_f16(h));
-}
-
-uint16_t rs_f32_to_bf16(float f) { return bf16_from_f32_bits(f32_bits(f)); }
-uint16_t rs_f32_to_f16(float f) { return f16_from_f32_bits(f32_bits(f)); }
+uint16_t rs_f32_to_bf16(float f) { return rs_bf16_from_f32_bits(f32_bits(f)); }
+uint16_t rs_f32_to_f16(float f) { return rs_f16_from_f32_bits(f32_bits(f)); }
 float rs_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-float rs_f16_to_f32(uint16_t h) { return bits_f32(f32_bits_from_f16(h)); }
+float rs_f16_to_f32(uint16_t h) { return bits_f32(rs_f32_bits_from_f16(h)); }
 
 /* ---------------------------------------------------------------- bulk converters */
 /* Loads/stores go through memcpy so the buffers' declared types never alias (torch may have
@@ -470,11 +609,11 @@ static inline void st16(unsigned char *p, int64_t i, uint16_t v) {
 
 RS_CONVERTER(cvt_f32_bf16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, bf16_from_f32_bits(ld32(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_bf16_from_f32_bits(ld32(s, i)));
 })
 RS_CONVERTER(cvt_f32_f16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, f16_from_f32_bits(ld32(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_f16_from_f32_bits(ld32(s, i)));
 })
 RS_CONVERTER(cvt_bf16_f32, {
   int64_t i;
@@ -482,15 +621,15 @@ RS_CONVERTER(cvt_bf16_f32, {
 })
 RS_CONVERTER(cvt_f16_f32, {
   int64_t i;
-  for (i = 0; i < n; i++) st32(d, i, f32_bits_from_f16(ld16(s, i)));
+  for (i = 0; i < n; i++) st32(d, i, rs_f32_bits_from_f16(ld16(s, i)));
 })
 RS_CONVERTER(cvt_bf16_f16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, f16_from_f32_bits((uint32_t)ld16(s, i) << 16));
+  for (i = 0; i < n; i++) st16(d, i, rs_f16_from_f32_bits((uint32_t)ld16(s, i) << 16));
 })
 RS_CONVERTER(cvt_f16_bf16, {
   int64_t i;
-  for (i = 0; i < n; i++) st16(d, i, bf16_from_f16_bits(ld16(s, i)));
+  for (i = 0; i < n; i++) st16(d, i, rs_bf16_from_f16_bits(ld16(s, i)));
 })
 
 /* 0: baseline, 1: AVX2, 2: AVX-512BW; the CPU's best, capped by RESHARD_CPU_CAPABILITY. */
@@ -688,22 +827,22 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
   rs_status st;
   clear(err);
   if (!rs_dtype_pair_ok(src_dtype, dst_dtype)) {
-    return fail(err, RS_EDTYPE, -1, -1, "cannot copy %s to %s", rs_dtype_name(src_dtype),
-                rs_dtype_name(dst_dtype));
+    return rs_fail(err, RS_EDTYPE, -1, -1, "cannot copy %s to %s", rs_dtype_name(src_dtype),
+                   rs_dtype_name(dst_dtype));
   }
   st = rs_validate(runs, n, src_numel, dst_numel, flags, err);
   if (st != RS_OK) return st;
   if ((src_numel > 0 && !src) || (dst_numel > 0 && !dst)) {
-    return fail(err, RS_EINVAL, -1, -1, "null src or dst with a nonzero extent");
+    return rs_fail(err, RS_EINVAL, -1, -1, "null src or dst with a nonzero extent");
   }
   prefix = (int64_t *)malloc((size_t)(n + 1) * sizeof *prefix);
   if (!prefix)
-    return fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
+    return rs_fail(err, RS_ENOMEM, -1, -1, "cannot allocate %" PRId64 " prefix sums", n + 1);
   st = rs_prefix(runs, n, prefix, &total, err);
   if (st == RS_OK)
     st = rs_copy_slice(src, src_dtype, dst, dst_dtype, runs, n, prefix, 0, total, RS_MODE_RUNS);
   if (st != RS_OK && err && err->code == RS_OK)
-    fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
+    rs_fail(err, st, -1, -1, "copy failed: %s", rs_status_name(st));
   free(prefix);
   return st;
 }

@@ -8,12 +8,22 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <c10/core/InferenceMode.h>
+// torch's autograd headers trip -Wunused-parameter under -Wextra; the warnings are theirs.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#pragma GCC diagnostic pop
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reshard.h"
@@ -26,7 +36,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <list>
-#include <memory>
 #include <mutex>
 
 #include "cuda/reshard_cuda.h"
@@ -126,8 +135,38 @@ std::string int_list(at::IntArrayRef v) {
   return s + "]";
 }
 
+// Elements of storage a dense tensor reaches from its storage offset (0 when it is empty).
+int64_t storage_extent(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = t.storage_offset();
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return last + 1;
+}
+
+// A tensor's storage must hold what its sizes say: FSDP frees parameters with
+// storage().resize_(0), and a storage shrunk under its tensors would be read or written out of
+// bounds.
+void check_storage(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a dense tensor, got layout ",
+              t.layout());
+  if (t.numel() == 0) return;
+  TORCH_CHECK(t.has_storage(), op, ": ", name, " has no storage");
+  const auto need = static_cast<uint64_t>(storage_extent(t)) * t.itemsize();
+  const auto have = static_cast<uint64_t>(t.storage().nbytes());
+  TORCH_CHECK(need <= have, op, ": ", name, " needs ", std::to_string(need),
+              " bytes of storage but its storage holds ", std::to_string(have),
+              have == 0 ? " (it was freed: storage().resize_(0))" : " (it was shrunk)");
+}
+
+// Names the argument on the wrong device.
+void check_device(const char* op, const char* name, const at::Tensor& t, bool ok,
+                  const char* want) {
+  TORCH_CHECK(ok, op, ": ", name, " must be ", want, ", got a tensor on ", t.device().str());
+}
+
 // Checks shared by every impl of every op: `desc` is an int64 [n, 6] table, src and dst
-// are 1-D contiguous, the dtype pair is supported. Returns the contiguous table.
+// are 1-D contiguous, the dtype pair is supported, every storage holds its tensor. Returns
+// the contiguous table.
 at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor& desc,
                         const at::Tensor& dst) {
   TORCH_CHECK(desc.scalar_type() == at::kLong, op, ": desc must be int64, got ",
@@ -150,6 +189,9 @@ at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor&
   rs_dtype unused;
   TORCH_CHECK(to_rs_dtype(st, &unused), op, ": unsupported dtype ", st,
               " (element size must be 1, 2, 4 or 8 bytes)");
+  check_storage(op, "src", src);
+  check_storage(op, "desc", desc);
+  check_storage(op, "dst", dst);
   return desc.contiguous();
 }
 
@@ -173,10 +215,10 @@ void validate_table(const char* op, const rs_run* runs, int64_t n, int64_t src_n
 
 void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::Tensor& dst) {
   constexpr const char* op = "reshard::copy_runs";
+  check_device(op, "src", src, src.is_cpu(), "a CPU tensor (dst is on the CPU)");
+  check_device(op, "desc", desc_in, desc_in.is_cpu(), "a CPU tensor");
+  check_device(op, "dst", dst, dst.is_cpu(), "a CPU tensor (src is on the CPU)");
   at::Tensor desc = check_common(op, src, desc_in, dst);
-  TORCH_CHECK(src.device().is_cpu() && desc.device().is_cpu() && dst.device().is_cpu(), op,
-              ": the CPU implementation needs src, desc and dst on the CPU, got ", src.device(),
-              ", ", desc.device(), ", ", dst.device());
   check_no_alias(op, src, dst);
 
   const int64_t n = desc.size(0);
@@ -209,21 +251,6 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(reshard, m) {
-  m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
-  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()");
-  m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(a!) dst) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(reshard, CPU, m) { m.impl("copy_runs", &copy_runs_cpu); }
-
-// ============================================================================================
-// CUDA implementations (owner: the CUDA issue). copy_runs (CUDA), stage_h2d, stage_d2h:
-// reuse check_common / check_no_alias / validate_table above so errors read the same on
-// every device; register them in a TORCH_LIBRARY_IMPL(reshard, CUDA, m) block here.
-// stage_h2d/stage_d2h take CPU and CUDA tensors together: register them for CUDA (the
-// dispatcher picks CUDA when any argument is a CUDA tensor).
-// ============================================================================================
 #ifdef RESHARD_WITH_CUDA
 // ---- CUDA (docs/cuda.md) ----------------------------------------------------------------
 // desc is a CPU int64 tensor. The first call with a given desc validates it on the host
@@ -382,14 +409,14 @@ rs_dtype rs_dtype_of(const at::Tensor& t) {
 
 void copy_runs_cuda(const at::Tensor& src, const at::Tensor& desc_in, const at::Tensor& dst) {
   constexpr const char* op = "reshard::copy_runs";
+  const char* one_device =
+      "on dst's CUDA device (CPU<->GPU copies are reshard::stage_h2d / stage_d2h)";
+  check_device(op, "desc", desc_in, desc_in.is_cpu(),
+               "a CPU tensor (it is validated on the host, then uploaded once and cached per "
+               "device)");
+  check_device(op, "dst", dst, dst.is_cuda(), "a CUDA tensor when src is (or use stage_d2h)");
+  check_device(op, "src", src, src.device() == dst.device(), one_device);
   at::Tensor desc = check_common(op, src, desc_in, dst);
-  TORCH_CHECK(src.is_cuda() && dst.is_cuda() && src.device() == dst.device(), op,
-              ": the CUDA implementation needs src and dst on one CUDA device, got ", src.device(),
-              " and ", dst.device(), " (CPU<->GPU copies are reshard::stage_h2d / stage_d2h)");
-  TORCH_CHECK(desc.is_cpu(), op,
-              ": desc must be a CPU tensor (it is validated on the host, then uploaded once "
-              "and cached per device), got ",
-              desc.device());
   check_no_alias(op, src, dst);
   const c10::cuda::CUDAGuard guard(dst.device());
   auto entry = lookup(op, desc, src.numel(), dst.numel(), dst.get_device());
@@ -425,10 +452,7 @@ rs_status host_copy_threaded(void* /*ctx*/, const void* src, rs_dtype sdt, void*
   return static_cast<rs_status>(status.load());
 }
 
-thread_local rs_stage_stats g_last_stats{};
-
 void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) {
-  TORCH_CHECK(ring.is_cpu(), op, ": ring must be a pinned CPU tensor, got ", ring.device());
   TORCH_CHECK(ring.is_contiguous(), op, ": ring must be contiguous");
   TORCH_CHECK(ring.is_pinned(), op,
               ": ring must be pinned host memory (torch.empty(nbytes, dtype=torch.uint8, "
@@ -443,17 +467,29 @@ void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) 
   }
 }
 
-void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
-                const at::Tensor& ring, const at::Tensor& dst) {
+// What a stage call did, returned by the op as an int64 CPU tensor, in the order of
+// reshard._ops.STAGE_STATS.
+at::Tensor stats_tensor(const rs_stage_stats& s) {
+  at::Tensor out = at::empty({7}, at::TensorOptions().dtype(at::kLong));
+  int64_t* v = out.mutable_data_ptr<int64_t>();
+  const int64_t values[7] = {s.slots,        s.slot_bytes,    s.chunks,    s.ring_bytes,
+                             s.direct_bytes, s.direct_copies, s.host_waits};
+  std::copy(values, values + 7, v);
+  return out;
+}
+
+at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
+                      const at::Tensor& ring, const at::Tensor& dst) {
   const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
-  at::Tensor desc = check_common(op, src, desc_in, dst);
   const at::Tensor& host = dir == RS_H2D ? src : dst;
   const at::Tensor& dev = dir == RS_H2D ? dst : src;
-  TORCH_CHECK(host.is_cpu(), op, ": ", dir == RS_H2D ? "src" : "dst",
-              " must be a CPU tensor (pinned or pageable), got ", host.device());
-  TORCH_CHECK(dev.is_cuda(), op, ": ", dir == RS_H2D ? "dst" : "src",
-              " must be a CUDA tensor, got ", dev.device());
-  TORCH_CHECK(desc.is_cpu(), op, ": desc must be a CPU tensor, got ", desc.device());
+  check_device(op, dir == RS_H2D ? "src" : "dst", host, host.is_cpu(),
+               "a CPU tensor (pinned or pageable)");
+  check_device(op, dir == RS_H2D ? "dst" : "src", dev, dev.is_cuda(), "a CUDA tensor");
+  check_device(op, "desc", desc_in, desc_in.is_cpu(), "a CPU tensor");
+  check_device(op, "ring", ring, ring.is_cpu(), "a pinned CPU tensor");
+  at::Tensor desc = check_common(op, src, desc_in, dst);
+  check_storage(op, "ring", ring);
   check_ring(op, ring, host);
   const c10::cuda::CUDAGuard guard(dev.device());
   auto entry = lookup(op, desc, src.numel(), dst.numel(), dev.get_device());
@@ -496,22 +532,22 @@ void stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_
   buf.ring_bytes = ring_bytes;
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
-  rs_stage_stats stats;
+  rs_stage_stats stats{};
   rs_error err;
   const rs_status st = rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
   TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
-  g_last_stats = stats;
   record_use(*t, stream);
+  return stats_tensor(stats);
 }
 
-void stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                    const at::Tensor& dst) {
-  stage_cuda(RS_H2D, src, desc, ring, dst);
+at::Tensor stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                          const at::Tensor& dst) {
+  return stage_cuda(RS_H2D, src, desc, ring, dst);
 }
 
-void stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                    const at::Tensor& dst) {
-  stage_cuda(RS_D2H, src, desc, ring, dst);
+at::Tensor stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
+                          const at::Tensor& dst) {
+  return stage_cuda(RS_D2H, src, desc, ring, dst);
 }
 
 // Page-locks the whole storage of a CPU tensor in place. 1: registered by this call (undo
@@ -534,24 +570,57 @@ void host_unregister(const at::Tensor& t) {
               "reshard::host_unregister: ", err.msg);
 }
 
-// What the calling thread's last stage_h2d/stage_d2h did: [slots, slot_bytes, chunks,
-// ring_bytes, direct_bytes, direct_copies, host_waits]. For tests and reports.
-std::vector<int64_t> last_stage_stats() {
-  const rs_stage_stats& s = g_last_stats;
-  return {s.slots,        s.slot_bytes,    s.chunks,    s.ring_bytes,
-          s.direct_bytes, s.direct_copies, s.host_waits};
-}
-
 // Device bytes a stage call holds for a ring of ring_bytes (0 when the ring is too small).
 int64_t stage_device_bytes(int64_t ring_bytes) { return rs_stage_device_bytes(ring_bytes); }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(reshard, m) {
+#else  // CPU-only build: the CUDA-only ops exist and say so when called
+
+namespace {
+
+[[noreturn]] void built_without_cuda(const char* op) {
+  TORCH_CHECK(false, op,
+              ": reshard was built without CUDA (rebuild it against a CUDA torch with CUDA_HOME "
+              "set: pip install --no-build-isolation -e .)");
+}
+
+void copy_runs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  built_without_cuda("reshard::copy_runs");
+}
+at::Tensor stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&) {
+  built_without_cuda("reshard::stage_h2d");
+}
+at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&) {
+  built_without_cuda("reshard::stage_d2h");
+}
+int64_t host_register(const at::Tensor&) { built_without_cuda("reshard::host_register"); }
+void host_unregister(const at::Tensor&) { built_without_cuda("reshard::host_unregister"); }
+int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_bytes"); }
+
+}  // namespace
+
+#endif  // RESHARD_WITH_CUDA
+
+// Every schema, in every build: the op set does not depend on which backends were built.
+TORCH_LIBRARY(reshard, m) {
+  m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
+  // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
+  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
+  m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
-  m.def("last_stage_stats() -> int[]", &last_stage_stats);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
+}
+
+// The stage ops move CPU<->CUDA: called with CPU tensors only, their device checks name the
+// argument that should be on the GPU.
+TORCH_LIBRARY_IMPL(reshard, CPU, m) {
+  m.impl("copy_runs", &copy_runs_cpu);
+  m.impl("stage_h2d", &stage_h2d_cuda);
+  m.impl("stage_d2h", &stage_d2h_cuda);
 }
 
 TORCH_LIBRARY_IMPL(reshard, CUDA, m) {
@@ -560,6 +629,90 @@ TORCH_LIBRARY_IMPL(reshard, CUDA, m) {
   m.impl("stage_d2h", &stage_d2h_cuda);
 }
 
-#endif  // RESHARD_WITH_CUDA
+namespace {
+
+// ADInplaceOrView kernel of the mutating ops: what torch's generated in-place kernels do, for
+// every argument the schema marks as written (torch's boxed fallback bumps only returned
+// tensors, and these ops return nothing). An inference tensor is refused before the write.
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                           torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < n; ++i) {
+    if (!schema.is_mutable({c10::SchemaArgType::input, i})) continue;
+    const at::Tensor& t = (*stack)[stack->size() - n + i].toTensor();
+    TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), schema.name(), ": ",
+                schema.arguments()[i].name(),
+                " is an inference tensor: an in-place update to it outside InferenceMode is not "
+                "allowed (clone it to get a normal tensor, or call under torch.inference_mode())");
+    written.push_back(t);
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const auto& t : written) torch::autograd::increment_version(t);
+}
+
+// torch holds autograd nodes in std::shared_ptr up to 2.11 and in c10::intrusive_ptr later:
+// take the pointer type from Tensor::grad_fn() so one source builds against both.
+using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+template <class N, class... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<N>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+}
+
+// Autograd kernel of the mutating ops, as torch's kernels of in-place ops without a derivative:
+// in grad mode, when an argument requires grad, writing a leaf that requires grad (or a view
+// of one) is refused, and what is written gets a history whose backward raises "derivative
+// for reshard::... is not implemented" (never a gradient computed from the old values).
+void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::vector<at::Tensor> requiring_grad, written;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[stack->size() - n + i];
+    if (!v.isTensor()) continue;
+    if (at::GradMode::is_enabled() && v.toTensor().requires_grad())
+      requiring_grad.push_back(v.toTensor());
+    if (schema.is_mutable({c10::SchemaArgType::input, i})) written.push_back(v.toTensor());
+  }
+  NodePtr grad_fn;
+  if (!requiring_grad.empty()) {
+    for (const auto& t : written) torch::autograd::check_inplace(t, true);
+    grad_fn = make_node<torch::autograd::NotImplemented>(
+        schema.name(), torch::autograd::collect_next_edges(requiring_grad));
+  }
+  {
+    at::AutoDispatchBelowAutograd guard;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  if (!grad_fn) return;
+  for (const auto& t : written)
+    if (torch::autograd::isDifferentiableType(t.scalar_type()))
+      torch::autograd::rebase_history(t, grad_fn);
+}
+
+}  // namespace
+
+// The writes are in-place writes to autograd, as torch's own in-place ops are: version
+// counters bumped (a tensor saved for backward and then overwritten makes backward raise),
+// torch's refusals, no silent gradient through overwritten values. torch's boxed fallbacks for
+// custom ops do this only for returned tensors, and these ops return nothing.
+TORCH_LIBRARY_IMPL(reshard, ADInplaceOrView, m) {
+  for (const char* op : {"copy_runs", "stage_h2d", "stage_d2h"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
+}
+
+TORCH_LIBRARY_IMPL(reshard, Autograd, m) {
+  for (const char* op : {"copy_runs", "stage_h2d", "stage_d2h"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autograd_inplace_writes>());
+}
 
 }  // namespace reshard

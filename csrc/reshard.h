@@ -92,6 +92,15 @@ typedef enum rs_mode {
   RS_MODE_UNPACK = 2 /* src dense, dst by the table: scatter a staging slot */
 } rs_mode;
 
+/* Fills *err (when err is not NULL) with code, row, other_row and a printf-formatted message
+ * (truncated to fit), and returns code: how every function of the core and of the CUDA half
+ * reports a failure. */
+#if defined(__GNUC__) || defined(__clang__)
+__attribute__((format(printf, 5, 6)))
+#endif
+rs_status rs_fail(rs_error *err, rs_status code, int64_t row, int64_t other_row, const char *fmt,
+                  ...);
+
 /* Bytes per element; 0 for an unknown dtype. */
 size_t rs_dtype_size(rs_dtype dtype);
 

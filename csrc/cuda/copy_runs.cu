@@ -3,81 +3,21 @@
  * Work space: the table flattened in (row, c, j) order, as in the C core; work element k
  * is one destination element. Each warp takes a tile of 32 * U * V consecutive work
  * elements (V = elements per 16-byte access of the narrower dtype, U groups per lane in
- * flight), finds the rows the tile spans with one binary search over the prefix array,
+ * flight: tile_elems), finds the rows the tile spans with one binary search over the prefix array,
  * and then each lane maps its own groups to rows inside that (usually one-row) range.
  * A group whose V elements sit in one run at 16-byte-aligned addresses on both sides
  * moves with 16-byte loads/stores (two of them on the wider side of a cast); any other
- * group moves element by element. Casts match the C core bit for bit (torch's CPU .to()).
+ * group moves element by element. Casts are the C core's own (../casts.h): torch's CPU .to().
  * No torch headers: this file compiles with plain `nvcc -c -std=c++17 -arch=sm_90`.
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "../casts.h"
 #include "cuda_check.h"
 #include "reshard_cuda.h"
 
 namespace {
-
-/* ---- casts: the C core's bit rules (csrc/copy_runs.c), i.e. torch 2.13's CPU .to() ------
- * NaN per pair: f32 -> bf16 gives 0xFFFF; f16 -> bf16 gives 0x7FC0; f32/bf16 -> f16 keep the
- * sign, set the quiet bit and keep the top 9 payload bits; f16 -> f32 keeps sign and payload
- * and sets the quiet bit; bf16 -> f32 is a plain shift. Integer arithmetic only, so the
- * result never depends on the device's float modes. */
-
-__host__ __device__ __forceinline__ uint32_t clz32(uint32_t m) {
-#ifdef __CUDA_ARCH__
-  return (uint32_t)__clz(m);
-#else
-  return (uint32_t)__builtin_clz(m);
-#endif
-}
-
-/* Host-callable too, so tests can compare them with the C core without a GPU. */
-__host__ __device__ __forceinline__ uint16_t bf16_from_bits_rne(uint32_t u) { /* u is not NaN */
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-__host__ __device__ __forceinline__ uint16_t bf16_from_f32_bits(uint32_t u) {
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
-  return bf16_from_bits_rne(u);
-}
-
-__host__ __device__ __forceinline__ uint16_t f16_from_f32_bits(uint32_t w) {
-  const uint32_t sign = (w >> 16) & 0x8000u;
-  uint32_t a = w & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return (uint16_t)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
-  if (a >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 2^16 and inf */
-  if (a < 0x38800000u) {                                   /* f16 subnormal or zero */
-    const uint32_t e = a >> 23;
-    if (e < 102) return (uint16_t)sign; /* < 2^-25 rounds to zero */
-    const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
-    const uint32_t shift = 126 - e; /* value / 2^-24 = m >> shift, shift in [14, 24] */
-    uint32_t q = m >> shift;
-    const uint32_t rem = m & ((1u << shift) - 1);
-    const uint32_t half = 1u << (shift - 1);
-    q += (rem > half) || (rem == half && (q & 1u));
-    return (uint16_t)(sign | q);
-  }
-  a += 0xC8000FFFu + ((a >> 13) & 1u); /* rebias, round to nearest even */
-  return (uint16_t)(sign | (a >> 13));
-}
-
-__host__ __device__ __forceinline__ uint32_t f32_bits_from_f16(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
-  if (e == 0x1F) return sign | 0x7F800000u | (m ? 0x400000u | (m << 13) : 0u);
-  if (e == 0) {
-    if (m == 0) return sign;
-    const uint32_t p = 31 - clz32(m); /* leading bit: value = m * 2^-24 */
-    return sign | ((p + 103) << 23) | ((m << (23 - p)) & 0x7FFFFFu);
-  }
-  return sign | ((e + 112) << 23) | (m << 13);
-}
-
-__host__ __device__ __forceinline__ uint16_t bf16_from_f16_bits(uint16_t h) {
-  if ((h & 0x7C00u) == 0x7C00u && (h & 0x3FFu)) return 0x7FC0u;
-  return bf16_from_bits_rne(f32_bits_from_f16(h));
-}
 
 /* Element kinds: the storage type of each; casts exist among F32, BF16, F16. */
 enum Kind { K_F32, K_BF16, K_F16, K_RAW1, K_RAW2, K_RAW4, K_RAW8 };
@@ -125,12 +65,12 @@ struct Cast {
       return EXPR;                                                                         \
     }                                                                                      \
   };
-RS_CAST(K_F32, K_BF16, bf16_from_f32_bits(x))
-RS_CAST(K_F32, K_F16, f16_from_f32_bits(x))
+RS_CAST(K_F32, K_BF16, rs_bf16_from_f32_bits(x))
+RS_CAST(K_F32, K_F16, rs_f16_from_f32_bits(x))
 RS_CAST(K_BF16, K_F32, (uint32_t)x << 16)
-RS_CAST(K_F16, K_F32, f32_bits_from_f16(x))
-RS_CAST(K_BF16, K_F16, f16_from_f32_bits((uint32_t)x << 16))
-RS_CAST(K_F16, K_BF16, bf16_from_f16_bits(x))
+RS_CAST(K_F16, K_F32, rs_f32_bits_from_f16(x))
+RS_CAST(K_BF16, K_F16, rs_f16_from_f32_bits((uint32_t)x << 16))
+RS_CAST(K_F16, K_BF16, rs_bf16_from_f16_bits(x))
 #undef RS_CAST
 
 /* ---- the kernel ---------------------------------------------------------------------- */
@@ -147,6 +87,21 @@ struct Params {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+
+/* Tile geometry of a dtype pair (element sizes in bytes), for the kernel's loop and the
+ * launch's grid alike. A group is V elements, one 16-byte access on the narrower side (two on
+ * the wider side of a cast); each lane keeps 2 * kUnroll 16-byte loads in flight, so U groups;
+ * a warp's tile is 32 lanes x U groups x V elements. */
+__host__ __device__ constexpr int group_elems(int src_size, int dst_size) {
+  return 16 / (src_size < dst_size ? src_size : dst_size);
+}
+__host__ __device__ constexpr int groups_per_lane(int src_size, int dst_size) {
+  return kUnroll * 2 /
+         (group_elems(src_size, dst_size) * (src_size > dst_size ? src_size : dst_size) / 16);
+}
+__host__ __device__ constexpr int64_t tile_elems(int src_size, int dst_size) {
+  return (int64_t)32 * groups_per_lane(src_size, dst_size) * group_elems(src_size, dst_size);
+}
 
 /* Largest r in [lo, hi) with prefix[r] <= pos; prefix[lo] <= pos must hold. Since
  * pos < prefix[hi], the answer is a non-empty row. */
@@ -236,13 +191,12 @@ template <int SK, int DK>
 __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
-  constexpr int kMin = sizeof(S) < sizeof(D) ? (int)sizeof(S) : (int)sizeof(D);
-  constexpr int V = 16 / kMin;                /* elements per group */
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
   constexpr int kSrcVec = V * sizeof(S) / 16; /* 16-byte words per group, each side */
   constexpr int kDstVec = V * sizeof(D) / 16;
-  constexpr int kMaxVec = kSrcVec > kDstVec ? kSrcVec : kDstVec;
-  constexpr int U = kUnroll * 2 / kMaxVec; /* groups per lane per tile: 8 loads in flight */
-  constexpr int64_t kSpan = 32 * U * V;    /* work elements per warp tile */
+  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
+  constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
+  static_assert(kSpan == 32 * U * V, "a tile is 32 lanes x U groups x V elements");
 
   const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
@@ -432,12 +386,6 @@ kernel_fn pick_kernel(rs_dtype s, rs_dtype d) {
   return nullptr;
 }
 
-int elems_per_group(rs_dtype s, rs_dtype d) {
-  size_t a = rs_dtype_size(s), b = rs_dtype_size(d);
-  size_t m = a < b ? a : b;
-  return m ? (int)(16 / m) : 0;
-}
-
 /* Multiprocessor count per device, read once (a benign race: every writer stores the same). */
 int sm_count(int device) {
   static int cache[64];
@@ -480,21 +428,22 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
                                         const int64_t *d_prefix, int64_t begin, int64_t end,
                                         rs_mode mode, void *stream, rs_error *err) {
   if (mode != RS_MODE_RUNS && mode != RS_MODE_PACK && mode != RS_MODE_UNPACK)
-    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): bad mode");
+    return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad mode");
   if (begin < 0 || end < begin)
-    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): bad work range");
+    return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad work range");
   kernel_fn fn = pick_kernel(src_dtype, dst_dtype);
   if (!fn)
-    return rs_fail(err, RS_EDTYPE, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
+    return rs_fail(err, RS_EDTYPE, -1, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
                    rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
   if (end == begin || n == 0) return RS_OK;
   if (!src || !dst || !d_runs || !d_prefix)
-    return rs_fail(err, RS_EINVAL, -1, "copy_runs (CUDA): null pointer");
+    return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): null pointer");
 
   int device = 0;
   RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
-  const int v = elems_per_group(src_dtype, dst_dtype);
-  const int64_t tiles = (end - begin + (int64_t)32 * 8 * v - 1) / ((int64_t)32 * 8 * v);
+  const int64_t span =
+      tile_elems((int)rs_dtype_size(src_dtype), (int)rs_dtype_size(dst_dtype)); /* = kernel's */
+  const int64_t tiles = (end - begin + span - 1) / span;
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
   /* One resident wave: each warp then walks a contiguous range of tiles. */

@@ -3,27 +3,12 @@
 #define RESHARD_CUDA_CHECK_H
 
 #include <cuda_runtime.h>
-#include <stdarg.h>
-#include <stdio.h>
 
 #include "reshard_cuda.h"
 
-static inline rs_status rs_fail(rs_error *err, rs_status code, int64_t row, const char *fmt, ...) {
-  if (err) {
-    va_list ap;
-    va_start(ap, fmt);
-    err->code = code;
-    err->row = row;
-    err->other_row = -1;
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 /* `what` names the call; the CUDA error string follows it. */
 static inline rs_status rs_cuda_fail(rs_error *err, const char *what, cudaError_t e) {
-  return rs_fail(err, RS_EDEVICE, -1, "%s failed: %s", what, cudaGetErrorString(e));
+  return rs_fail(err, RS_EDEVICE, -1, -1, "%s failed: %s", what, cudaGetErrorString(e));
 }
 
 /* what: a short description of the call, e.g. "stage_h2d: cudaMemcpyAsync (ring -> device)". */

@@ -37,17 +37,10 @@ extern "C" int rs_stage_row_is_direct(const rs_run *r, int64_t elem_size, int64_
 
 extern "C" rs_status rs_stage_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes,
                                     rs_error *err) {
-  if (ring_bytes < RS_STAGE_MIN_RING_BYTES) {
-    if (err) {
-      err->code = RS_EINVAL;
-      err->row = -1;
-      err->other_row = -1;
-      snprintf(err->msg, sizeof err->msg,
-               "ring of %lld bytes is too small: at least %d bytes (two 16-byte slots)",
-               (long long)ring_bytes, RS_STAGE_MIN_RING_BYTES);
-    }
-    return RS_EINVAL;
-  }
+  if (ring_bytes < RS_STAGE_MIN_RING_BYTES)
+    return rs_fail(err, RS_EINVAL, -1, -1,
+                   "ring of %lld bytes is too small: at least %d bytes (two 16-byte slots)",
+                   (long long)ring_bytes, RS_STAGE_MIN_RING_BYTES);
   /* Four slots keep three chunks in flight while the host packs the fourth; a small ring
    * is cut in fewer, larger slots, each at least 64 KiB where the ring allows. */
   int64_t s = RS_STAGE_MAX_SLOTS;
@@ -110,17 +103,18 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
   rs_stage_stats *so = stats ? stats : &st_local;
   memset(so, 0, sizeof *so);
   const char *op = dir == RS_H2D ? "stage_h2d" : "stage_d2h";
-  if (dir != RS_H2D && dir != RS_D2H) return rs_fail(err, RS_EINVAL, -1, "staging: bad direction");
-  if (!t || !buf || !host_copy) return rs_fail(err, RS_EINVAL, -1, "%s: null argument", op);
+  if (dir != RS_H2D && dir != RS_D2H)
+    return rs_fail(err, RS_EINVAL, -1, -1, "staging: bad direction");
+  if (!t || !buf || !host_copy) return rs_fail(err, RS_EINVAL, -1, -1, "%s: null argument", op);
   const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
   const int64_t es_direct = (int64_t)rs_dtype_size(buf->src_dtype);
   const rs_dtype wire = rs_stage_wire_dtype(dir, buf->src_dtype, buf->dst_dtype);
   const int64_t wes = (int64_t)rs_dtype_size(wire);
   if (!wes || !rs_dtype_pair_ok(buf->src_dtype, buf->dst_dtype))
-    return rs_fail(err, RS_EDTYPE, -1, "%s: unsupported dtype pair %s -> %s", op,
+    return rs_fail(err, RS_EDTYPE, -1, -1, "%s: unsupported dtype pair %s -> %s", op,
                    rs_dtype_name(buf->src_dtype), rs_dtype_name(buf->dst_dtype));
   if (t->n_direct > 0 && buf->src_dtype != buf->dst_dtype)
-    return rs_fail(err, RS_EINVAL, -1, "%s: direct rows need equal dtypes", op);
+    return rs_fail(err, RS_EINVAL, -1, -1, "%s: direct rows need equal dtypes", op);
 
   int64_t direct_total = 0;
   for (int64_t i = 0; i < t->n_direct; ++i) direct_total += run_bytes(&t->direct[i], es_direct);
@@ -130,9 +124,9 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
     rs_status s = rs_stage_slots(buf->ring_bytes, &slots, &slot_bytes, err);
     if (s != RS_OK) return s;
     if (!buf->ring || (!buf->staging && !t->device_dense))
-      return rs_fail(err, RS_EINVAL, -1, "%s: ring or device staging is null", op);
+      return rs_fail(err, RS_EINVAL, -1, -1, "%s: ring or device staging is null", op);
     if ((((uintptr_t)buf->ring) | ((uintptr_t)buf->staging)) & 15)
-      return rs_fail(err, RS_EINVAL, -1, "%s: ring and staging must be 16-byte aligned", op);
+      return rs_fail(err, RS_EINVAL, -1, -1, "%s: ring and staging must be 16-byte aligned", op);
     slot_elems = slot_bytes / wes;
     chunks = (t->total + slot_elems - 1) / slot_elems;
   }
@@ -183,7 +177,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
       s = host_copy(ctx, buf->src, buf->src_dtype, ring_slot, wire, t->runs, t->n, t->prefix, b, e,
                     RS_MODE_PACK);
       if (s != RS_OK)
-        return rs_fail(err, s, -1, "stage_h2d: host pack of a chunk failed (%s)",
+        return rs_fail(err, s, -1, -1, "stage_h2d: host pack of a chunk failed (%s)",
                        rs_status_name(s));
       /* a dense target takes the slot as is; otherwise staging + one scatter kernel */
       char *to = t->device_dense ? static_cast<char *>(buf->dst) + b * wes : dev_slot;
@@ -205,7 +199,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
         s = host_copy(ctx, ring_slot, wire, buf->dst, buf->dst_dtype, t->runs, t->n, t->prefix, pb,
                       pe, RS_MODE_UNPACK);
         if (s != RS_OK)
-          return rs_fail(err, s, -1, "stage_d2h: host scatter of a chunk failed (%s)",
+          return rs_fail(err, s, -1, -1, "stage_d2h: host scatter of a chunk failed (%s)",
                          rs_status_name(s));
         pending[sl] = -1;
       }
@@ -242,7 +236,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
       s = host_copy(ctx, ring + sl * slot_bytes, wire, buf->dst, buf->dst_dtype, t->runs, t->n,
                     t->prefix, pb, pe, RS_MODE_UNPACK);
       if (s != RS_OK)
-        return rs_fail(err, s, -1, "stage_d2h: host scatter of a chunk failed (%s)",
+        return rs_fail(err, s, -1, -1, "stage_d2h: host scatter of a chunk failed (%s)",
                        rs_status_name(s));
       pending[sl] = -1;
     }
@@ -295,7 +289,7 @@ extern "C" rs_status rs_cuda_host_register(void *ptr, int64_t bytes, int *regist
                                            rs_error *err) {
   if (registered) *registered = 0;
   if (!ptr || bytes <= 0)
-    return rs_fail(err, RS_EINVAL, -1, "host_register: null pointer or empty range");
+    return rs_fail(err, RS_EINVAL, -1, -1, "host_register: null pointer or empty range");
   if (rs_cuda_is_pinned(ptr, bytes)) return RS_OK;
   cudaError_t e =
       cudaHostRegister(ptr, (size_t)bytes, cudaHostRegisterPortable | cudaHostRegisterMapped);
@@ -312,7 +306,7 @@ extern "C" rs_status rs_cuda_host_register(void *ptr, int64_t bytes, int *regist
 }
 
 extern "C" rs_status rs_cuda_host_unregister(void *ptr, rs_error *err) {
-  if (!ptr) return rs_fail(err, RS_EINVAL, -1, "host_unregister: null pointer");
+  if (!ptr) return rs_fail(err, RS_EINVAL, -1, -1, "host_unregister: null pointer");
   cudaError_t e = cudaHostUnregister(ptr);
   if (e != cudaSuccess) {
     cudaGetLastError();

@@ -1,10 +1,13 @@
 """reshard: move live, sharded training state between layouts without a whole-model gather.
 
-See README.md for the quick start and docs/ for the design. Names are resolved lazily so
-that `import reshard` stays cheap and the pure-data half (layout, plan) imports without
-the compiled extension.
+See README.md for the quick start and docs/ for the design. `import reshard` loads the
+compiled extension when it is built, so `torch.ops.reshard.*` are callable after it; without
+a build the pure-data half (layout, plan) still works and the ops say how to build. Execution
+names are resolved lazily, on first use.
 """
 
+# Loads reshard._C (registering torch.ops.reshard.* and their fake impls) when it is built.
+from ._ops import copy_runs
 from .errors import (
     LayoutError,
     NotReadyError,
@@ -25,14 +28,13 @@ _LAZY = {
     "Transfer": "executor",
     "Report": "report",
     "Stream": "stream",
-    # ops
-    "copy_runs": "_ops",
 }
 
 __all__ = sorted(
     [
         *_LAZY,
         "Layout",
+        "copy_runs",
         "Piece",
         "Plan",
         "Storage",

@@ -1,28 +1,106 @@
 """The compiled ops (`torch.ops.reshard.*`), their fake implementations and Python wrappers.
 
-Importing this module loads the extension `reshard._C`, whose import registers the ops with
-the dispatcher. The ops are destination-passing: they write into `dst` (and `ring`) and
-return nothing. A descriptor table `desc` is an int64 [n, 6] array/tensor with rows
+`import reshard` imports this module, which loads the extension `reshard._C`: its import
+registers the ops with the dispatcher, and the fake implementations below register with them.
+Without a build (or with one made for another torch) geometry and planning still work; the ops
+are then stand-ins with the same schemas whose every call raises an error that says how to
+build, and `require_built()` raises that error up front.
+
+The ops are destination-passing: they write into `dst` (and `ring`). A descriptor table `desc`
+is an int64 [n, 6] array/tensor with rows
 `(src_offset, src_stride, dst_offset, dst_stride, length, count)` in elements.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib
+import json
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
-try:
-    from . import _C  # noqa: F401  (registers torch.ops.reshard.*)
-except ImportError as exc:  # pragma: no cover - only without a build
-    raise ImportError(
-        "reshard's compiled extension is missing or does not match this torch "
-        f"({torch.__version__}): build it with `pip install --no-build-isolation -e .` "
-        f"from the repository root ({exc})"
-    ) from exc
-
-__all__ = ["as_desc", "copy_runs", "stage_d2h", "stage_h2d"]
+__all__ = [
+    "StageStats",
+    "as_desc",
+    "copy_runs",
+    "is_built",
+    "require_built",
+    "stage_d2h",
+    "stage_h2d",
+]
 
 DESC_COLUMNS = ("src_offset", "src_stride", "dst_offset", "dst_stride", "length", "count")
+
+BUILD_COMMAND = "pip install --no-build-isolation -e ."
+
+# The op set, exactly as csrc/ops.cpp defines it (tests/test_ops.py compares the two). Here
+# only for the stand-ins registered when the extension is missing.
+SCHEMAS = (
+    "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
+    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
+    "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
+    "host_register(Tensor t) -> int",
+    "host_unregister(Tensor t) -> ()",
+    "stage_device_bytes(int ring_bytes) -> int",
+)
+
+try:
+    _C = importlib.import_module(".._C", __name__)  # registers torch.ops.reshard.*
+except ImportError as exc:
+    _C = None
+    _MISSING = (
+        "reshard's compiled extension is missing or does not match this torch "
+        f"({torch.__version__}): build it with `{BUILD_COMMAND}` from the repository root "
+        f"(or `make build`); geometry and planning work without it ({exc})"
+    )
+else:
+    _MISSING = None
+
+
+def is_built() -> bool:
+    """Whether the compiled extension is loaded (torch.ops.reshard.* run real kernels)."""
+    return _MISSING is None
+
+
+@functools.cache
+def build_info() -> dict:
+    """The facts compiled into `reshard._C` (csrc/ops.cpp `reshard_build_info`): the torch it
+    was built against, whether it has CUDA kernels, its archs, flags and the C core version."""
+    require_built()
+    lib = ctypes.CDLL(_C.__file__)
+    fn = lib.reshard_build_info
+    fn.restype = ctypes.c_char_p
+    return json.loads(fn().decode())
+
+
+def built_with_cuda() -> bool:
+    """Whether the loaded extension has CUDA kernels. Every build defines the same ops; in a
+    CPU-only build the CUDA ones raise when called."""
+    return is_built() and build_info()["cuda"]
+
+
+def require_built() -> None:
+    """Raise ImportError saying how to build the extension when it is not loaded."""
+    if _MISSING is not None:
+        raise ImportError(_MISSING)
+
+
+def _define_stand_ins() -> None:
+    """Ops with the real schemas whose every call raises the build error, so
+    `torch.ops.reshard.copy_runs(...)` says how to build rather than that the name is missing."""
+    lib = torch.library.Library("reshard", "DEF")  # noqa: TOR901 (kept alive below)
+
+    def missing(*args, **kwargs):
+        raise RuntimeError(_MISSING)
+
+    for schema in SCHEMAS:
+        name = schema.split("(", 1)[0]
+        lib.define(schema)
+        lib.impl(name, missing, "CompositeExplicitAutograd")
+    _define_stand_ins.lib = lib
 
 
 def as_desc(desc) -> torch.Tensor:
@@ -55,20 +133,32 @@ def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+class StageStats(NamedTuple):
+    """What one stage_h2d / stage_d2h call did (the ops return these as an int64 tensor)."""
+
+    slots: int  # ring slots used (0 when no row went through the ring)
+    slot_bytes: int  # bytes of one slot
+    chunks: int  # slot-sized chunks moved through the ring
+    ring_bytes: int  # wire bytes moved through the ring
+    direct_bytes: int  # bytes moved by direct copies (pinned or registered host side)
+    direct_copies: int
+    host_waits: int  # event waits on the host (one per reused slot, plus the final one)
+
+
+def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
     """Runs of a CPU `src` into a CUDA `dst` through the pinned host `ring` (CUDA builds)."""
-    torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst)
-    return dst
+    return StageStats(*torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst).tolist())
 
 
-def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
     """Runs of a CUDA `src` into a CPU `dst` through the pinned host `ring` (CUDA builds)."""
-    torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst)
-    return dst
+    return StageStats(*torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst).tolist())
 
 
 # ------------------------------------------------------------------ fake (meta) impls
 # Metadata checks only: a fake tensor has no data, so row contents are checked at run time.
+# A fake impl also runs for real `meta` tensors (as their kernel): a call that mixes meta and
+# real tensors is refused here, naming the argument, as the real kernels refuse wrong devices.
 
 
 def _check_desc_meta(op: str, desc: torch.Tensor) -> None:
@@ -83,23 +173,63 @@ def _check_1d(op: str, name: str, t: torch.Tensor) -> None:
     torch._check(t.dim() == 1, lambda: f"{op}: {name} must be 1-D, got shape {tuple(t.shape)}")
 
 
+def _check_device(op: str, name: str, t: torch.Tensor, ok: bool, want: str) -> None:
+    torch._check(ok, lambda: f"{op}: {name} must be {want}, got a tensor on {t.device}")
+
+
 def _check_runs_meta(op: str, src, desc, dst) -> None:
     _check_desc_meta(op, desc)
     _check_1d(op, "src", src)
     _check_1d(op, "dst", dst)
 
 
-# The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
-@torch.library.register_fake("reshard::copy_runs")
-def _copy_runs_fake(src, desc, dst):
-    _check_runs_meta("reshard::copy_runs", src, desc, dst)
+def _check_devices(op: str, host: dict, device: dict, desc: torch.Tensor) -> None:
+    """`host` args must be on the CPU and `device` args on the GPU (for copy_runs: on one
+    device, any); all-meta calls (shape propagation) pass; desc lives on the CPU (or on meta
+    with meta buffers)."""
+    tensors = [*host.values(), *device.values()]
+    if all(t.device.type == "meta" for t in tensors):
+        _check_device(op, "desc", desc, desc.device.type in ("cpu", "meta"), "a CPU tensor")
+        return
+    _check_device(op, "desc", desc, desc.device.type == "cpu", "a CPU tensor")
+    for name, t in host.items():
+        _check_device(op, name, t, t.device.type == "cpu", "a CPU tensor")
+    for name, t in device.items():
+        _check_device(op, name, t, t.device.type == "cuda", "a CUDA tensor")
 
 
-@torch.library.register_fake("reshard::stage_h2d")
-def _stage_h2d_fake(src, desc, ring, dst):
-    _check_runs_meta("reshard::stage_h2d", src, desc, dst)
+def _stats_fake(ring: torch.Tensor) -> torch.Tensor:
+    return ring.new_empty((len(StageStats._fields),), dtype=torch.int64)
 
 
-@torch.library.register_fake("reshard::stage_d2h")
-def _stage_d2h_fake(src, desc, ring, dst):
-    _check_runs_meta("reshard::stage_d2h", src, desc, dst)
+def _register_fakes() -> None:
+    # The three ops share one signature shape (src, desc, [ring,] dst) and the same metadata rules.
+    @torch.library.register_fake("reshard::copy_runs")
+    def _copy_runs_fake(src, desc, dst):
+        op = "reshard::copy_runs"
+        _check_device(op, "src", src, src.device == dst.device, f"on dst's device ({dst.device})")
+        if src.device.type == "meta":
+            _check_device(op, "desc", desc, desc.device.type in ("cpu", "meta"), "a CPU tensor")
+        else:
+            _check_device(op, "desc", desc, desc.device.type == "cpu", "a CPU tensor")
+        _check_runs_meta(op, src, desc, dst)
+
+    @torch.library.register_fake("reshard::stage_h2d")
+    def _stage_h2d_fake(src, desc, ring, dst):
+        op = "reshard::stage_h2d"
+        _check_devices(op, {"src": src, "ring": ring}, {"dst": dst}, desc)
+        _check_runs_meta(op, src, desc, dst)
+        return _stats_fake(ring)
+
+    @torch.library.register_fake("reshard::stage_d2h")
+    def _stage_d2h_fake(src, desc, ring, dst):
+        op = "reshard::stage_d2h"
+        _check_devices(op, {"dst": dst, "ring": ring}, {"src": src}, desc)
+        _check_runs_meta(op, src, desc, dst)
+        return _stats_fake(ring)
+
+
+if _MISSING is None:
+    _register_fakes()
+else:
+    _define_stand_ins()

@@ -38,15 +38,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import (
-    _ops,  # noqa: F401 - loads the compiled extension: every torch.ops.reshard op used here
-    staging,
-)
+from . import _ops, staging
 from . import preflight as pf
 from .errors import TransferError
 from .report import STAGING_KINDS, Report
 from .rounds import RECV, SEND, build_rounds, local_tables
 
+_ops.require_built()  # every torch.ops.reshard op is used here: say how to build, up front
 log = logging.getLogger("reshard")
 
 DEFAULT_TIMEOUT_S = pf.DEFAULT_TIMEOUT_S

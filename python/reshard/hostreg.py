@@ -24,9 +24,9 @@ def available() -> bool:
     """Registration needs CUDA and reshard's CUDA build."""
     if not torch.cuda.is_available():
         return False
-    from . import _ops  # noqa: F401  (loads the extension)
+    from . import _ops
 
-    return hasattr(torch.ops.reshard, "host_register")
+    return _ops.built_with_cuda()
 
 
 class HostRegistry:

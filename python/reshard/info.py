@@ -11,19 +11,15 @@ import os
 import platform
 import sys
 
-OPS = ("copy_runs", "stage_h2d", "stage_d2h")
-
 
 def build_info() -> dict:
-    """The facts compiled into `reshard._C` (see csrc/ops.cpp `reshard_build_info`)."""
-    from . import _C
+    """The build facts (reshard._ops.build_info) plus the library's path and the ISA of the C
+    core's bulk casts, after the environment cap."""
+    from . import _ops
 
-    lib = ctypes.CDLL(_C.__file__)
-    fn = lib.reshard_build_info
-    fn.restype = ctypes.c_char_p
-    info = json.loads(fn().decode())
-    info["path"] = _C.__file__
-    level = lib.rs_cpu_capability()  # the ISA of the C core's bulk casts, after the env cap
+    info = dict(_ops.build_info())
+    info["path"] = _ops._C.__file__
+    level = ctypes.CDLL(_ops._C.__file__).rs_cpu_capability()
     info["cast_isa"] = ("baseline", "avx2", "avx512")[level]
     return info
 
@@ -46,21 +42,16 @@ def collect() -> dict:
     }
     try:
         out["build"] = build_info()
-        from . import _ops  # noqa: F401  (registers fake impls; import errors surface here)
     except (ImportError, OSError, AttributeError) as exc:
         out["build"] = {"error": str(exc)}
         return out
     built = out["build"].get("torch")
     out["torch_matches_build"] = built == torch.__version__
-    kernels = {}
-    for op in OPS:
-        name = f"reshard::{op}"
-        kernels[op] = [
-            key
-            for key in ("CPU", "CUDA")
-            if torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
-        ]
-    out["kernels"] = kernels
+    out["ops"] = sorted(
+        name.split("::")[1]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("reshard::")
+    )
     if torch.cuda.is_available():
         out["gpus"] = [
             f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
@@ -80,7 +71,6 @@ def format_text(info: dict) -> str:
     ]
     if "error" in b:
         lines.append(f"extension       NOT LOADED: {b['error']}")
-        lines.append("                build it: pip install --no-build-isolation -e .")
         return "\n".join(lines)
     match = "" if info["torch_matches_build"] else "   <-- MISMATCH: rebuild reshard"
     lines += [
@@ -91,8 +81,7 @@ def format_text(info: dict) -> str:
         f"{'OpenMP' if b['openmp'] else 'NO OpenMP: single-threaded copies'}), "
         f"{info['interop_threads']} inter-op",
         f"build flags     {b['flags']}",
-        "kernels         "
-        + ", ".join(f"{op}: {'/'.join(keys) or 'none'}" for op, keys in info["kernels"].items()),
+        f"ops             {', '.join(info['ops'])}",
         f"GPUs            {', '.join(info['gpus']) or 'none visible'}",
         f"extension       {b['path']}",
     ]

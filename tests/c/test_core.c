@@ -184,6 +184,57 @@ static void test_overlap_random(void) {
   CHECK(agree_yes > 10000 && agree_no > 10000, "yes %" PRId64 " no %" PRId64, agree_yes, agree_no);
 }
 
+/* Tables whose repeated rows share one stride W plus single runs that may span several lines of
+ * W, against the brute force; a quarter of them also have rows of 2W or 3W (rectangles in the
+ * lcm grid) and of unrelated strides (the merge). Up to 40 rows, so clusters are large. */
+static void test_overlap_one_stride_random(void) {
+  int t;
+  rs_run runs[40];
+  int64_t agree_yes = 0, agree_no = 0;
+  for (t = 0; t < 100000; t++) {
+    int64_t width = 1 + rnd_below(12), dn = 16 + rnd_below(400), n = 1 + rnd_below(40), i;
+    int mixed = t % 4 == 3;
+    rs_error err;
+    rs_status st;
+    int expect;
+    for (i = 0; i < n; i++) {
+      rs_run r = {0, 1, 0, width, 1, 1};
+      int64_t span;
+      if (rnd_below(2)) {
+        int64_t pick = mixed ? rnd_below(4) : 0;
+        /* a multiple of the stride (lcm grid) or an unrelated one (merge) */
+        r.dst_stride = pick == 1   ? width * (2 + rnd_below(2))
+                       : pick == 2 ? width + 1 + rnd_below(4)
+                                   : width;
+        r.length = 1 + rnd_below(r.dst_stride);
+        r.count = 2 + rnd_below(6);
+      } else {
+        r.length = 1 + rnd_below(3 * width);
+      }
+      span = (r.count - 1) * r.dst_stride + r.length;
+      if (span > dn) r.count = 1, span = r.length;
+      if (span > dn) r.length = dn, span = dn;
+      r.dst_offset = rnd_below(dn - span + 1);
+      runs[i] = r;
+    }
+    st = rs_validate(runs, n, INT64_C(1) << 20, dn, RS_CHECK_OVERLAP, &err);
+    expect = brute_overlap(runs, n, dn);
+    CHECK(st == RS_OK || st == RS_EOVERLAP, "trial %d: %s", t, err.msg);
+    CHECK((st == RS_EOVERLAP) == expect, "trial %d: validate says %s, brute force says %d", t,
+          rs_status_name(st), expect);
+    if (st == RS_EOVERLAP) {
+      rs_run pair[2];
+      pair[0] = runs[err.other_row];
+      pair[1] = runs[err.row];
+      CHECK(err.row != err.other_row && brute_overlap(pair, 2, dn), "trial %d: %s", t, err.msg);
+      agree_yes++;
+    } else {
+      agree_no++;
+    }
+  }
+  CHECK(agree_yes > 5000 && agree_no > 5000, "yes %" PRId64 " no %" PRId64, agree_yes, agree_no);
+}
+
 static void test_overlap_large_sorted_and_transposed(void) {
   /* 4096 columns of a 4096x4096 matrix (equal strides, fully interleaved): the sweep must
    * finish quickly and find no overlap; then one duplicate column must be found. */
@@ -490,6 +541,7 @@ static void test_copy_errors_write_nothing(void) {
 int main(void) {
   test_validate_errors();
   test_overlap_random();
+  test_overlap_one_stride_random();
   test_overlap_large_sorted_and_transposed();
   test_casts();
   test_copy_random();

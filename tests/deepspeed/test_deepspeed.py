@@ -26,6 +26,10 @@ except ImportError as exc:  # installed by `make test` (deps-deepspeed): missing
         "tests/deepspeed needs DeepSpeed: run `make deps-deepspeed` (DS_BUILD_OPS=0)"
     ) from exc
 
+# Above every run_ranks timeout here, so on a loaded machine the launcher's error (naming the
+# ranks) fires, not pytest's.
+pytestmark = pytest.mark.timeout(600)
+
 ENV = {"DS_ACCELERATOR": "cpu", "RESHARD_TEST_THREADS": "1"}
 MODELS = ("mlp", "block")
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -587,6 +591,7 @@ def _lifecycle_worker(rank, world, configs):
         train(engine, "mlp", 1, seed=1, rank=rank)
         lives = {k: rsds.describe(engine, k) for k in KINDS}
         assert all(lv.reasons() == [] for lv in lives.values()), tag
+        _check_storage_sizes(engine, lives)
         with torch.no_grad():  # an inference forward (rollout log-probs) is allowed
             engine(batch(engine, "mlp", 5))
         assert all(lv.reasons() == [] for lv in lives.values()), tag
@@ -615,6 +620,27 @@ def _lifecycle_worker(rank, world, configs):
                 lives[k].check()
         done.append(tag)
     return done
+
+
+def _check_storage_sizes(engine, lives):
+    """The family's storage size is the one the layout and the cross-check use, and a storage
+    of another size is refused with that expected size (ZeRO-1/2 "param": the whole flat)."""
+    from reshard.errors import UnsupportedError
+    from reshard.integrations.deepspeed_live import geometry_of
+
+    geo = geometry_of(engine)
+    assert type(geo).__name__ == (
+        "Zero3Geometry" if engine.zero_optimization_stage() == 3 else "Zero12Geometry"
+    )
+    for kind, live in lives.items():
+        for u in range(len(geo.units)):
+            loc = geo.location(u, geo.dp_rank)
+            numel = live.buffers[loc].numel()
+            assert live.layout.storages[loc].numel == geo.storage_numel(kind, u) == numel
+            with pytest.raises(
+                UnsupportedError, match=rf"live storage has {numel - 1} elements, expected {numel} "
+            ):
+                geo.cross_check(kind, u, live.buffers[loc][1:])
 
 
 def _skipped_step_worker(rank, world, configs):
@@ -716,7 +742,7 @@ def test_demo_deepspeed_mode():
     cmd = [sys.executable, "-m", "reshard.demo", "--mode", "deepspeed", "--layers", "1"]
     cmd += ["--hidden", "34", "--ffn", "50", "--vocab", "101", "--steps", "2", "--budget", "512"]
     env = dict(os.environ, **ENV)
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]
 

@@ -19,13 +19,44 @@ def require_cuda_build() -> None:
     no CUDA ops: a CPU-only build on a GPU machine is a broken setup."""
     import pytest
 
-    import reshard._ops  # noqa: F401 - registers torch.ops.reshard
+    from reshard import _ops
 
-    if torch.cuda.is_available() and not hasattr(torch.ops.reshard, "host_register"):
+    if torch.cuda.is_available() and not _ops.built_with_cuda():
         pytest.fail(
             "a GPU is visible but reshard was built without CUDA: rebuild with CUDA_HOME set",
             pytrace=False,
         )
+
+
+class StageCalls:
+    """Context manager recording what every stage_h2d / stage_d2h call made under it on this
+    thread did (the stats each op returns), through a dispatch mode: for calls made inside
+    reshard (a Transfer), whose return values the test does not see."""
+
+    def __init__(self):
+        self.stats = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from reshard import _ops
+
+        stats = self.stats
+        stage_ops = (torch.ops.reshard.stage_h2d.default, torch.ops.reshard.stage_d2h.default)
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func in stage_ops:
+                    stats.append(_ops.StageStats(*out.tolist()))
+                return out
+
+        self._mode = Record()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 def expand(desc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

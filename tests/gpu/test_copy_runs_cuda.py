@@ -177,7 +177,7 @@ def test_bad_arguments():
     op = torch.ops.reshard.copy_runs
     with pytest.raises(RuntimeError, match="desc must be a CPU tensor"):
         op(src, ok.to(DEV), dst)
-    with pytest.raises(RuntimeError, match="one CUDA device"):
+    with pytest.raises(RuntimeError, match="src must be on dst's CUDA device"):
         op(src.cpu(), ok, dst)
     with pytest.raises(RuntimeError, match="int64"):
         op(src, ok.to(torch.int32), dst)
@@ -192,6 +192,57 @@ def test_bad_arguments():
     with pytest.raises(RuntimeError, match="overlap"):
         buf = torch.randn(20, device=DEV)
         op(buf[:12], ok, buf[8:])
+
+
+@pytest.mark.parametrize(
+    "src_dev,desc_dev,dst_dev,named",
+    [
+        ("cpu", "cuda", "cpu", "desc must be a CPU tensor"),
+        ("cuda", "cuda", "cuda", "desc must be a CPU tensor"),
+        ("cuda", "cpu", "cpu", "dst must be a CUDA tensor when src is"),
+        ("cpu", "cpu", "cuda", "src must be on dst's CUDA device"),
+        ("meta", "cpu", "cuda", "src must be on dst's device"),
+        ("cuda", "meta", "cuda", "desc must be a CPU tensor"),
+    ],
+)
+def test_device_mixes_name_the_argument(src_dev, desc_dev, dst_dev, named):
+    src = torch.arange(8.0, device=src_dev)
+    dst = torch.full((8,), 7.0, device=dst_dev)
+    desc = torch.tensor([[0, 1, 0, 1, 4, 1]], device=desc_dev)
+    with pytest.raises(RuntimeError, match=named):
+        torch.ops.reshard.copy_runs(src, desc, dst)
+    assert torch.equal(dst.cpu(), torch.full((8,), 7.0))
+
+
+def test_writes_bump_versions_and_refuse_leaves():
+    src = torch.arange(8.0, device=DEV)
+    desc = torch.tensor([[0, 1, 0, 1, 4, 1]])
+    dst = torch.zeros(8, device=DEV)
+    ops.copy_runs(src, desc, dst)
+    assert dst._version == 1 and src._version == 0
+    a = torch.ones(8, device=DEV, requires_grad=True)
+    b = a * 2
+    y = b.sin()  # saves b
+    ops.copy_runs(src, desc, b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    leaf = torch.full((8,), 7.0, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        ops.copy_runs(src, desc, leaf)
+    assert torch.equal(leaf.detach().cpu(), torch.full((8,), 7.0))
+
+
+def test_freed_storage_refused():
+    src = torch.arange(8.0, device=DEV)
+    dst = torch.full((8,), 7.0, device=DEV)
+    freed = torch.ones(8, device=DEV)
+    freed.untyped_storage().resize_(0)  # what FSDP does to a resharded parameter
+    desc = torch.tensor([[0, 1, 0, 1, 4, 1]])
+    with pytest.raises(RuntimeError, match="src needs 32 bytes of storage but its storage holds 0"):
+        ops.copy_runs(freed, desc, dst)
+    assert torch.equal(dst.cpu(), torch.full((8,), 7.0))
+    with pytest.raises(RuntimeError, match="dst needs 32 bytes"):
+        ops.copy_runs(src, desc, freed)
 
 
 def test_cached_table_follows_in_place_edits():

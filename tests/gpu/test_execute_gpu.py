@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from _spawn import run_ranks  # noqa: E402
+from gpu_ref import StageCalls  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -116,9 +117,10 @@ def test_transfer_registers_host_targets_in_place():
     before = {k: v.clone() for k, v in dev.items()}
     back = torch.full((numel,), -777.0)
     with rs.Transfer(dst_l, src_l, register_host_targets=True) as sync:
-        rep = sync(dev, {0: back})
+        with StageCalls() as calls:
+            rep = sync(dev, {0: back})
         assert rep.host_registration["targets"]["registered"] == [0] and back.is_pinned()
-        assert torch.ops.reshard.last_stage_stats()[5] > 0  # direct D2H rows, no bounce
+        assert calls.stats and calls.stats[-1].direct_copies > 0  # direct D2H rows, no bounce
         rep = sync(dev, {0: back})
         assert rep.host_registration["targets"]["registered"] == []
     assert not back.is_pinned()

@@ -25,19 +25,6 @@ from reshard import _ops as ops  # noqa: E402
 require_cuda_build()
 
 DEV = "cuda"
-STATS = (
-    "slots",
-    "slot_bytes",
-    "chunks",
-    "ring_bytes",
-    "direct_bytes",
-    "direct_copies",
-    "host_waits",
-)
-
-
-def stats() -> dict:
-    return dict(zip(STATS, torch.ops.reshard.last_stage_stats(), strict=True))
 
 
 def ring(nbytes: int) -> torch.Tensor:
@@ -51,9 +38,9 @@ def _ids(p):
 def h2d(src_cpu, desc, dst_dtype, dst_numel, ring_bytes):
     dst = poison(dst_numel, dst_dtype, DEV)
     ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
-    ops.stage_h2d(src_cpu, desc, ring(ring_bytes), dst)
+    stats = ops.stage_h2d(src_cpu, desc, ring(ring_bytes), dst)
     torch.cuda.synchronize()
-    return dst.cpu(), ref
+    return dst.cpu(), ref, stats._asdict()
 
 
 def d2h(src_cpu, desc, dst_dtype, dst_numel, ring_bytes, pin=False):
@@ -61,8 +48,8 @@ def d2h(src_cpu, desc, dst_dtype, dst_numel, ring_bytes, pin=False):
     if pin:
         dst = dst.pin_memory()
     ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
-    ops.stage_d2h(src_cpu.to(DEV), desc, ring(ring_bytes), dst)
-    return dst, ref  # stage_d2h returns with every host write done: no synchronize here
+    stats = ops.stage_d2h(src_cpu.to(DEV), desc, ring(ring_bytes), dst)
+    return dst, ref, stats._asdict()  # every host write is done when stage_d2h returns
 
 
 @pytest.mark.parametrize("pair", FLOAT_PAIRS + [(t, t) for t in RAW], ids=_ids)
@@ -73,18 +60,16 @@ def test_random_tables_h2d_d2h(pair, ring_bytes):
     # tiny rings move 16-byte chunks: keep those tables small so the test stays fast
     desc, sn, dn = random_table(rng, *((300, 500, 4) if ring_bytes >= 1000 else (40, 100, 3)))
     src = random_values(rng, sn, sdt)
-    out, ref = h2d(src, desc, ddt, dn, ring_bytes)
+    out, ref, s = h2d(src, desc, ddt, dn, ring_bytes)
     assert_same(out, ref)
-    s = stats()
     assert s["direct_copies"] == 0  # pageable source: everything through the ring
     wire = int((desc[:, 4] * desc[:, 5]).sum()) * min(sdt.itemsize, ddt.itemsize)
     assert s["ring_bytes"] == wire  # the narrower dtype crosses the link
     assert s["chunks"] == (-(-wire // s["slot_bytes"]) if wire else 0)
     # one wait per reused slot plus one final wait: never one per run
     assert s["host_waits"] <= max(0, s["chunks"] - s["slots"]) + 1
-    out, ref = d2h(src, desc, ddt, dn, ring_bytes)
+    out, ref, s = d2h(src, desc, ddt, dn, ring_bytes)
     assert_same(out, ref)
-    s = stats()
     assert s["host_waits"] == s["chunks"]
 
 
@@ -92,10 +77,10 @@ def test_ring_smaller_than_one_run():
     n = 1_000_003
     src = torch.randn(n + 1)
     desc = np.array([[1, 0, 2, 0, n, 1]], dtype=np.int64)
-    out, ref = h2d(src, desc, torch.bfloat16, n + 5, 64)
+    out, ref, s = h2d(src, desc, torch.bfloat16, n + 5, 64)
     assert_same(out, ref)
-    assert stats()["chunks"] == -(-(2 * n) // 32)
-    out, ref = d2h(src, desc, torch.float16, n + 5, 64)
+    assert s["chunks"] == -(-(2 * n) // 32)
+    out, ref, _ = d2h(src, desc, torch.float16, n + 5, 64)
     assert_same(out, ref)
 
 
@@ -118,18 +103,17 @@ def test_pinned_source_goes_direct(dtype):
     rng = np.random.default_rng(1)
     desc, sn, dn = _long_runs_table(rng, dtype.itemsize)
     src = random_values(rng, sn, dtype).pin_memory()
-    out, ref = h2d(src, desc, dtype, dn, 1 << 16)
+    out, ref, s = h2d(src, desc, dtype, dn, 1 << 16)
     assert_same(out, ref)
-    s = stats()
     long_len = int(desc[:, 4].max())
     assert s["direct_copies"] == 2
     assert s["direct_bytes"] == 4 * long_len * dtype.itemsize
     assert s["ring_bytes"] == (33 + 5 * 40) * dtype.itemsize
     # a cast cannot go direct: all through the ring
     if dtype == torch.float32:
-        out, ref = h2d(src, desc, torch.bfloat16, dn, 1 << 16)
+        out, ref, s = h2d(src, desc, torch.bfloat16, dn, 1 << 16)
         assert_same(out, ref)
-        assert stats()["direct_copies"] == 0
+        assert s["direct_copies"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -137,9 +121,9 @@ def test_pinned_target_goes_direct(dtype):
     rng = np.random.default_rng(2)
     desc, sn, dn = _long_runs_table(rng, dtype.itemsize)
     src = random_values(rng, sn, dtype)
-    out, ref = d2h(src, desc, dtype, dn, 1 << 16, pin=True)
+    out, ref, s = d2h(src, desc, dtype, dn, 1 << 16, pin=True)
     assert_same(out, ref)
-    assert stats()["direct_copies"] == 2
+    assert s["direct_copies"] == 2
 
 
 def test_host_register_in_place():
@@ -151,9 +135,9 @@ def test_host_register_in_place():
     try:
         assert src.is_pinned()
         assert torch.ops.reshard.host_register(src) == 0  # already: nothing to undo
-        out, ref = h2d(src, desc, torch.float32, dn, 1 << 16)
+        out, ref, s = h2d(src, desc, torch.float32, dn, 1 << 16)
         assert_same(out, ref)
-        assert stats()["direct_copies"] == 2
+        assert s["direct_copies"] == 2
     finally:
         torch.ops.reshard.host_unregister(src)
     assert not src.is_pinned()
@@ -174,8 +158,7 @@ def test_registered_target_d2h():
     ref = reference(src.cpu(), desc, dst)
     assert torch.ops.reshard.host_register(dst) == 1
     try:
-        ops.stage_d2h(src, desc, ring(1 << 16), dst)
-        assert stats()["direct_copies"] == 2
+        assert ops.stage_d2h(src, desc, ring(1 << 16), dst).direct_copies == 2
         assert_same(dst, ref)
     finally:
         torch.ops.reshard.host_unregister(dst)
@@ -210,6 +193,60 @@ def test_stage_errors_write_nothing():
     with pytest.raises(RuntimeError, match="row 0"):
         d2h_op(dst, torch.tensor([[0, 0, 60, 0, 50, 1]]), ring(1024), host)
     assert torch.equal(host, torch.full((100,), 7.0))
+
+
+@pytest.mark.parametrize("op", ["stage_h2d", "stage_d2h"])
+@pytest.mark.parametrize("arg,device", [("desc", "cuda"), ("ring", "cuda"), ("desc", "meta")])
+def test_stage_device_mixes_name_the_argument(op, arg, device):
+    host = torch.full((64,), 7.0)
+    dev = torch.full((64,), 7.0, device=DEV)
+    args = {
+        "src": host if op == "stage_h2d" else dev,
+        "desc": torch.tensor([[0, 1, 0, 1, 8, 1]]),
+        "ring": ring(1024),
+        "dst": dev if op == "stage_h2d" else host,
+    }
+    args[arg] = args[arg].to(device)
+    with pytest.raises(RuntimeError, match=f"{arg} must be a"):
+        getattr(torch.ops.reshard, op)(**args)
+    assert torch.equal(host, torch.full((64,), 7.0))
+    assert torch.equal(dev.cpu(), torch.full((64,), 7.0))
+
+
+def test_stage_writes_bump_versions_and_refuse_leaves():
+    desc = torch.tensor([[0, 1, 0, 1, 8, 1]])
+    host = torch.arange(64.0)
+    dev = torch.zeros(64, device=DEV)
+    r = ring(1024)
+    ops.stage_h2d(host, desc, r, dev)
+    assert dev._version == 1 and r._version == 1 and host._version == 0
+    ops.stage_d2h(dev, desc, r, host)
+    assert host._version == 1 and r._version == 2
+    leaf = torch.full((64,), 7.0, device=DEV, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        ops.stage_h2d(host, desc, r, leaf)
+    host_leaf = torch.full((64,), 7.0, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        ops.stage_d2h(dev, desc, r, host_leaf)
+    assert torch.equal(host_leaf.detach(), torch.full((64,), 7.0)) and r._version == 2
+    a = torch.ones(64, requires_grad=True)
+    b = a * 2
+    y = b.exp()  # saves its output
+    ops.stage_d2h(dev, desc, r, b.detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_stage_refuses_freed_storage():
+    desc = torch.tensor([[0, 1, 0, 1, 8, 1]])
+    freed = torch.ones(64)
+    freed.untyped_storage().resize_(0)
+    dev = torch.full((64,), 7.0, device=DEV)
+    with pytest.raises(
+        RuntimeError, match="src needs 256 bytes of storage but its storage holds 0"
+    ):
+        ops.stage_h2d(freed, desc, ring(1024), dev)
+    assert torch.equal(dev.cpu(), torch.full((64,), 7.0))
 
 
 def test_stage_on_side_stream():
@@ -323,9 +360,9 @@ def test_dense_device_side(pair, ring_bytes):
     z = np.zeros(200, np.int64)
     desc = np.stack([src_off, z, dst_off, z, lens, np.ones(200, np.int64)], 1)
     src = random_values(rng, 200 * 400 + 400, sdt)
-    out, ref = h2d(src, desc, ddt, int(lens.sum()), ring_bytes)
+    out, ref, _ = h2d(src, desc, ddt, int(lens.sum()), ring_bytes)
     assert_same(out, ref)
     back = desc[:, [2, 3, 0, 1, 4, 5]].copy()  # dense source on the device
     packed = random_values(rng, int(lens.sum()), sdt)
-    out, ref = d2h(packed, back, ddt, 200 * 400 + 400, ring_bytes)
+    out, ref, _ = d2h(packed, back, ddt, 200 * 400 + 400, ring_bytes)
     assert_same(out, ref)

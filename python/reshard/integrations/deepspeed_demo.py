@@ -104,8 +104,8 @@ def _compare(layout, buffers, want, tag):
     return bad, checked
 
 
-def run_rank(rank, world, backend, cfg):
-    """One rank of the demo (process group already initialized); a JSON-able result."""
+def _engine(rank, world, backend, cfg):
+    """A real ZeRO-3 engine with its optimizer offloaded to CPU, as a launcher would make it."""
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
     os.environ.update(
         LOCAL_RANK=str(rank if backend != "nccl" else torch.cuda.current_device()),
@@ -114,14 +114,10 @@ def run_rank(rank, world, backend, cfg):
         LOCAL_SIZE=str(world),
     )
     import deepspeed
-    from deepspeed.utils import logger, safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    import reshard as rs
-    from reshard.integrations import deepspeed as rsds
+    from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
-    hidden, ffn, vocab, layers = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"]
-    net = _model(hidden, ffn, vocab, layers)
+    net = _model(cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"])
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "bf16": {"enabled": True},
@@ -131,71 +127,92 @@ def run_rank(rank, world, backend, cfg):
     }
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
-    device = engine.device
+    return engine
+
+
+def _train_and_sync(engine, rank, world, cfg):
+    """Train cfg["steps"] steps, bf16 params -> TP rollout buffers after each one; returns
+    (rollout layout, buffers, SyncAfterStep, first sync's Report, last loss)."""
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+
     tp = 2 if world % 2 == 0 else world
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
-
     live = rsds.describe(engine, "param")
     roll_layout, roll_bufs = _split_targets(
-        rs, live.layout, groups, torch.bfloat16, device, tp_rules=True
+        rs, live.layout, groups, torch.bfloat16, engine.device, tp_rules=True
     )
     sync = rsds.SyncAfterStep(
         engine, {"param": (roll_layout, roll_bufs)}, every=1, budget_bytes_per_peer=cfg["budget"]
     )
     g = torch.Generator().manual_seed(1000 + rank)
-    first_report = None
+    first_report = loss = None
     for _ in range(cfg["steps"]):
-        tokens = torch.randint(0, vocab, (2, 16), generator=g).to(device)
+        tokens = torch.randint(0, cfg["vocab"], (2, 16), generator=g).to(engine.device)
         loss = engine(tokens).float().logsumexp(-1).mean()
         engine.backward(loss)
         sync.step()
         first_report = first_report or sync.reports["param"]
-    params = list(engine.module.named_parameters())
-    with deepspeed.zero.GatheredParameters([p for _, p in params]):
-        full = {n: p.data.detach().clone() for n, p in params}
-    bad, checked = _compare(roll_layout, roll_bufs, full, "rollout")
+    return roll_layout, roll_bufs, sync, first_report, loss
 
-    # fp32 masters and moments (CPU-offloaded) into a CPU snapshot split over all ranks
-    reports = {"param": sync.reports["param"]}
+
+def _snapshot_and_compare(engine, world, cfg, params, reports):
+    """fp32 masters and moments (CPU-offloaded) into a CPU snapshot split over all ranks,
+    compared with DeepSpeed's accessors; fills `reports`, returns (bad, checked)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+
+    bad, checked = [], 0
     for kind in KINDS:
         live = rsds.describe(engine, kind)
         snap_layout, snap_bufs = _split_targets(
             rs, live.layout, [list(range(world))], torch.float32, "cpu"
         )
-        reports[kind] = rs.Transfer(live.layout, snap_layout, budget_bytes_per_peer=cfg["budget"])(
-            live, snap_bufs
-        )
-        want = {
-            n: (
-                safe_get_full_fp32_param(p)
-                if kind == "fp32"
-                else safe_get_full_optimizer_state(p, kind)
-            )
-            for n, p in params
-        }
+        transfer = rs.Transfer(live.layout, snap_layout, budget_bytes_per_peer=cfg["budget"])
+        reports[kind] = transfer(live, snap_bufs)
+        get = safe_get_full_fp32_param if kind == "fp32" else None
+        want = {n: get(p) if get else safe_get_full_optimizer_state(p, kind) for n, p in params}
         b, c = _compare(snap_layout, snap_bufs, want, kind)
         bad += b
         checked += c
+    return bad, checked
+
+
+def _report_summary(r):
+    return {
+        "rounds": r.rounds,
+        "sent": r.total_bytes_sent,
+        "received": r.total_bytes_received,
+        "local": r.local_bytes,
+        "total_s": r.seconds["total"],
+        "held": sum(r.peak_staging_bytes.values()),
+        "bound": sum(r.staging_bound.values()),
+        "transport": r.transport,
+    }
+
+
+def run_rank(rank, world, backend, cfg):
+    """One rank of the demo (process group already initialized); a JSON-able result."""
+    engine = _engine(rank, world, backend, cfg)
+    import deepspeed
+
+    roll_layout, roll_bufs, sync, first_report, loss = _train_and_sync(engine, rank, world, cfg)
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        full = {n: p.data.detach().clone() for n, p in params}
+    bad, checked = _compare(roll_layout, roll_bufs, full, "rollout")
+    reports = {"param": sync.reports["param"]}
+    b, c = _snapshot_and_compare(engine, world, cfg, params, reports)
     engine.destroy()
     return {
-        "bad": bad,
+        "bad": bad + b,
         "params": sum(math.prod(getattr(p, "ds_shape", p.shape)) for _, p in params),
-        "elements_checked": checked,
+        "elements_checked": checked + c,
         "loss": float(loss.detach()),
         "first_sync_s": first_report.seconds["total"],
-        "reports": {
-            k: {
-                "rounds": r.rounds,
-                "sent": r.total_bytes_sent,
-                "received": r.total_bytes_received,
-                "local": r.local_bytes,
-                "total_s": r.seconds["total"],
-                "held": sum(r.peak_staging_bytes.values()),
-                "bound": sum(r.staging_bound.values()),
-                "transport": r.transport,
-            }
-            for k, r in reports.items()
-        },
+        "reports": {k: _report_summary(r) for k, r in reports.items()},
     }
 
 

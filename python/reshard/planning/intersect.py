@@ -109,10 +109,9 @@ def gather(layout, names, tids, ndim) -> PieceSet:
         by_d.setdefault(len(tl.shape), []).append((t, tl))
     parts = []
     for d, items in sorted(by_d.items()):
-        loc, off, start, box, strides = (
-            np.concatenate([tl.table[k] for _, tl in items]) for k in range(5)
-        )
-        counts = np.array([len(tl) for _, tl in items], I64)
+        tables = [tl.table for _, tl in items]
+        loc, off, start, box, strides = (np.concatenate([t[k] for t in tables]) for k in range(5))
+        counts = np.array([len(t.location) for t in tables], I64)
         tid = np.repeat(np.array([t for t, _ in items], I64), counts)
         n = len(loc)
         start, box, strides = (a.reshape(n, d) for a in (start, box, strides))

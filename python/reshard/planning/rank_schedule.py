@@ -144,7 +144,7 @@ def _messages(plan, rank, sender_side, runs, wires):
     pos0 = _check_totals(rank, run_g, rnum, rpos, gsel, g.numel)
     if not len(gsel):
         return out
-    segs = rounds.segments.packed()
+    segs = rounds.segment_rows
     segs = segs[np.isin(segs[:, 0], gsel)]
     descs = _slice(segs, sender_side, runs, rpos, rnum, pos0)
     by_key = {}
@@ -153,7 +153,7 @@ def _messages(plan, rank, sender_side, runs, wires):
         sl, dl = int(g.src_loc[grp]), int(g.dst_loc[grp])
         seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s])
         by_key.setdefault((peer, rnd), []).append(seg)
-    m = rounds.messages.packed()
+    m = rounds.message_rows
     for i in np.nonzero(m[:, 0 if sender_side else 1] == rank)[0].tolist():
         snd, rcv, rnd, nbytes, soff, roff = m[i].tolist()
         peer = rcv if sender_side else snd

@@ -75,15 +75,17 @@ class Rounds:
     num_rounds: int
     send_arena: dict
     recv_arena: dict
+    segment_rows: np.ndarray  # segments.packed(), built once for every schedule
+    message_rows: np.ndarray  # messages.packed()
+    key_order: np.ndarray  # groups sorted by key
 
     def group_of(self, keys) -> tuple[np.ndarray, np.ndarray]:
         """(group index, found) of storage-pair keys."""
-        order = np.argsort(self.groups.key, kind="stable")
-        sorted_keys = self.groups.key[order]
+        sorted_keys = self.groups.key[self.key_order]
         ng = len(sorted_keys)
         at = np.minimum(np.searchsorted(sorted_keys, keys), max(ng - 1, 0))
         found = sorted_keys[at] == keys if ng else np.zeros(len(keys), bool)
-        return order[at] if ng else at, found
+        return self.key_order[at] if ng else at, found
 
 
 def cut_rounds(pair_src, pair_dst, pair_numel, index: StorageIndex, budget) -> Rounds:
@@ -95,14 +97,18 @@ def cut_rounds(pair_src, pair_dst, pair_numel, index: StorageIndex, budget) -> R
     send_off, send_arena = _arena_offsets(m, 0)
     recv_off, recv_arena = _arena_offsets(m, 1)
     s = np.array(segs, I64).reshape(-1, 5)
+    segments, messages = SegmentTable(*s.T), MessageTable(*m.T, send_off, recv_off)
     return Rounds(
         groups=groups,
         local=local,
-        segments=SegmentTable(*s.T),
-        messages=MessageTable(*m.T, send_off, recv_off),
+        segments=segments,
+        messages=messages,
         num_rounds=int(m[:, 2].max()) + 1 if len(m) else 0,
         send_arena=send_arena,
         recv_arena=recv_arena,
+        segment_rows=segments.packed(),
+        message_rows=messages.packed(),
+        key_order=np.argsort(groups.key, kind="stable"),
     )
 
 

@@ -1,0 +1,93 @@
+"""Driving reshard Transfers from a DeepSpeed training loop (RL weight sync after each step).
+
+The geometry lives in deepspeed_live.py (describe); this module decides *when* to transfer
+and runs the executor.
+"""
+
+from __future__ import annotations
+
+import reshard as rs
+
+from .deepspeed_checks import check_alive, check_supported, watch_forwards
+from .deepspeed_live import KINDS, describe
+
+
+class SyncAfterStep:
+    """Run reshard Transfers from a DeepSpeed engine after optimizer steps (RL weight sync).
+
+        sync = rsds.SyncAfterStep(engine, {"param": (rollout_layout, rollout_buffers)}, every=1)
+        for batch in data:
+            loss = engine(batch); engine.backward(loss)
+            sync.step()                 # engine.step(), then the transfer on the safe boundary
+            report = sync.reports["param"]
+
+    targets: {kind: (target Layout, target buffers of this rank)}. Buffers may be a callable
+    returning the dict (rollout buffers that move). A transfer runs after every `every`-th
+    applied step on an accumulation boundary; a step DeepSpeed skipped (fp16 loss-scale or bf16
+    gradient overflow: `engine.was_step_applied()` is False) changed nothing and does not count.
+    Each kind is described and planned once (moments lazily, once they exist); a storage
+    replaced since (load_checkpoint, offload_states) is re-described and re-planned.
+    """
+
+    def __init__(self, engine, targets, every=1, budget_bytes_per_peer=64 << 20, group=None):
+        if not isinstance(targets, dict) or not targets:
+            raise ValueError("targets must be a non-empty {kind: (layout, buffers)} dict")
+        for kind, value in targets.items():
+            if kind not in KINDS:
+                raise ValueError(f"target kind must be one of {KINDS}, got {kind!r}")
+            if not (isinstance(value, tuple) and len(value) == 2):
+                raise ValueError(f"targets[{kind!r}] must be a (layout, buffers) pair")
+        if int(every) < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        check_supported(engine)
+        check_alive(engine)
+        watch_forwards(engine)
+        self.engine = engine
+        self.targets = dict(targets)
+        self.every = int(every)
+        self.budget = int(budget_bytes_per_peer)
+        self.group = group
+        self.applied_steps = 0
+        self.syncs = 0
+        self.reports = {}  # kind -> the Report of the latest transfer
+        self._live = {}
+        self._transfers = {}
+
+    def step(self, *args, **kwargs):
+        """engine.step(...), then sync() if this was the every-th applied boundary step."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        out = self.engine.step(*args, **kwargs)
+        if boundary and self.engine.was_step_applied():
+            self.applied_steps += 1
+            if self.applied_steps % self.every == 0:
+                self.sync()
+        return out
+
+    def sync(self) -> dict:
+        """Transfer every target now (the caller vouches for the safe boundary); {kind: Report}."""
+        _synchronize()
+        for kind, (dst_layout, dst_buffers) in self.targets.items():
+            live = self._live.get(kind)
+            if live is None or live.reasons():
+                live = describe(self.engine, kind, group=self.group)
+                self._live[kind] = live
+                self._transfers.pop(kind, None)
+            transfer = self._transfers.get(kind)
+            if transfer is None:
+                transfer = rs.Transfer(
+                    live.layout, dst_layout, budget_bytes_per_peer=self.budget, group=self.group
+                )
+                self._transfers[kind] = transfer
+            buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
+            # The LiveState goes in whole: preflight runs its check() on every rank.
+            self.reports[kind] = transfer(live, buffers)
+        self.syncs += 1
+        return dict(self.reports)
+
+
+def _synchronize():
+    # ZeRO-1/2 with offload returns from step() with a non_blocking H2D copy queued; reads on
+    # another stream or on the host must not start before it lands.
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()

@@ -1,0 +1,193 @@
+"""Inputs the ops refuse before any write, each error naming the argument: a mix of devices an
+op does not support, an element type the C core does not copy, a tensor whose storage is smaller
+than its sizes say (freed as FSDP frees parameters, or shrunk). The CUDA side of the device rules
+is in tests/gpu/test_copy_runs_cuda.py and tests/gpu/test_stage_cuda.py."""
+
+import numpy as np
+import pytest
+import torch
+
+import reshard
+from reshard import _ops
+
+DESC = torch.tensor([[0, 1, 0, 1, 4, 1]])
+POISON = -7.0
+
+
+def dst4():
+    return torch.full((4,), POISON)
+
+
+def refused(call, *fragments, written=()):
+    """call() raises RuntimeError naming every fragment, and every tensor in `written` keeps
+    its contents."""
+    before = [t.clone() for t in written]
+    with pytest.raises(RuntimeError) as info:
+        call()
+    for frag in fragments:
+        assert frag in str(info.value), f"{frag!r} not in {info.value}"
+    for t, b in zip(written, before, strict=True):
+        assert torch.equal(t, b)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------ devices
+
+
+@pytest.mark.parametrize(
+    "src_dev,desc_dev,dst_dev,named",
+    [
+        ("cpu", "meta", "cpu", "desc must be a CPU tensor"),
+        ("meta", "cpu", "cpu", "src must be on dst's device"),
+        ("cpu", "cpu", "meta", "src must be on dst's device"),
+        ("meta", "meta", "cpu", "src must be on dst's device"),
+    ],
+)
+def test_copy_runs_refuses_meta_mixed_with_real_tensors(src_dev, desc_dev, dst_dev, named):
+    src = torch.arange(4.0, device=src_dev)
+    dst = torch.full((4,), POISON, device=dst_dev)
+    real = [t for t in (dst,) if t.device.type == "cpu"]
+    refused(
+        lambda: torch.ops.reshard.copy_runs(src, DESC.to(desc_dev), dst),
+        "reshard::copy_runs",
+        named,
+        written=real,
+    )
+
+
+def test_copy_runs_all_meta_is_shape_propagation():
+    src, dst = torch.empty(4, device="meta"), torch.empty(4, device="meta")
+    torch.ops.reshard.copy_runs(src, DESC.to("meta"), dst)
+    torch.ops.reshard.copy_runs(src, DESC, dst)  # a real table with meta buffers
+    with pytest.raises(RuntimeError, match="src must be 1-D"):
+        torch.ops.reshard.copy_runs(torch.empty(2, 2, device="meta"), DESC, dst)
+
+
+@pytest.mark.parametrize("op", ["stage_h2d", "stage_d2h"])
+@pytest.mark.parametrize("meta_arg", ["src", "desc", "ring", "dst"])
+def test_stage_ops_refuse_meta_mixed_with_real_tensors(op, meta_arg):
+    args = {
+        "src": torch.arange(4.0),
+        "desc": DESC,
+        "ring": torch.empty(64, dtype=torch.uint8),
+        "dst": dst4(),
+    }
+    args[meta_arg] = args[meta_arg].to("meta")
+    msg = refused(
+        lambda: getattr(torch.ops.reshard, op)(**args),
+        f"reshard::{op}",
+        written=[args["dst"]] if meta_arg != "dst" else [],
+    )
+    # the message names an argument, and which device it must be on
+    assert any(f"{name} must be a" in msg for name in args), msg
+
+
+@pytest.mark.skipif(_ops.built_with_cuda(), reason="the CPU-only build's refusals")
+@pytest.mark.parametrize("op", ["stage_h2d", "stage_d2h"])
+def test_stage_ops_in_a_cpu_build_say_so(op):
+    dst = dst4()
+    ring = torch.empty(64, dtype=torch.uint8)
+    refused(
+        lambda: getattr(torch.ops.reshard, op)(torch.arange(4.0), DESC, ring, dst),
+        f"reshard::{op}: reshard was built without CUDA",
+        written=[dst],
+    )
+
+
+@pytest.mark.skipif(_ops.built_with_cuda(), reason="the CPU-only build's refusals")
+def test_cuda_only_ops_exist_in_a_cpu_build_and_say_so():
+    calls = {
+        "host_register": lambda: torch.ops.reshard.host_register(torch.ones(4)),
+        "host_unregister": lambda: torch.ops.reshard.host_unregister(torch.ones(4)),
+        "stage_device_bytes": lambda: torch.ops.reshard.stage_device_bytes(1 << 20),
+    }
+    for name, call in calls.items():
+        refused(call, f"reshard::{name}: reshard was built without CUDA")
+
+
+# ------------------------------------------------------------------ element types
+
+
+def _all_dtypes():
+    return sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _buffer(dtype, numel=4):
+    """A 1-D tensor of any dtype (quantized and sub-byte ones included), poisoned."""
+    raw = torch.full((numel * dtype.itemsize,), 0x5B, dtype=torch.uint8)
+    return raw.view(dtype)
+
+
+def test_sixteen_byte_elements_refused_before_any_write():
+    src = _buffer(torch.complex128)
+    dst = _buffer(torch.complex128)
+    before = dst.view(torch.uint8).clone()
+    with pytest.raises(RuntimeError, match="unsupported dtype ComplexDouble"):
+        torch.ops.reshard.copy_runs(src, DESC, dst)
+    assert torch.equal(dst.view(torch.uint8), before)
+
+
+def test_op_accepts_exactly_the_dtype_pairs_preflight_accepts():
+    from reshard import preflight
+
+    copy_support = getattr(preflight, "copy_support", None)
+    if copy_support is None:
+        pytest.skip("reshard.preflight.copy_support is not on this branch yet")
+    mismatches = []
+    for sdt in _all_dtypes():
+        for ddt in _all_dtypes():
+            src = torch.arange(4 * sdt.itemsize, dtype=torch.uint8).view(sdt)
+            dst = _buffer(ddt)
+            before = dst.view(torch.uint8).clone()
+            try:
+                torch.ops.reshard.copy_runs(src, DESC, dst)
+                accepted = True
+            except RuntimeError:
+                accepted = False
+                assert torch.equal(dst.view(torch.uint8), before), (sdt, ddt)
+            if accepted != (copy_support(sdt, ddt) is None):
+                mismatches.append((sdt, ddt, accepted))
+    assert not mismatches
+
+
+# ------------------------------------------------------------------ storage extents
+
+
+@pytest.mark.parametrize("arg", ["src", "desc", "dst"])
+def test_freed_storage_refused(arg):
+    """FSDP frees a parameter with storage().resize_(0), keeping its sizes."""
+    args = {"src": torch.arange(4.0), "desc": DESC.clone(), "dst": dst4()}
+    args[arg].untyped_storage().resize_(0)
+    need = args[arg].numel() * args[arg].element_size()
+    refused(
+        lambda: torch.ops.reshard.copy_runs(args["src"], args["desc"], args["dst"]),
+        f"reshard::copy_runs: {arg} needs {need} bytes of storage but its storage holds 0",
+        "freed",
+        written=[args["dst"]] if arg != "dst" else [],
+    )
+
+
+@pytest.mark.parametrize("arg", ["src", "dst"])
+def test_shrunk_storage_of_a_view_refused(arg):
+    base = torch.full((16,), 3.0)
+    view = base[8:12]  # elements [8, 12): needs 48 bytes of storage
+    base.untyped_storage().resize_(40)
+    src, dst = (view, dst4()) if arg == "src" else (torch.arange(4.0), view)
+    refused(
+        lambda: reshard.copy_runs(src, DESC, dst),
+        f"{arg} needs 48 bytes of storage but its storage holds 40",
+        "shrunk",
+        written=[dst] if arg == "src" else [],
+    )
+    assert base[:8].tolist() == [3.0] * 8
+
+
+def test_freed_and_empty_tensors_with_nothing_to_copy_are_fine():
+    src = torch.arange(4.0)
+    src.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="storage"):
+        reshard.copy_runs(src, np.zeros((0, 6), np.int64), dst4())  # sizes still say 4
+    empty = torch.empty(0)
+    dst = dst4()
+    reshard.copy_runs(empty, np.zeros((0, 6), np.int64), dst)
+    assert dst.tolist() == [POISON] * 4
