@@ -253,6 +253,22 @@ def test_versions_move_and_grad_targets_are_refused_in_process():
     assert torch.equal(leaf.detach(), sb[0])
 
 
+def test_inference_tensor_targets_follow_torch():
+    """Outside inference mode torch refuses in-place writes to inference tensors (the op
+    does too): preflight refuses first; inside inference mode they are written."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    with torch.inference_mode():
+        target = torch.full((6,), S.POISON)
+    with pytest.raises(rs.PreflightError, match="is an inference tensor"):
+        sync(sb, {10: target})
+    assert bool((target == S.POISON).all())
+    with torch.inference_mode():
+        sync(sb, {10: target})
+    assert torch.equal(target, sb[0])
+
+
 # ------------------------------------------------------------------ threads
 
 

@@ -389,6 +389,11 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
             short = _storage_shortfall(t)
             if short:
                 bad.append(short)
+        if side == "target" and t.is_inference() and not torch.is_inference_mode_enabled():
+            bad.append(
+                "is an inference tensor, which torch lets no in-place write touch outside "
+                "torch.inference_mode() (clone it, or call under inference_mode)"
+            )
         if side == "target" and t.requires_grad and torch.is_grad_enabled():
             bad.append(
                 "requires grad: the transfer writes it in place, which autograd does not "
