@@ -231,7 +231,7 @@ def test_stage_writes_bump_versions_and_refuse_leaves():
     assert torch.equal(host_leaf.detach(), torch.full((64,), 7.0)) and r._version == 2
     a = torch.ones(64, requires_grad=True)
     b = a * 2
-    y = b.exp()  # saves its output
+    y = b.sin()  # saves its input, b, which the stage then overwrites
     ops.stage_d2h(dev, desc, r, b.detach())
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
