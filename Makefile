@@ -14,6 +14,8 @@ RUFF_VERSION ?= 0.17.6
 CLANG_FORMAT_VERSION ?= 23.1.5
 # The DeepSpeed the integration's internals were verified against (docs/deepspeed.md).
 DEEPSPEED_VERSION ?= 0.19.8
+# The transformers the rollout tests ran with (tests/rollout).
+TRANSFORMERS_VERSION ?= 5.24.0
 SAN_CC ?= clang
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 25
@@ -134,9 +136,12 @@ deps-torch:
 		$(PIP) install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX); \
 	fi
 
+# transformers: the rollout tests build tiny HF decoders from a config (no downloads).
 deps-test:
 	@$(PYTHON) -c "import numpy, hypothesis, pytest, pytest_timeout, setuptools, wheel" \
 		2>/dev/null || $(PIP) install numpy hypothesis pytest pytest-timeout setuptools wheel
+	@$(PYTHON) -c "import transformers" 2>/dev/null || \
+		$(PIP) install "transformers==$(TRANSFORMERS_VERSION)"
 
 # DeepSpeed's tests (tests/deepspeed) run real engines on the CPU; its CUDA ops stay unbuilt.
 # Looked up, not imported: importing DeepSpeed takes seconds.
