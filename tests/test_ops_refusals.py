@@ -128,11 +128,8 @@ def test_sixteen_byte_elements_refused_before_any_write():
 
 
 def test_op_accepts_exactly_the_dtype_pairs_preflight_accepts():
-    from reshard import preflight
+    from reshard.preflight import copy_support
 
-    copy_support = getattr(preflight, "copy_support", None)
-    if copy_support is None:
-        pytest.skip("reshard.preflight.copy_support is not on this branch yet")
     mismatches = []
     for sdt in _all_dtypes():
         for ddt in _all_dtypes():
