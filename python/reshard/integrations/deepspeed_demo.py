@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from ._demo_report import print_sync, verdict
+
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -218,7 +220,6 @@ def run_rank(rank, world, backend, cfg):
 
 def print_report(results, world, backend, cfg, wall):
     r0 = results[0]
-    kib = 1 << 10
     print(
         f"reshard demo: DeepSpeed ZeRO-3 engine, optimizer offloaded to CPU, {world} ranks "
         f"({backend}), {r0['params'] / 1e6:.2f}M params, {cfg['steps']} training steps"
@@ -228,29 +229,14 @@ def print_report(results, world, backend, cfg, wall):
     print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
     for r, x in enumerate(results):
         for kind, rep in x["reports"].items():
-            print(
-                f"  rank {r} {kind:10s}: sent {rep['sent'] / kib:8.1f} KiB, received "
-                f"{rep['received'] / kib:8.1f} KiB, local {rep['local'] / kib:8.1f} KiB, "
-                f"{rep['rounds']} rounds, {rep['total_s'] * 1e3:6.1f} ms, staging held "
-                f"{rep['held']} B <= bound {rep['bound']} B"
-            )
-    bad = [b for x in results for b in x["bad"]]
+            print_sync(r, kind, rep, rep["held"], rep["bound"])
     over = [
         (r, k)
         for r, x in enumerate(results)
         for k, rep in x["reports"].items()
         if rep["held"] > rep["bound"]
     ]
-    checked = sum(x["elements_checked"] for x in results)
-    if bad or over:
-        for b in bad[:20]:
-            print("  MISMATCH " + b)
-        for r, k in over:
-            print(f"  rank {r} {k}: staging held above the plan's bound")
-        print(f"FAILED ({len(bad)} mismatching pieces; wall {wall:.1f} s)")
-        return 1
-    print(
-        f"OK: {checked} target elements bitwise equal to DeepSpeed's GatheredParameters / "
-        f"safe_get_full_fp32_param / safe_get_full_optimizer_state (wall {wall:.1f} s)"
+    equal_to = (
+        "DeepSpeed's GatheredParameters / safe_get_full_fp32_param / safe_get_full_optimizer_state"
     )
-    return 0
+    return verdict(results, over, equal_to, wall)

@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from ._demo_report import print_sync, verdict
+
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -115,7 +117,6 @@ def run_rank(rank, world, backend, cfg):
 
 def print_report(results, world, backend, cfg, wall):
     r0 = results[0]
-    kib = 1 << 10
     print(
         f"reshard demo: FSDP2 (fully_shard, CPUOffloadPolicy, bf16 MixedPrecisionPolicy), "
         f"{world} ranks ({backend}), {r0['params'] / 1e6:.2f}M params, {cfg['steps']} steps"
@@ -125,28 +126,11 @@ def print_report(results, world, backend, cfg, wall):
     print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
     for r, x in enumerate(results):
         for kind, rep in x["reports"].items():
-            print(
-                f"  rank {r} {kind:10s}: sent {rep['sent'] / kib:8.1f} KiB, received "
-                f"{rep['received'] / kib:8.1f} KiB, local {rep['local'] / kib:8.1f} KiB, "
-                f"{rep['rounds']} rounds, {rep['total_s'] * 1e3:6.1f} ms, staging held "
-                f"{rep['held']} B <= bound {rep['bound']} B"
-            )
-    bad = [b for x in results for b in x["bad"]]
+            print_sync(r, kind, rep, rep["held"], rep["bound"])
     over = [
         (r, k)
         for r, x in enumerate(results)
         for k, rep in x["reports"].items()
         if rep["held"] > rep["bound"]
     ]
-    checked = sum(x["elements_checked"] for x in results)
-    if bad or over:
-        for b in bad[:20]:
-            print("  MISMATCH " + b)
-        for r, k in over:
-            print(f"  rank {r} {k}: staging held above the plan's bound")
-        print(f"FAILED ({len(bad)} mismatching pieces; wall {wall:.1f} s)")
-        return 1
-    print(
-        f"OK: {checked} target elements bitwise equal to DTensor.full_tensor() (wall {wall:.1f} s)"
-    )
-    return 0
+    return verdict(results, over, "DTensor.full_tensor()", wall)

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from ._demo_report import print_sync, verdict
+
 BUCKET_BYTES = 256 << 10  # small on purpose: the demo model streams in several buckets
 TP = 2
 
@@ -179,30 +181,12 @@ def print_report(results, world, backend, cfg, wall):
     for r, x in enumerate(results):
         for what in ("stream", "tp"):
             rep = x[what]
-            held, bound = sum(rep["held"].values()), sum(rep["bound"].values())
-            print(
-                f"  rank {r} {what:6s}: sent {rep['sent'] / kib:8.1f} KiB, received "
-                f"{rep['received'] / kib:8.1f} KiB, local {rep['local'] / kib:8.1f} KiB, "
-                f"{rep['rounds']} rounds, {rep['total_s'] * 1e3:6.1f} ms, held {held} B <= "
-                f"bound {bound} B"
-            )
-    bad = [b for x in results for b in x["bad"]]
+            print_sync(r, what, rep, sum(rep["held"].values()), sum(rep["bound"].values()))
     over = [
         (r, w)
         for r, x in enumerate(results)
         for w in ("stream", "tp")
         if any(x[w]["held"][k] > x[w]["bound"][k] for k in x[w]["held"])
     ]
-    checked = sum(x["elements_checked"] for x in results)
-    if bad or over:
-        for b in bad[:20]:
-            print("  MISMATCH " + b)
-        for r, w in over:
-            print(f"  rank {r} {w}: staging held above its bound")
-        print(f"FAILED ({len(bad)} mismatches; wall {wall:.1f} s)")
-        return 1
-    print(
-        f"OK: {checked} elements bitwise equal to DeepSpeed's GatheredParameters and to vLLM's "
-        f"loader applied to them (wall {wall:.1f} s)"
-    )
-    return 0
+    equal_to = "DeepSpeed's GatheredParameters and to vLLM's loader applied to them"
+    return verdict(results, over, equal_to, wall)
