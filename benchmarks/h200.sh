@@ -10,7 +10,8 @@
 # shrink or are skipped. The tests need ~90 s with -n 4, so keep BUDGET >= 450 with SYNC_S=150.
 # BENCH=0 skips benchmarks/gpu_bench.py, SANITIZE=0 the compute-sanitizer step.
 # SYNC_S (seconds, default 150; 0 skips) is kept for benchmarks/sync_latency.py (one GPU:
-# CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
+# CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_SCENARIOS and
+# SYNC_MODELS its scenarios (scenario-major: the first ones get every model) and models.
 # SYNC_S comes out of the tests' and benchmarks' time: give BUDGET ~550 on one GPU. A longer run
 # of it: SYNC_S=450 SYNC_MODELS=gpt-125m,gpt-350m,gpt-760m,gpt-1.3b (BUDGET raised to match).
 # With >= 2 GPUs the default BUDGET is 520 and MULTI_S (default 270) is kept for the
@@ -117,7 +118,8 @@ print("no crash")' >"$OUT/diag.log" 2>&1
   ((t > SYNC_S + 30)) && t=$((SYNC_S + 30))
   if ((SYNC_S > 0 && t > 40)); then
     timeout "$t" $PY benchmarks/sync_latency.py --world 1 --device cuda --iters 20 \
-      --models "${SYNC_MODELS:-gpt-small,gpt-125m,gpt-350m}" --time-budget $((t - 80 > 20 ? t - 80 : 20)) \
+      --scenarios "${SYNC_SCENARIOS:-offload_fp32,offload_bf16,fsdp_offload,offload_back,fsdp_weight_sync}" \
+      --models "${SYNC_MODELS:-gpt-125m,gpt-350m}" --time-budget $((t - 80 > 20 ? t - 80 : 20)) \
       --json "$OUT/sync_latency_h200.json" >"$OUT/sync_latency.log" 2>&1
     rc=$?
     status_sync=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
