@@ -172,3 +172,14 @@ def test_pipeline_in_order_matches_reference(dst_dtype, share, pinned_every):
         assert last["host_elements"] == 0 and last["direct_elements"] == total
     if not pinned_every:
         assert last["host_elements"] == total
+
+
+def test_rebalance_equalizes_measured_times():
+    # the host moved half in 2 s, the device the other half in 1 s: give the host a third
+    f = h2d.rebalance(0.5, 2.0, 1.0)
+    assert f == pytest.approx(1 / 3)
+    host_rate, device_rate = 0.5 / 2.0, 0.5 / 1.0
+    assert f / host_rate == pytest.approx((1 - f) / device_rate)
+    assert h2d.rebalance(0.7, 1.0, 1.0) == pytest.approx(0.7)  # already balanced
+    for f0, a, b in ((0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, 0.0)):
+        assert h2d.rebalance(f0, a, b) == f0  # nothing measured on one side: unchanged

@@ -7,22 +7,25 @@ path moves every qualifying table in one pipeline instead:
 
 - source spans in page-locked memory (pinned, or registered in place: reshard.hostreg) with
   the target's dtype are copied straight from the source by the copy engine (no host work);
-- other spans are packed by the host into the slots of the pinned ring (a cast to the target
-  dtype on the way: the C core's `copy_runs`), each slot copied to the device while the host
-  packs the next; a slot's pieces land straight in their targets (no device staging);
+- other spans are packed by the host (a cast to the target dtype on the way: the C core's
+  `copy_runs`): pieces of several ring slots through `stage_h2d`'s own pipeline, smaller ones
+  together through the slots of the same pinned ring, each slot copied to the device while the
+  host packs the next, its pieces landing straight in their targets (no device staging);
 - fp32 spans in page-locked memory bound for narrower targets are split between the host-side
   cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
-  bit for bit), so the host and the link finish together. The share is `split_fraction` of the
-  rates measured at first use and refined on every later call.
+  bit for bit), so the host and the link finish together. The share starts from the host's
+  measured time per element and the link's measured rate (`split_fraction`), then follows both
+  sides' measured times on every call (`rebalance`).
 
-Direct copies and device casts run on side streams, issued in proportion to the ring's progress
-so both share the link from the start. The call returns after every copy completed (the caller
-may rewrite sources at once). Device memory: the scratch, at most the stage ops' device staging
-for the same ring (`stage_device_bytes`), allocated per call from the caching allocator;
-host: the ring. A table qualifies when its source is on the CPU, its target on the current CUDA
-device, the target dtype is no wider than the source's, and its runs are at most `MAX_SPANS`
-contiguous spans; every other table goes through `stage_h2d`.
+Direct copies and device casts are queued first on two side streams (after the caller's queued
+work), so they share the link with the host's copies from the start. The call returns after
+every copy completed (the caller may rewrite sources at once). Device memory: the scratch, at
+most the stage ops' device staging for the same ring (`stage_device_bytes`), allocated per call
+from the caching allocator (the staged pieces land straight in their targets: no staging of
+their own); host: the ring. A table qualifies when its source is on the CPU, its target on the
+current CUDA device, the target dtype is no wider than the source's, and its runs are at most
+`MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ MAX_SPANS = 256  # per table: more (a strided split) and the stage op's one pass
 MAX_SLOTS = 4  # ring slots, as the stage ops cut the ring
 MIN_SLOT_BYTES = 64 * 1024
 ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed DMA)
-EMA = 0.5  # weight of the newest host-rate measurement
+EMA = 0.5  # weight of the newest measurement in the host share
+STAGE_MIN_SLOTS = 4  # a piece of this many ring slots goes through stage_h2d's own pipeline
+PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
+MAX_DESCS = 256
 
 
 def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
@@ -86,6 +92,16 @@ def split_fraction(host_s_per_elem, link_bytes_per_s, host_wire_bytes, device_wi
     b = device_wire_bytes / link
     f = b / (h + b - host_wire_bytes / link)
     return float(min(1.0, max(0.0, f)))
+
+
+def rebalance(host_share, host_s, device_s):
+    """The host share at which both sides finish together, given one call's split: the host
+    moved `host_share` of the cast elements in `host_s`, the device side the rest in
+    `device_s` (each rate measured while the other ran)."""
+    if not 0.0 < host_share < 1.0 or host_s <= 0 or device_s <= 0:
+        return host_share
+    host_rate, device_rate = host_share / host_s, (1.0 - host_share) / device_s
+    return host_rate / (host_rate + device_rate)
 
 
 def device_cast_chunks(spans, want: int, chunk: int) -> list[tuple[int, int, int]]:
@@ -160,8 +176,12 @@ class HostToDevice:
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
+        """One dense table per length, kept so the ops' table caches stay warm (bounded: the
+        host share moves the lengths of split spans)."""
         d = self._descs.get(n)
         if d is None:
+            if len(self._descs) >= MAX_DESCS:
+                self._descs.clear()
             d = self._descs[n] = _dense_desc(n)
         return d
 
@@ -181,7 +201,7 @@ class HostToDevice:
     def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
         side, cast_stream, cur = q.side, q.cast, q.current()
         pinned = dict(pinned)
-        direct, cast_spans, host = [], [], []  # (table, span row) / pieces (table, first, n)
+        direct, cast_spans, host = [], [], []  # (table, span row) / pieces (table, span, first, n)
         for ti, t in enumerate(self.tables):
             s, d = src[t.src_location], dst[t.dst_location]
             if t.src_location not in pinned:
@@ -194,15 +214,15 @@ class HostToDevice:
                     cast_spans.append((ti, j))
                 else:
                     host.append((ti, j, 0, int(t.spans[j, 2])))
+        if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
+            self._probe_link(cast_spans, src, q, dev, device_bytes)
         # the device-side cast: whole chunks from the ends of the page-locked cast spans
-        dev_chunks = []
-        chunk = 0
+        dev_chunks, chunk, src_isz = [], 0, 4
         if cast_spans:
             src_isz = max(src[self.tables[ti].src_location].element_size() for ti, _ in cast_spans)
             chunk = device_bytes // 2 // src_isz  # two scratch halves
-            total = sum(int(self.tables[ti].spans[j, 2]) for ti, j in cast_spans)
-            want = 0 if chunk <= 0 else round((1.0 - self.host_share) * total)
             lengths = [int(self.tables[ti].spans[j, 2]) for ti, j in cast_spans]
+            want = 0 if chunk <= 0 else round((1.0 - self.host_share) * sum(lengths))
             taken = {}
             for i, first, n in device_cast_chunks(lengths, want, max(chunk, 1)):
                 dev_chunks.append((cast_spans[i], first, n))
@@ -210,129 +230,132 @@ class HostToDevice:
             for i, (ti, j) in enumerate(cast_spans):
                 if taken.get(i, lengths[i]) > 0:
                     host.append((ti, j, 0, taken.get(i, lengths[i])))
-        if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
-            self._probe_link(cast_spans, src, q, dev, device_bytes)
+        n_slots, slot_bytes = ring_slots(ring.numel())
+        # pieces of several slots go through stage_h2d (its own pipeline); the rest share one
+        big, small = [], []
+        for ti, j, first, n in host:
+            wsz = dst[self.tables[ti].dst_location].element_size()
+            (big if n * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append((ti, j, first, n))
+        t_start = time.perf_counter()
+        timed = dev.type == "cuda" and bool(dev_chunks)
+        side_start, side_end = q.event(timed), q.event(timed)
+        q.record(side_start, cur)  # the side streams start after the caller's queued work
+        q.wait(side, side_start)
+        q.wait(cast_stream, side_start)
         scratch = None
         if dev_chunks:
             scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
-        n_slots, slot_bytes = ring_slots(ring.numel())
-        keys = [(ti, j) for ti, j, _, _ in host]
-        itemsizes = [dst[self.tables[ti].dst_location].element_size() for ti, _ in keys]
-        slots = slot_pieces(
-            [(k, first, n) for k, (_, _, first, n) in enumerate(host)], itemsizes, slot_bytes
-        )
-        side_ops = [("direct", x) for x in direct] + [("cast", x) for x in dev_chunks]
-        side_bytes = [self._side_bytes(op, src) for op in side_ops]
-        side_total = sum(side_bytes) or 1
-        issued = {"i": 0, "bytes": 0, "chunk": 0}
-        events = [q.event() for _ in range(n_slots)]
-        sc_events = [(q.event(), q.event()) for _ in range(2)]
-        used_sc = [False, False]
-
-        def issue_side_upto(frac):
-            while issued["i"] < len(side_ops) and issued["bytes"] < frac * side_total:
-                kind, x = side_ops[issued["i"]]
-                if kind == "direct":
-                    ti, j = x
-                    t = self.tables[ti]
-                    so, do, n = (int(v) for v in t.spans[j])
-                    s, d = src[t.src_location], dst[t.dst_location]
-                    with q.on(side):
-                        _bytes(d, do, n).copy_(_bytes(s, so, n), non_blocking=True)
-                else:
-                    (ti, j), first, n = x
-                    t = self.tables[ti]
-                    so, do, _ = (int(v) for v in t.spans[j])
-                    s, d = src[t.src_location], dst[t.dst_location]
-                    h = issued["chunk"] % 2
-                    issued["chunk"] += 1
-                    dma_done, cast_done = sc_events[h]
-                    half = scratch[h * chunk * src_isz : (h + 1) * chunk * src_isz]
-                    buf = half.view(s.dtype)[:n]
-                    if used_sc[h]:  # the cast that last read this half
-                        q.wait(side, cast_done)
-                    with q.on(side):
-                        buf.copy_(s[so + first : so + first + n], non_blocking=True)
-                    q.record(dma_done, side)
-                    q.wait(cast_stream, dma_done)
-                    with q.on(cast_stream):
-                        torch.ops.reshard.copy_runs(
-                            buf, self._desc(n), d[do + first : do + first + n]
-                        )
-                    q.record(cast_done, cast_stream)
-                    used_sc[h] = True
-                issued["bytes"] += side_bytes[issued["i"]]
-                issued["i"] += 1
-
-        # the side streams start after what the caller queued on the current stream
-        start = q.event()
-        q.record(start, cur)
-        q.wait(side, start)
-        q.wait(cast_stream, start)
-        issue_side_upto(1.0 / (len(slots) + 1))
-        cast_s, cast_elems, copy_s = 0.0, 0, 0.0
-        for k, pieces in enumerate(slots):
-            sl = k % n_slots
-            if k >= n_slots:
-                q.host_wait(events[sl])  # the copy that last read this slot
-            base = ring[sl * slot_bytes : (sl + 1) * slot_bytes]
-            for key, first, n, at in pieces:
-                ti, j = keys[key]
-                t = self.tables[ti]
-                so, do, _ = (int(v) for v in t.spans[j])
-                s, d = src[t.src_location], dst[t.dst_location]
-                t0 = time.perf_counter()
-                if s.dtype == d.dtype:
-                    base[at : at + n * d.element_size()].copy_(_bytes(s, so + first, n))
-                    copy_s += time.perf_counter() - t0
-                else:
-                    w = base[at : at + n * d.element_size()].view(d.dtype)
-                    torch.ops.reshard.copy_runs(s[so + first : so + first + n], _dense_desc(n), w)
-                    cast_s += time.perf_counter() - t0
-                    cast_elems += n
-            for key, first, n, at in pieces:
-                ti, j = keys[key]
-                t = self.tables[ti]
-                _, do, _ = (int(v) for v in t.spans[j])
-                d = dst[t.dst_location]
-                nb = n * d.element_size()
-                _bytes(d, do + first, n).copy_(base[at : at + nb], non_blocking=True)
-            q.record(events[sl], cur)
-            issue_side_upto((k + 2) / (len(slots) + 1))
-        issue_side_upto(2.0)
-        q.finish()  # every source byte read, every target byte written
-        if cast_elems and cast_s > 0:
-            h = cast_s / cast_elems
-            self.host_s_per_elem = (
-                h if self.host_s_per_elem is None else EMA * h + (1 - EMA) * self.host_s_per_elem
-            )
-        if cast_spans and self.host_s_per_elem and self.link_bytes_per_s:
-            ti, _ = cast_spans[0]
+        for ti, j in direct:
             t = self.tables[ti]
-            self.host_share = split_fraction(
-                self.host_s_per_elem,
-                self.link_bytes_per_s,
-                dst[t.dst_location].element_size(),
-                src[t.src_location].element_size(),
+            so, do, n = (int(v) for v in t.spans[j])
+            with q.on(side):
+                _bytes(dst[t.dst_location], do, n).copy_(
+                    _bytes(src[t.src_location], so, n), non_blocking=True
+                )
+        self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
+        q.record(side_end, cast_stream)
+        for ti, j, first, n in big:
+            t = self.tables[ti]
+            so, do, _ = (int(v) for v in t.spans[j])
+            a, b = so + first, do + first
+            q.stage(
+                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
             )
+        pack_s = self._ring_pieces(q, src, dst, ring, small, n_slots, slot_bytes)
+        host_s = time.perf_counter() - t_start
+        q.finish()  # every source byte read, every target byte written
+        side_s = q.elapsed(side_start, side_end) if timed else 0.0
+        self._balance(cast_spans, dev_chunks, host, src, dst, host_s, side_s)
         self.last = {
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
             "device_cast_elements": sum(n for _, _, n in dev_chunks),
             "host_elements": sum(n for _, _, _, n in host),
-            "slots": len(slots),
+            "staged_pieces": len(big),
+            "ring_pieces": len(small),
             "host_share": self.host_share,
-            "host_cast_s": cast_s,
-            "host_copy_s": copy_s,
+            "host_s": host_s,
+            "host_pack_s": pack_s,
+            "device_side_s": side_s,
         }
 
-    def _side_bytes(self, op, src):
-        kind, x = op
-        if kind == "direct":
-            ti, j = x
+    def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
+        """Each chunk: its source elements to a scratch half (side stream), then the cast into
+        the target (cast stream); a half is refilled after the cast that read it."""
+        sc_events = [(q.event(), q.event()) for _ in range(2)]
+        for c, ((ti, j), first, n) in enumerate(chunks):
             t = self.tables[ti]
-            return int(t.spans[j, 2]) * src[t.src_location].element_size()
-        (ti, _), _, n = x
-        return n * src[self.tables[ti].src_location].element_size()
+            so, do, _ = (int(v) for v in t.spans[j])
+            s, d = src[t.src_location], dst[t.dst_location]
+            h = c % 2
+            dma_done, cast_done = sc_events[h]
+            buf = scratch[h * half_bytes : (h + 1) * half_bytes].view(s.dtype)[:n]
+            if c >= 2:  # the cast that last read this half
+                q.wait(q.side, cast_done)
+            with q.on(q.side):
+                buf.copy_(s[so + first : so + first + n], non_blocking=True)
+            q.record(dma_done, q.side)
+            q.wait(q.cast, dma_done)
+            with q.on(q.cast):
+                torch.ops.reshard.copy_runs(buf, self._desc(n), d[do + first : do + first + n])
+            q.record(cast_done, q.cast)
+
+    def _ring_pieces(self, q, src, dst, ring, pieces, n_slots, slot_bytes) -> float:
+        """Pieces packed by the host into ring slots (cast to the target dtype on the way),
+        each slot copied to the device while the next is packed; returns the packing time."""
+        itemsizes = [dst[self.tables[ti].dst_location].element_size() for ti, _, _, _ in pieces]
+        slots = slot_pieces(
+            [(k, first, n) for k, (_, _, first, n) in enumerate(pieces)], itemsizes, slot_bytes
+        )
+        events = [q.event() for _ in range(n_slots)]
+        pack_s = 0.0
+        for k, slot in enumerate(slots):
+            sl = k % n_slots
+            if k >= n_slots:
+                q.host_wait(events[sl])  # the copy that last read this slot
+            base = ring[sl * slot_bytes : (sl + 1) * slot_bytes]
+            t0 = time.perf_counter()
+            for key, first, n, at in slot:
+                ti, j, _, _ = pieces[key]
+                t = self.tables[ti]
+                so = int(t.spans[j, 0]) + first
+                s, d = src[t.src_location], dst[t.dst_location]
+                isz = d.element_size()
+                # pack calls under the C core's streaming-store threshold: the DMA reads the
+                # slot right away, so it should stay in the cache
+                step = max(1, (PACK_CALL_BYTES // isz))
+                for a in range(0, n, step):
+                    m = min(step, n - a)
+                    w = base[at + a * isz : at + (a + m) * isz].view(d.dtype)
+                    torch.ops.reshard.copy_runs(s[so + a : so + a + m], _dense_desc(m), w)
+            pack_s += time.perf_counter() - t0
+            for key, first, n, at in slot:
+                ti, j, _, _ = pieces[key]
+                t = self.tables[ti]
+                d = dst[t.dst_location]
+                do = int(t.spans[j, 1]) + first
+                _bytes(d, do, n).copy_(base[at : at + n * d.element_size()], non_blocking=True)
+            q.record(events[sl], q.current())
+        return pack_s
+
+    def _balance(self, cast_spans, dev_chunks, host, src, dst, host_s, side_s) -> None:
+        """The next call's share of the host-side cast: at first from the measured host time
+        per element and link rate (`split_fraction`), then from both sides' measured times
+        (`rebalance`)."""
+        if not cast_spans:
+            return
+        ti, _ = cast_spans[0]
+        t = self.tables[ti]
+        wire, wide = dst[t.dst_location].element_size(), src[t.src_location].element_size()
+        host_elems = sum(n for _, _, _, n in host)
+        dev_elems = sum(n for _, _, n in dev_chunks)
+        if dev_elems and side_s > 0 and host_elems and host_s > 0:
+            f = rebalance(self.host_share, host_s, side_s)
+            self.host_share = EMA * f + (1 - EMA) * self.host_share
+        elif host_elems and host_s > 0 and self.link_bytes_per_s:
+            self.host_s_per_elem = host_s / host_elems
+            self.host_share = split_fraction(
+                self.host_s_per_elem, self.link_bytes_per_s, wire, wide
+            )
 
     def _probe_link(self, cast_spans, src, q, dev, device_bytes):
         """The H2D rate of page-locked memory, once: a copy of up to 16 MiB (within the
@@ -369,8 +392,11 @@ class _Streams:
     def current(self):
         return torch.cuda.current_stream()
 
-    def event(self):
-        return torch.cuda.Event()
+    def event(self, timed=False):
+        return torch.cuda.Event(enable_timing=timed)
+
+    def elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3
 
     def on(self, stream):
         return torch.cuda.stream(stream)
@@ -383,6 +409,9 @@ class _Streams:
 
     def host_wait(self, event):
         event.synchronize()
+
+    def stage(self, src, desc, ring, dst):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst)
 
     def finish(self):
         cur = self.current()
@@ -401,8 +430,11 @@ class _Ordered:
     def current(self):
         return None
 
-    def event(self):
+    def event(self, timed=False):
         return None
+
+    def elapsed(self, a, b) -> float:
+        return 0.0
 
     def on(self, stream):
         return contextlib.nullcontext()
@@ -415,6 +447,9 @@ class _Ordered:
 
     def host_wait(self, event):
         pass
+
+    def stage(self, src, desc, ring, dst):
+        torch.ops.reshard.copy_runs(src, desc, dst)
 
     def finish(self):
         pass
