@@ -174,12 +174,28 @@ def test_pipeline_in_order_matches_reference(dst_dtype, share, pinned_every):
         assert last["host_elements"] == total
 
 
-def test_rebalance_equalizes_measured_times():
-    # the host moved half in 2 s, the device the other half in 1 s: give the host a third
-    f = h2d.rebalance(0.5, 2.0, 1.0)
-    assert f == pytest.approx(1 / 3)
-    host_rate, device_rate = 0.5 / 2.0, 0.5 / 1.0
-    assert f / host_rate == pytest.approx((1 - f) / device_rate)
-    assert h2d.rebalance(0.7, 1.0, 1.0) == pytest.approx(0.7)  # already balanced
-    for f0, a, b in ((0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (0.5, 0.0, 1.0), (0.5, 1.0, 0.0)):
-        assert h2d.rebalance(f0, a, b) == f0  # nothing measured on one side: unchanged
+def test_keep_split_only_when_measured_faster():
+    assert h2d.keep_split([1.0, 0.9], [0.8, 0.85], 0.03)  # the best split call wins by 11%
+    assert not h2d.keep_split([1.0, 0.9], [0.88, 0.95], 0.03)  # 2%: within the margin
+    assert not h2d.keep_split([1.0], [1.2, 1.1], 0.03)  # slower
+    assert not h2d.keep_split([], [0.5], 0.03) and not h2d.keep_split([0.5], [], 0.03)
+
+
+def test_split_trial_rejects_a_split_that_does_not_pay():
+    """The policy's sequence on measured call times: TRIAL_CALLS all on the host, then the
+    model's share for TRIAL_CALLS calls, then kept or back to all on the host for good."""
+    tables, src, dst, _ = _case(3, 2, torch.bfloat16)
+    for split_faster, outcome in ((True, "kept"), (False, "rejected")):
+        path = h2d.HostToDevice(tables)
+        path.link_bytes_per_s = 55e9
+        host = [(0, 0, 0, 1000)]
+        shares = []
+        for _ in range(6):
+            share = path.host_share
+            shares.append(share)
+            total = 1.0 if share >= 1.0 else (0.8 if split_faster else 1.1)
+            # the host casts 10 G elem/s, the link 55 GB/s: the model gives the host ~0.53
+            path._balance([(0, 0)], host, src, dst, host_s=1000 / 10e9, total_s=total)
+        assert shares[:2] == [1.0, 1.0] and 0.5 < shares[2] < 0.9 and shares[3] == shares[2]
+        assert path.split == outcome
+        assert (path.host_share < 1.0) == split_faster

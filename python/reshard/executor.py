@@ -483,8 +483,8 @@ class Transfer:
         the per-peer budget (see `reshard.plan`). register_host_sources: page-lock the CPU
         source buffers in place (cudaHostRegister), so syncs DMA straight from them
         (reshard.hostreg); register_host_targets: the same for CPU target buffers (GPU -> CPU
-        syncs DMA straight into them). The first call starts the registration on a thread and
-        does not wait for it: syncs bounce through the pinned ring until it is done
+        syncs DMA straight into them). A call starts the registration on a thread after its
+        copies and no call waits for it: syncs bounce through the pinned ring until it is done
         (`wait_host_registration()` waits for it). Undone by `close()`, on context exit, when a
         location's storage changes, or on collection; each Report says what was done in
         `host_registration` (targets under its "targets" key; "pending" while the thread
@@ -563,11 +563,13 @@ class Transfer:
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
+        report = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
+        # After the copies: page-locking holds the driver, so a registration running during
+        # them would delay this call's copies as much as registering first.
         reg = _register(self._hostreg, src_buffers)
         reg_targets = _register(self._hostreg_targets, dst_buffers)
         if reg_targets is not None:
             reg = dict(reg or {}, targets=reg_targets)
-        report = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
         if reg is not None:
             report.host_registration = reg
         return report

@@ -14,9 +14,9 @@ path moves every qualifying table in one pipeline instead:
 - fp32 spans in page-locked memory bound for narrower targets are split between the host-side
   cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
-  bit for bit), so the host and the link finish together. The share starts from the host's
-  measured time per element and the link's measured rate (`split_fraction`), then follows both
-  sides' measured times on every call (`rebalance`).
+  bit for bit), so the host and the link finish together: the share is `split_fraction` of the
+  host's measured time per element and the link's measured rate, kept only where the first
+  calls measured it faster than all casts on the host (`keep_split`).
 
 Direct copies and device casts are queued first on two side streams (after the caller's queued
 work), so they share the link with the host's copies from the start. The call returns after
@@ -41,7 +41,9 @@ MAX_SPANS = 256  # per table: more (a strided split) and the stage op's one pass
 MAX_SLOTS = 4  # ring slots, as the stage ops cut the ring
 MIN_SLOT_BYTES = 64 * 1024
 ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed DMA)
-EMA = 0.5  # weight of the newest measurement in the host share
+EMA = 0.5  # weight of the newest measurement of the host's time per element
+TRIAL_CALLS = 2  # calls measured all on the host, then split, before the split is kept or not
+MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 4  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
@@ -94,14 +96,12 @@ def split_fraction(host_s_per_elem, link_bytes_per_s, host_wire_bytes, device_wi
     return float(min(1.0, max(0.0, f)))
 
 
-def rebalance(host_share, host_s, device_s):
-    """The host share at which both sides finish together, given one call's split: the host
-    moved `host_share` of the cast elements in `host_s`, the device side the rest in
-    `device_s` (each rate measured while the other ran)."""
-    if not 0.0 < host_share < 1.0 or host_s <= 0 or device_s <= 0:
-        return host_share
-    host_rate, device_rate = host_share / host_s, (1.0 - host_share) / device_s
-    return host_rate / (host_rate + device_rate)
+def keep_split(host_only_s, split_s, min_gain: float) -> bool:
+    """Whether the split pays: its fastest measured call beat the fastest host-only call (all
+    casts on the host) by at least `min_gain`. Where the host's memory is the bottleneck, the
+    source reads of the device-side share slow the host's cast, and the model alone cannot see
+    that: these measured calls decide."""
+    return bool(host_only_s) and bool(split_s) and min(split_s) < (1 - min_gain) * min(host_only_s)
 
 
 def device_cast_chunks(spans, want: int, chunk: int) -> list[tuple[int, int, int]]:
@@ -171,6 +171,8 @@ class HostToDevice:
         self.host_s_per_elem = None  # host-side cast time per element, measured
         self.link_bytes_per_s = None  # H2D copy rate of page-locked memory, measured once
         self.host_share = 1.0  # of the cast elements in page-locked memory
+        self.split = "trial"  # "trial" (measuring), "kept" or "rejected" (all on the host)
+        self._trial = {"host_only": [], "split": []}  # seconds of whole calls
         self._streams = None
         self._descs: dict[int, torch.Tensor] = {}  # device-cast tables by length (kept alive)
         self.last = {}  # what the last call did (elements per path, share, seconds)
@@ -264,8 +266,9 @@ class HostToDevice:
         pack_s = self._ring_pieces(q, src, dst, ring, small, n_slots, slot_bytes)
         host_s = time.perf_counter() - t_start
         q.finish()  # every source byte read, every target byte written
+        total_s = time.perf_counter() - t_start
         side_s = q.elapsed(side_start, side_end) if timed else 0.0
-        self._balance(cast_spans, dev_chunks, host, src, dst, host_s, side_s)
+        self._balance(cast_spans, host, src, dst, host_s, total_s)
         self.last = {
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
             "device_cast_elements": sum(n for _, _, n in dev_chunks),
@@ -276,6 +279,8 @@ class HostToDevice:
             "host_s": host_s,
             "host_pack_s": pack_s,
             "device_side_s": side_s,
+            "total_s": total_s,
+            "split": self.split,
         }
 
     def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
@@ -337,40 +342,56 @@ class HostToDevice:
             q.record(events[sl], q.current())
         return pack_s
 
-    def _balance(self, cast_spans, dev_chunks, host, src, dst, host_s, side_s) -> None:
-        """The next call's share of the host-side cast: at first from the measured host time
-        per element and link rate (`split_fraction`), then from both sides' measured times
-        (`rebalance`)."""
+    def _balance(self, cast_spans, host, src, dst, host_s, total_s) -> None:
+        """The next call's share of the host-side cast (`split_fraction` of the host's measured
+        time per element and the link's measured rate), once TRIAL_CALLS calls with all casts
+        on the host and TRIAL_CALLS with the split showed the split pays (`keep_split`);
+        otherwise every cast stays on the host."""
         if not cast_spans:
             return
-        ti, _ = cast_spans[0]
-        t = self.tables[ti]
-        wire, wide = dst[t.dst_location].element_size(), src[t.src_location].element_size()
         host_elems = sum(n for _, _, _, n in host)
-        dev_elems = sum(n for _, _, n in dev_chunks)
-        if dev_elems and side_s > 0 and host_elems and host_s > 0:
-            f = rebalance(self.host_share, host_s, side_s)
-            self.host_share = EMA * f + (1 - EMA) * self.host_share
-        elif host_elems and host_s > 0 and self.link_bytes_per_s:
-            self.host_s_per_elem = host_s / host_elems
-            self.host_share = split_fraction(
-                self.host_s_per_elem, self.link_bytes_per_s, wire, wide
+        if host_elems and host_s > 0:
+            h = host_s / host_elems
+            self.host_s_per_elem = (
+                h if self.host_s_per_elem is None else EMA * h + (1 - EMA) * self.host_s_per_elem
             )
+        if self.split == "rejected" or not self.link_bytes_per_s or not self.host_s_per_elem:
+            return
+        trial = self._trial["host_only" if self.host_share >= 1.0 else "split"]
+        trial[:] = [*trial[1 - TRIAL_CALLS :], total_s]
+        if self.split == "trial" and len(self._trial["split"]) == TRIAL_CALLS:
+            if len(self._trial["host_only"]) == TRIAL_CALLS and not keep_split(
+                self._trial["host_only"], self._trial["split"], MIN_GAIN
+            ):
+                self.split, self.host_share = "rejected", 1.0
+                return
+            self.split = "kept"
+        if self.host_share < 1.0 or len(self._trial["host_only"]) == TRIAL_CALLS:
+            ti, _ = cast_spans[0]
+            t = self.tables[ti]
+            self.host_share = split_fraction(
+                self.host_s_per_elem,
+                self.link_bytes_per_s,
+                dst[t.dst_location].element_size(),
+                src[t.src_location].element_size(),
+            )
+            if self.host_share >= 1.0 and self.split == "trial":
+                self.split = "rejected"  # the model sees no gain: nothing to try
 
     def _probe_link(self, cast_spans, src, q, dev, device_bytes):
-        """The H2D rate of page-locked memory, once: a copy of up to 16 MiB (within the
+        """The H2D rate of page-locked memory, once: a copy of up to 64 MiB (within the
         scratch's bound, before the scratch exists) of the first cast span's source, best of
-        two, timed on the device after the caller's queued work."""
+        three, timed on the device."""
         ti, j = cast_spans[0]
         t = self.tables[ti]
         s = src[t.src_location]
         so, _, n = (int(v) for v in t.spans[j])
-        n = min(n, min(16 << 20, device_bytes) // s.element_size())
+        n = min(n, min(64 << 20, device_bytes) // s.element_size())
         if n <= 0:
             return
         buf = torch.empty(n, dtype=s.dtype, device=dev)
         best = None
-        for _ in range(2):
+        for _ in range(3):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(q.side)
             with q.on(q.side):
