@@ -93,6 +93,7 @@ class _Engine:
         # the collective preflight's tensors live where the transport wants them
         self.exchange_device = self.arena_device
         self.sched = None  # built by prepare()
+        self.verified_placement = None  # preflight: where the last passing call's buffers were
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
@@ -320,23 +321,22 @@ def _bump_versions(engine, dst_ok) -> None:
 
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     t_start = time.perf_counter()
-    src_ok, dst_ok, fingerprint, timeout_s = pf.run(
-        engine, src_buffers, dst_buffers, checks, timeout
-    )
+    cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
+    src_ok, dst_ok = cleared.src, cleared.dst
     report = Report(
         rank=engine.rank,
         world_size=engine.world_size,
         transport=engine.transport,
         rounds=engine.num_rounds,
-        fingerprint=str(fingerprint),
+        fingerprint=cleared.fingerprint,
         bytes_sent=dict(engine.bytes_sent),
         bytes_received=dict(engine.bytes_received),
     )
     report.seconds["plan"] = plan_seconds
-    report.seconds["preflight"] = time.perf_counter() - t_start
+    report.seconds.update(cleared.seconds)
     report.staging_bound = engine.bound()
     try:
-        _RoundLoop(engine, src_ok, dst_ok, report.seconds, timeout_s).run()
+        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s).run()
     except Exception as exc:
         _retire(engine)
         raise TransferError(
