@@ -20,9 +20,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: every failure before the first write (argument types and the timeout
-included) is a collective `PreflightError` with nothing written; the agreement is followed by
-a commit step, so a rank whose peers gave up on it never writes (docs/executor.md states the
-one window left). Any failure after the commit is a `TransferError`: targets may be partially
+included) is a collective `PreflightError` with nothing written; when the ranks reached the
+agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
+(docs/executor.md states the windows left). Any failure after the commit is a `TransferError`: targets may be partially
 written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
 never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """

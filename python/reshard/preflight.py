@@ -3,9 +3,17 @@
 Nothing is written unless every rank of the group agrees. Local checks (this rank only):
 ownership and presence of locations, dtype and extent against each `Storage`, 1-D contiguous,
 device vs transport, target writes that alias a source buffer or another target's writes,
-readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint) to one
-small all-gather; only when someone failed (or the fingerprints differ) a second all-gather
-carries the reasons, and every rank raises the same `PreflightError`.
+readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint, the
+time it entered) to one small all-gather; only when someone failed (or the fingerprints differ)
+a second all-gather carries the reasons, and every rank raises the same `PreflightError`; only
+when the ranks entered far apart (a peer may have given up waiting) a commit all-gather follows
+before anything is written.
+
+What cannot change between calls is checked once per Transfer (the schedule against what the
+kernels accept). Every call checks each buffer (ownership, dtype, extent, a live storage,
+device, the in-place rules of the current grad mode) and runs the hooks; the checks that depend
+only on where the buffers are (aliasing, local copy extents, staging) run again only when the
+buffers moved (`placement`).
 
 Buffer sets: `src_buffers` / `dst_buffers` are either a mapping {location: tensor} or an
 object with a `.buffers` mapping and, optionally, a `.check()` method that raises (e.g.
