@@ -254,8 +254,8 @@ MUTANTS = (
     Mutant(
         "staging_bound_single_buffer",
         PKG,
-        "        arenas = min(2, self.num_rounds) * (",
-        "        arenas = min(1, self.num_rounds) * (",
+        "    arenas = arenas_per_direction(num_rounds) * (",
+        "    arenas = min(1, int(num_rounds)) * (",
         ("tests/test_plan.py", "tests/distributed/test_local.py"),
         "plan.staging_bytes counts one arena per direction while the executor keeps two",
     ),
