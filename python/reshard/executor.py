@@ -83,8 +83,9 @@ class _Engine:
     the context `preflight.run` checks: `prepare()` builds the schedule inside the collective
     step, `allocate()` lays out the rounds and allocates the staging."""
 
-    def __init__(self, plan, group, rank, world_size, transport):
+    def __init__(self, plan, group, rank, world_size, transport, make_staging=None):
         self.plan, self.group, self.rank = plan, group, rank
+        self.make_staging = make_staging or staging.Staging
         self.world_size, self.transport = world_size, transport
         if transport == "nccl":
             self.arena_device = torch.device("cuda", torch.cuda.current_device())
@@ -135,7 +136,7 @@ class _Engine:
             dloc for _, dloc in self.local_pairs
         }
         self._written = None
-        self.staging = staging.Staging(self.arena_device, sched.num_rounds)
+        self.staging = self.make_staging(self.arena_device, sched.num_rounds)
         self.sched = sched
         return self.schedule_reasons
 
@@ -479,10 +480,14 @@ class Transfer:
         timeout=DEFAULT_TIMEOUT_S,
         register_host_sources=False,
         register_host_targets=False,
+        staging=None,
     ) -> Transfer:
-        """A Transfer around an existing plan (e.g. one shared by several groups' Transfers)."""
+        """A Transfer around an existing plan (e.g. one shared by several groups' Transfers).
+        staging: a callable `(device, num_rounds) -> reshard.staging.Staging` (default: the
+        class itself), so Transfers that never run at the same time can share arenas."""
         self = cls.__new__(cls)
         self._setup(plan, 0.0, group, timeout, register_host_sources, register_host_targets)
+        self._make_staging = staging
         return self
 
     def _setup(
@@ -498,6 +503,7 @@ class Transfer:
             raise bad_timeout
         self.group, self.timeout = group, timeout
         self._engine = None
+        self._make_staging = None
         self._lock = _CallLock()
 
     @property
@@ -517,7 +523,7 @@ class Transfer:
             self._engine = None  # a failed call's arenas may still be written: start afresh
         if self._engine is None:
             group, rank, world, transport = resolve_group(self.group)
-            self._engine = _Engine(self.plan, group, rank, world, transport)
+            self._engine = _Engine(self.plan, group, rank, world, transport, self._make_staging)
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
