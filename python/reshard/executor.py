@@ -577,7 +577,7 @@ class Transfer:
     def wait_host_registration(self) -> dict:
         """Wait for the background host registration of this Transfer's buffers (if any) and
         return what it did ({"sources": ..., "targets": ...}, as HostRegistry.wait says)."""
-        with self._lock:
+        with _call_lock(resolve_group(self.group)[0], self._lock):
             return {
                 side: registry.wait()
                 for side, registry in (
