@@ -94,7 +94,8 @@ class _Engine:
         # the collective preflight's tensors live where the transport wants them
         self.exchange_device = self.arena_device
         self.sched = None  # built by prepare()
-        self.verified_placement = None  # preflight: where the last passing call's buffers were
+        # preflight: where the last passing call's buffers were, and whether they need the ring
+        self.verified_placement, self.verified_need_ring = None, False
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
