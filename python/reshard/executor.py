@@ -20,9 +20,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: every failure before the first write (argument types and the timeout
-included) is a collective `PreflightError` with nothing written; the agreement is followed by
-a commit step, so a rank whose peers gave up on it never writes (docs/executor.md states the
-one window left). Any failure after the commit is a `TransferError`: targets may be partially
+included) is a collective `PreflightError` with nothing written; when the ranks reached the
+agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
+(docs/executor.md states the windows left). Any failure after the commit is a `TransferError`: targets may be partially
 written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
 never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """
@@ -94,6 +94,8 @@ class _Engine:
         # the collective preflight's tensors live where the transport wants them
         self.exchange_device = self.arena_device
         self.sched = None  # built by prepare()
+        # preflight: where the last passing call's buffers were, and whether they need the ring
+        self.verified_placement, self.verified_need_ring = None, False
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
@@ -321,23 +323,22 @@ def _bump_versions(engine, dst_ok) -> None:
 
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     t_start = time.perf_counter()
-    src_ok, dst_ok, fingerprint, timeout_s = pf.run(
-        engine, src_buffers, dst_buffers, checks, timeout
-    )
+    cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
+    src_ok, dst_ok = cleared.src, cleared.dst
     report = Report(
         rank=engine.rank,
         world_size=engine.world_size,
         transport=engine.transport,
         rounds=engine.num_rounds,
-        fingerprint=str(fingerprint),
+        fingerprint=cleared.fingerprint,
         bytes_sent=dict(engine.bytes_sent),
         bytes_received=dict(engine.bytes_received),
     )
     report.seconds["plan"] = plan_seconds
-    report.seconds["preflight"] = time.perf_counter() - t_start
+    report.seconds.update(cleared.seconds)
     report.staging_bound = engine.bound()
     try:
-        _RoundLoop(engine, src_ok, dst_ok, report.seconds, timeout_s).run()
+        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s).run()
     except Exception as exc:
         _retire(engine)
         raise TransferError(
