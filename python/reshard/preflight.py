@@ -366,7 +366,7 @@ def _shape_faults(st, t) -> list[str]:
         bad.append(f"must be contiguous, got stride {t.stride()}")
     if t.numel() != st.numel:
         bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
-    if t.device.type != "meta":
+    if not t.is_meta:
         short = _storage_shortfall(t)
         if short:
             bad.append(short)
@@ -375,8 +375,10 @@ def _shape_faults(st, t) -> list[str]:
 
 def _device_faults(t, transport) -> list[str]:
     """Where `t` lives against what the transport moves."""
+    if t.is_cpu:  # every transport moves CPU buffers (the cheap test first: once per buffer)
+        return []
     dev = t.device
-    if transport == "gloo" and dev.type != "cpu":
+    if transport == "gloo":
         return [f"is on {dev}, but the gloo transport needs CPU buffers"]
     if transport != "gloo" and dev.type not in ("cpu", "cuda"):
         return [f"is on {dev}; reshard copies CPU and CUDA buffers only"]
@@ -425,11 +427,15 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons) -> 
 
 
 def placement(src_ok: dict, dst_ok: dict) -> tuple:
-    """Where the validated buffers are: (location, first byte, bytes, device) per buffer. The
-    memory checks (aliasing, local copy extents) and the staging depend on nothing else, so a
-    call whose placement equals the last passing call's skips them."""
+    """Where the validated buffers are: (location, first byte, bytes, device index; -1 for
+    the CPU) per buffer. The memory checks (aliasing, local copy extents) and what the staging
+    needs depend on nothing else, so a call whose placement equals the last passing call's
+    skips them."""
     return tuple(
-        tuple((loc, t.data_ptr(), t.numel() * t.element_size(), t.device) for loc, t in ok.items())
+        tuple(
+            (loc, t.data_ptr(), t.numel() * t.element_size(), t.get_device())
+            for loc, t in ok.items()
+        )
         for ok in (src_ok, dst_ok)
     )
 
@@ -699,8 +705,8 @@ def staging_needs(transport, message_locations, local_pairs, src_ok, dst_ok):
 def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], dict, dict]:
     """Every check of this rank before the collective exchange: (reasons, src_ok, dst_ok).
     `ctx` is the executor's engine for this plan and rank (`prepare()` builds and checks the
-    schedule once, `allocate()` the staging, `verified_placement` the placement of the last
-    buffers that passed). Nothing here raises: an exception (a list where a dict belongs, a
+    schedule once, `allocate()` the staging, `verified_placement` / `verified_need_ring` the
+    placement of the last buffers that passed and whether they needed the pinned ring). Nothing here raises: an exception (a list where a dict belongs, a
     schedule that cannot be built, an allocation) is a reason of this rank, so every rank
     learns of it."""
     reasons, src_ok, dst_ok = [], {}, {}
@@ -723,25 +729,28 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], 
 
 
 def _placement_checks(ctx, src_ok, dst_ok) -> list[str]:
-    """The memory checks, then the staging (allocated last: it needs validated buffers to know
-    whether the pinned ring is needed). Both depend only on the buffers' `placement`, so a
-    call that passes the buffers of the last passing call where they were skips them."""
+    """The memory checks and what the staging needs depend only on the buffers' `placement`:
+    a call that passes buffers where the last passing call had them skips them. The staging
+    is allocated last on every call (it needs validated buffers to know whether the pinned
+    ring is needed; it allocates nothing while its arenas are in place, and a staging shared
+    by several Transfers may have dropped them)."""
     where = placement(src_ok, dst_ok)
     if where == ctx.verified_placement:
-        return []
-    reasons = memory_checks(src_ok, dst_ok, ctx.written, ctx.local_pairs)
-    if reasons:
-        return reasons
-    need_ring, reasons = staging_needs(
-        ctx.transport, ctx.message_locations, ctx.local_pairs, src_ok, dst_ok
-    )
-    if reasons:
-        return reasons
+        need_ring = ctx.verified_need_ring
+    else:
+        reasons = memory_checks(src_ok, dst_ok, ctx.written, ctx.local_pairs)
+        if reasons:
+            return reasons
+        need_ring, reasons = staging_needs(
+            ctx.transport, ctx.message_locations, ctx.local_pairs, src_ok, dst_ok
+        )
+        if reasons:
+            return reasons
     try:
         ctx.allocate(src_ok, dst_ok, need_ring)
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
         return [f"staging allocation failed: {type(exc).__name__}: {exc}"]
-    ctx.verified_placement = where
+    ctx.verified_placement, ctx.verified_need_ring = where, need_ring
     return []
 
 
