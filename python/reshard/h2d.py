@@ -268,6 +268,7 @@ class HostToDevice:
         q.finish()  # every source byte read, every target byte written
         total_s = time.perf_counter() - t_start
         side_s = q.elapsed(side_start, side_end) if timed else 0.0
+        share = self.host_share
         self._balance(cast_spans, host, src, dst, host_s, total_s)
         self.last = {
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
@@ -275,7 +276,7 @@ class HostToDevice:
             "host_elements": sum(n for _, _, _, n in host),
             "staged_pieces": len(big),
             "ring_pieces": len(small),
-            "host_share": self.host_share,
+            "host_share": share,  # this call's (self.host_share: the next call's)
             "host_s": host_s,
             "host_pack_s": pack_s,
             "device_side_s": side_s,
