@@ -4,7 +4,8 @@ Two arenas per direction (round k+1 is packed while round k is in flight), each 
 the largest round's packed messages in that direction, on the transport's device (host memory
 under gloo, device memory under NCCL); plus, when CPU buffers meet CUDA ones, one pinned ring
 for the stage_h2d / stage_d2h ops (and the device slots those ops may take). The bound they
-must stay within is `Plan.staging_bytes`; the executor checks it on every allocation.
+must stay within is `staging_bound.staging_bytes` (what `Plan.staging_bytes` states); the
+executor checks it on every allocation.
 Allocated on first use, reused by every later call: repeated syncs allocate nothing.
 """
 
@@ -14,6 +15,7 @@ import torch
 
 from .report import STAGING_KINDS
 from .rounds import RECV, SEND
+from .staging_bound import arenas_per_direction
 
 # Largest pinned ring of the stage ops. Bounced (pageable or cast) CPU<->GPU copies reach the
 # PCIe ceiling only with chunks large enough to hide the per-chunk host fork/join and event
@@ -33,7 +35,7 @@ class Staging:
 
     def __init__(self, device: torch.device, num_rounds: int):
         self.device = device
-        self.nbuf = min(2, int(num_rounds))
+        self.nbuf = arenas_per_direction(num_rounds)
         self.arenas = None  # {SEND: [tensor, ...], RECV: [...]} once allocated
         self.ring = None  # pinned uint8 tensor of the stage ops
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from .. import staging_bound
 from ..errors import LayoutError
 from ..layout import Layout
 from .hashing import fingerprint
@@ -62,24 +63,21 @@ class Plan:
         return self._cache[key]
 
     def staging_bytes(self, rank, transport="nccl", host_ring_bytes=0) -> dict:
-        """The exact staging the executor holds on `rank`, in bytes.
-
-        Formula (double buffering): ``arenas = min(2, num_rounds) * (send_arena_bytes +
-        recv_arena_bytes)`` where ``send_arena_bytes`` is the max over rounds of the bytes
-        this rank sends in that round (sum over peers of each message's nbytes; each message
-        is a run of 16-byte aligned segments, so nbytes <= budget_bytes_per_peer rounded down
-        to 16) and ``recv_arena_bytes`` likewise for what it receives. The arenas live on the
-        transport's device: ``transport="nccl"`` -> ``{"device": arenas, "host_pinned":
-        host_ring_bytes, "host": 0}``; ``transport="gloo"`` -> ``{"device": 0, "host_pinned":
-        0, "host": arenas}``. Local copies stage nothing.
+        """The exact staging the executor holds on `rank`, in bytes: `staging_bound.staging_bytes`
+        of this rank's arena sizes (double buffering; each message is a run of 16-byte aligned
+        segments, so its nbytes <= budget_bytes_per_peer rounded down to 16). Under
+        ``transport="nccl"`` -> ``{"device": arenas, "host_pinned": host_ring_bytes, "host":
+        0}``; under ``transport="gloo"`` -> ``{"device": 0, "host_pinned": 0, "host": arenas}``.
+        Local copies stage nothing.
         """
-        if transport not in ("nccl", "gloo"):
-            raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
         r = self.rounds
-        arenas = min(2, self.num_rounds) * (r.send_arena.get(rank, 0) + r.recv_arena.get(rank, 0))
-        if transport == "nccl":
-            return {"device": arenas, "host_pinned": int(host_ring_bytes), "host": 0}
-        return {"device": 0, "host_pinned": 0, "host": arenas}
+        return staging_bound.staging_bytes(
+            self.num_rounds,
+            r.send_arena.get(rank, 0),
+            r.recv_arena.get(rank, 0),
+            transport=transport,
+            host_ring_bytes=host_ring_bytes,
+        )
 
     @property
     def num_storage_pairs(self) -> int:
