@@ -565,24 +565,28 @@ int sm_count(int device) {
   return cache[device];
 }
 
-/* Blocks of kThreads that fit on one multiprocessor, per kernel (read once; benign race). */
-int resident_blocks(kernel_fn fn, size_t smem) {
-  static kernel_fn fns[16];
-  static int counts[16];
-  for (int i = 0; i < 16; ++i) {
-    if (fns[i] == fn) return counts[i];
+/* Blocks of kThreads that fit on one multiprocessor, per kernel and device (read once; benign
+ * race). Shared memory beyond the default 48 KiB is opted into here, once per kernel and
+ * device (a function attribute is per device). */
+int resident_blocks(kernel_fn fn, int device, size_t smem) {
+  static kernel_fn fns[64];
+  static int devices[64], counts[64];
+  for (int i = 0; i < 64; ++i) {
+    if (fns[i] == fn && devices[i] == device) return counts[i];
   }
   int c = 0;
-  if (smem > 48 * 1024)
-    cudaFuncSetAttribute(reinterpret_cast<const void *>(fn),
-                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(reinterpret_cast<const void *>(fn),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+    return -1;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, fn, kThreads, smem) != cudaSuccess ||
       c < 1) {
     cudaGetLastError();
     c = 2;
   }
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 64; ++i) {
     if (fns[i] == nullptr) {
+      devices[i] = device;
       counts[i] = c;
       fns[i] = fn;
       break;
@@ -619,7 +623,12 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
   /* One resident wave: each warp then walks a contiguous range of tiles. */
-  const int64_t cap = (int64_t)sm_count(device) * resident_blocks(fn, smem);
+  const int resident = resident_blocks(fn, device, smem);
+  if (resident < 0) {
+    const cudaError_t e = cudaGetLastError();
+    return rs_cuda_fail(err, "copy_runs (CUDA): cudaFuncSetAttribute (shared memory)", e);
+  }
+  const int64_t cap = (int64_t)sm_count(device) * resident;
   if (blocks > cap) blocks = cap;
   if (blocks < 1) blocks = 1;
 
