@@ -1,19 +1,16 @@
-"""GPU benchmarks of reshard's CUDA half, each against baselines measured in the same run.
+"""`gpu_bench.py --mode single`: reshard's CUDA half on one GPU, each against baselines
+measured in the same run.
 
-    python benchmarks/gpu_bench.py --out DIR [--quick] [--skip-model]
-
-Writes DIR/gpu_bench.json, DIR/gpu_bench.md and DIR/gpu_bench.png, and prints a summary.
 Sections: ceilings (device copy, pinned/pageable PCIe, host copy), copy_runs on the device,
-stage_h2d/stage_d2h, and a single-process sync of the CPU-offloaded optimizer state of a
-1.5B-parameter model (fp32 master + Adam moments, 18 GB) into GPU targets. Bandwidths count
-bytes read + bytes written for device-to-device and host copies, and bytes moved for PCIe.
-Device timings: CUDA events, warm-up, median of repeats; host-synchronous paths: wall clock
-around a synchronize.
+stage_h2d/stage_d2h, the ring-size sweep, and a single-process sync of the CPU-offloaded
+optimizer state of a 1.5B-parameter model (fp32 master + Adam moments, 18 GB) into GPU
+targets. Bandwidths count bytes read + bytes written for device-to-device and host copies, and
+bytes moved for PCIe. Device timings: CUDA events, warm-up, median of repeats;
+host-synchronous paths: wall clock around a synchronize. Writes DIR/gpu_bench.{json,md,png}.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,7 +27,8 @@ import _common as C  # noqa: E402
 import reshard._ops as ops  # noqa: E402
 
 DEV = "cuda"
-GB = 1e9
+GB = C.GB
+SECTIONS = ("copy_runs", "staging", "ring", "model")
 RESULTS: dict = {
     "env": {},
     "ceilings": {},
@@ -174,57 +172,48 @@ def bench_copy_runs(quick):
 
 def bench_staging(quick):
     rng = np.random.default_rng(1)
-    c = RESULTS["ceilings"]
     total = (1 << 30) if not quick else (256 << 20)
     ring = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
-    host_floor = min(c["pinned_h2d_GBps"], c["host_copy_GBps"] / 2)
     for run_bytes in (4 << 20, 64 << 10, 4 << 10):
-        run_elems = run_bytes // 4
-        n_runs = total // run_bytes
-        d = gather_table(n_runs, run_elems, (5 * total // 4) // 4, rng)
-        desc = torch.from_numpy(d)
-        host_pageable = fill_random(torch.empty(5 * total // 16))
-        host_pinned = fill_random(torch.empty(5 * total // 16, pin_memory=True))
-        dev = torch.empty(n_runs * run_elems, device=DEV)
-        dev_bf16 = torch.empty(n_runs * run_elems, dtype=torch.bfloat16, device=DEV)
-        for name, host, dst, floor in [
-            ("h2d pinned", host_pinned, dev, c["pinned_h2d_GBps"]),
-            ("h2d pageable", host_pageable, dev, host_floor),
-            ("h2d pageable->bf16", host_pageable, dev_bf16, host_floor),
-        ]:
-            s = time_wall(lambda h=host, t=dst, d=desc: ops.stage_h2d(h, d, ring, t), reps=3)
-            st = ops.stage_h2d(host, desc, ring, dst)  # what each timed call did
-            moved = dst.numel() * 4  # source bytes delivered
-            row = {
-                "case": name,
-                "run_bytes": run_bytes,
-                "GBps": moved / s / GB,
-                "ratio_floor": moved / s / GB / floor,
-                "floor_GBps": floor,
-                "direct_copies": st.direct_copies,
-                "chunks": st.chunks,
-            }
-            record("staging", row)
-        # D2H: device runs back into host buffers (the reverse table)
-        rev = torch.from_numpy(d[:, [2, 3, 0, 1, 4, 5]].copy())
-        for name, host, floor in [
-            ("d2h pinned", host_pinned, c["pinned_d2h_GBps"]),
-            ("d2h pageable", host_pageable, min(c["pinned_d2h_GBps"], c["host_copy_GBps"] / 2)),
-        ]:
-            s = time_wall(lambda h=host, v=dev, d=rev: ops.stage_d2h(v, d, ring, h), reps=3)
-            st = ops.stage_d2h(dev, rev, ring, host)  # what each timed call did
-            moved = dev.nbytes
-            row = {
-                "case": name,
-                "run_bytes": run_bytes,
-                "GBps": moved / s / GB,
-                "ratio_floor": moved / s / GB / floor,
-                "floor_GBps": floor,
-                "direct_copies": st.direct_copies,
-                "chunks": st.chunks,
-            }
-            record("staging", row)
-        del host_pageable, host_pinned, dev, dev_bf16
+        _staging_runs(run_bytes, total, ring, rng)
+
+
+def _staging_runs(run_bytes, total, ring, rng):
+    """`total` bytes in runs of `run_bytes` from pinned and pageable host memory to the device
+    (fp32, and fp32 -> bf16) and back, each against its floor from the ceilings."""
+    c = RESULTS["ceilings"]
+    host_floor = min(c["pinned_h2d_GBps"], c["host_copy_GBps"] / 2)
+    d2h_floor = min(c["pinned_d2h_GBps"], c["host_copy_GBps"] / 2)
+    run_elems = run_bytes // 4
+    n_runs = total // run_bytes
+    d = gather_table(n_runs, run_elems, (5 * total // 4) // 4, rng)
+    desc = torch.from_numpy(d)
+    rev = torch.from_numpy(d[:, [2, 3, 0, 1, 4, 5]].copy())  # D2H: the reverse table
+    pageable = fill_random(torch.empty(5 * total // 16))
+    pinned = fill_random(torch.empty(5 * total // 16, pin_memory=True))
+    dev = torch.empty(n_runs * run_elems, device=DEV)
+    dev_bf16 = torch.empty(n_runs * run_elems, dtype=torch.bfloat16, device=DEV)
+    cases = [  # (case, one call, its floor)
+        ("h2d pinned", lambda: ops.stage_h2d(pinned, desc, ring, dev), c["pinned_h2d_GBps"]),
+        ("h2d pageable", lambda: ops.stage_h2d(pageable, desc, ring, dev), host_floor),
+        ("h2d pageable->bf16", lambda: ops.stage_h2d(pageable, desc, ring, dev_bf16), host_floor),
+        ("d2h pinned", lambda: ops.stage_d2h(dev, rev, ring, pinned), c["pinned_d2h_GBps"]),
+        ("d2h pageable", lambda: ops.stage_d2h(dev, rev, ring, pageable), d2h_floor),
+    ]
+    moved = n_runs * run_elems * 4  # fp32 source bytes delivered
+    for name, call, floor in cases:
+        s = time_wall(call, reps=3)
+        st = call()  # what each timed call did
+        row = {
+            "case": name,
+            "run_bytes": run_bytes,
+            "GBps": moved / s / GB,
+            "ratio_floor": moved / s / GB / floor,
+            "floor_GBps": floor,
+            "direct_copies": st.direct_copies,
+            "chunks": st.chunks,
+        }
+        record("staging", row)
 
 
 def bench_ring(quick):
@@ -293,20 +282,26 @@ def model_shapes(layers=28, hidden=2048, vocab=50257):
     return shapes
 
 
-def bench_model_sync(quick):
-    """CPU-offloaded fp32 master + exp_avg + exp_avg_sq (DeepSpeed keeps each as one flat CPU
-    buffer) into per-parameter GPU targets laid out in another order (one flat GPU buffer per
-    state, parameters permuted), fp32 and bf16."""
-    r = RESULTS["model_sync"]
-    shapes = model_shapes(layers=28 if not quick else 4)
-    numels = [int(np.prod(s)) for s in shapes]
-    n = sum(numels)
+def _model_table(quick):
+    """The 1.5B model's parameters as runs: (numels, source offsets (flat, in order), target
+    offsets (flat, parameters permuted), the copy_runs table between them)."""
+    numels = [int(np.prod(s)) for s in model_shapes(layers=28 if not quick else 4)]
     offs = np.concatenate([[0], np.cumsum(numels)[:-1]])
     perm = np.random.default_rng(2).permutation(len(numels))
     dst_offs = np.zeros(len(numels), np.int64)
     dst_offs[perm] = np.concatenate([[0], np.cumsum(np.array(numels)[perm])[:-1]])
     z = np.zeros(len(numels), np.int64)
     desc = torch.from_numpy(np.stack([offs, z, dst_offs, z, numels, np.ones_like(z)], 1))
+    return numels, offs, dst_offs, desc
+
+
+def bench_model_sync(quick):
+    """CPU-offloaded fp32 master + exp_avg + exp_avg_sq (DeepSpeed keeps each as one flat CPU
+    buffer) into per-parameter GPU targets laid out in another order (one flat GPU buffer per
+    state, parameters permuted), fp32 and bf16."""
+    r = RESULTS["model_sync"]
+    numels, offs, dst_offs, desc = _model_table(quick)
+    n = sum(numels)
     r.update(params=n, tensors=len(numels), states=3, bytes_fp32=3 * n * 4)
     log(f"model sync: {n / 1e9:.2f}B params, {len(numels)} tensors, {3 * n * 4 / GB:.1f} GB")
 
@@ -344,13 +339,26 @@ def bench_model_sync(quick):
     )
     r["check_fp32_ok"] = bool(ok)
     log("model sync (pageable)", json.dumps({k: v for k, v in r.items() if k.endswith("_s")}))
+    _model_sync_registered(r, cpu, lambda: per_tensor(True), ours, gpu, gpu_bf16, reps)
+    by = 3 * n * 4
+    r["speedup_pageable_vs_per_tensor"] = r["per_tensor_pageable_s"] / r["ours_pageable_s"]
+    r["registered_vs_pcie_floor"] = r["ours_registered_s"] / r["per_tensor_pinned_s"]
+    r["speedup_bf16_vs_copy_then_cast"] = r["copy_then_cast_s"] / r["ours_pageable_bf16_s"]
+    r["ours_pageable_GBps"] = by / r["ours_pageable_s"] / GB
+    r["ours_registered_GBps"] = by / r["ours_registered_s"] / GB
+    r["per_tensor_pageable_GBps"] = by / r["per_tensor_pageable_s"] / GB
+    log("model sync", _rounded(r))
 
+
+def _model_sync_registered(r, cpu, per_tensor_pinned, ours, gpu, gpu_bf16, reps):
+    """The same syncs with the CPU buffers page-locked in place (host_register), against
+    per-tensor pinned copies (the PCIe floor); unregistered afterwards, also on failure."""
     t = time.perf_counter()
     regs = [torch.ops.reshard.host_register(c) for c in cpu]
     r["register_s"] = time.perf_counter() - t
     r["registered"] = regs
     try:
-        r["per_tensor_pinned_s"] = time_wall(lambda: per_tensor(True), reps=reps)  # PCIe floor
+        r["per_tensor_pinned_s"] = time_wall(per_tensor_pinned, reps=reps)
         r["ours_registered_s"] = time_wall(lambda: ours(gpu), reps=reps)
         r["ours_registered_direct_copies"] = ours(gpu)[-1].direct_copies
         r["ours_registered_bf16_s"] = time_wall(lambda: ours(gpu_bf16), reps=reps)
@@ -360,14 +368,6 @@ def bench_model_sync(quick):
             if reg:
                 torch.ops.reshard.host_unregister(c)
         r["unregister_s"] = time.perf_counter() - t
-    by = 3 * n * 4
-    r["speedup_pageable_vs_per_tensor"] = r["per_tensor_pageable_s"] / r["ours_pageable_s"]
-    r["registered_vs_pcie_floor"] = r["ours_registered_s"] / r["per_tensor_pinned_s"]
-    r["speedup_bf16_vs_copy_then_cast"] = r["copy_then_cast_s"] / r["ours_pageable_bf16_s"]
-    r["ours_pageable_GBps"] = by / r["ours_pageable_s"] / GB
-    r["ours_registered_GBps"] = by / r["ours_registered_s"] / GB
-    r["per_tensor_pageable_GBps"] = by / r["per_tensor_pageable_s"] / GB
-    log("model sync", _rounded(r))
 
 
 # ------------------------------------------------------------------------------- output
@@ -390,7 +390,22 @@ def markdown(res):
         "| --- | --- |",
     ]
     lines += [f"| {k} | {v:.1f} |" for k, v in c.items() if k.endswith("GBps")]
-    lines += [
+    lines += _md_copy_runs(res) + _md_staging(res) + _md_ring(res)
+    m = res["model_sync"]
+    if m:
+        lines += [
+            "",
+            "## 1.5B-parameter offloaded optimizer state -> GPU (single process)",
+            "",
+            "```",
+            json.dumps(m, indent=1),
+            "```",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _md_copy_runs(res) -> list:
+    lines = [
         "",
         "## copy_runs (CUDA), gather into a dense buffer",
         "",
@@ -414,45 +429,42 @@ def markdown(res):
                 f"{v['first_call_s'] * 1e3:.1f} ms, cached {v['cached_call_s'] * 1e3:.2f} ms"
             ),
         ]
-    lines += [
+    return lines
+
+
+def _md_staging(res) -> list:
+    lines = [
         "",
         "## stage_h2d / stage_d2h (ring 64 MiB)",
         "",
         "| case | run bytes | GB/s | floor GB/s | / floor | direct copies | chunks |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [
+    return lines + [
         f"| {x['case']} | {x['run_bytes']} | {x['GBps']:.1f} | {x['floor_GBps']:.1f} | "
         f"{x['ratio_floor']:.2f} | {x['direct_copies']} | {x['chunks']} |"
         for x in res["staging"]
     ]
-    if res["ring"]:
-        lines += [
-            "",
-            "## ring size sweep: 1 GiB in 4 MiB runs from/to pageable host memory",
-            "",
-            "wire GB/s = bytes crossing PCIe per second (bf16: half the fp32 source); "
-            "/ PCIe = that over the pinned copy ceiling of the same run.",
-            "",
-            "| case | ring MiB | slots | wire GB/s | / PCIe |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        lines += [
-            f"| {x['case']} | {x['ring_MiB']} | {x['slots']} | {x['wire_GBps']:.1f} | "
-            f"{x['of_pcie']:.2f} |"
-            for x in res["ring"]
-        ]
-    m = res["model_sync"]
-    if m:
-        lines += [
-            "",
-            "## 1.5B-parameter offloaded optimizer state -> GPU (single process)",
-            "",
-            "```",
-            json.dumps(m, indent=1),
-            "```",
-        ]
-    return "\n".join(lines) + "\n"
+
+
+def _md_ring(res) -> list:
+    if not res["ring"]:
+        return []
+    lines = [
+        "",
+        "## ring size sweep: 1 GiB in 4 MiB runs from/to pageable host memory",
+        "",
+        "wire GB/s = bytes crossing PCIe per second (bf16: half the fp32 source); "
+        "/ PCIe = that over the pinned copy ceiling of the same run.",
+        "",
+        "| case | ring MiB | slots | wire GB/s | / PCIe |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    return lines + [
+        f"| {x['case']} | {x['ring_MiB']} | {x['slots']} | {x['wire_GBps']:.1f} | "
+        f"{x['of_pcie']:.2f} |"
+        for x in res["ring"]
+    ]
 
 
 def plot(stem, res):
@@ -504,21 +516,12 @@ def plot(stem, res):
     plt.close(fig)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/h200"))
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skip-model", action="store_true")
-    ap.add_argument(
-        "--only", default=None, help="comma list of sections: copy_runs,staging,ring,model"
-    )
-    ap.add_argument("--from-json", default=None, help="re-render PATH's .md and .png only")
-    args = ap.parse_args()
-    if args.from_json:
-        with open(args.from_json) as f:
-            C.write_results(args.from_json, json.load(f), markdown, plot)
-        return
-    assert torch.cuda.is_available(), "needs a CUDA device"
+def run(args) -> int:
+    """The sections `args.only` names (default: all; --skip-model drops the model sync), after
+    the ceilings; the results are rewritten after each, so a timeout keeps the finished ones."""
+    if not torch.cuda.is_available():
+        print("--mode single needs a CUDA device", file=sys.stderr)
+        return 2
     p = torch.cuda.get_device_properties(0)
     RESULTS["env"] = C.environment("cuda") | {"gpu": p.name, "sms": p.multi_processor_count}
     log("env", json.dumps(RESULTS["env"]))
@@ -528,16 +531,8 @@ def main():
         "ring": bench_ring,
         "model": bench_model_sync,
     }
-    names = (
-        args.only.split(",")
-        if args.only
-        else [n for n in sections if not (n == "model" and args.skip_model)]
-    )
-    unknown = set(names) - set(sections)
-    if unknown:
-        ap.error(f"--only: unknown sections {sorted(unknown)}; choose from {sorted(sections)}")
-    steps = [ceilings] + [sections[n] for n in names]
-    for step in steps:
+    names = args.only or [n for n in SECTIONS if not (n == "model" and args.skip_model)]
+    for step in [ceilings] + [sections[n] for n in names]:
         t = time.perf_counter()
         try:
             step(args.quick)
@@ -547,7 +542,4 @@ def main():
         log(f"[{step.__name__}: {time.perf_counter() - t:.1f} s]")
         torch.cuda.empty_cache()
         write_outputs(args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
