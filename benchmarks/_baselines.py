@@ -12,12 +12,26 @@ puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
   rebuilds the tensor and broadcasts it (skipped when only rank 0 needs it); every rank slices.
 - full_gather (world > 1): per tensor, all-gather of the chunks on every rank, then slice.
 - to_device (one process): per tensor `target.copy_(source.to(target.device))`.
-- whole_gather (rollout_stream): every tensor all-gathered on every rank and kept, then
-  the hand-off (the whole-model gather).
 - stream_then_shard (rollout_tp): an rs.Stream of full tensors to every rank that
   holds a target, each then taking its part (an engine's load_weights on full tensors).
-For a case with `stream` set (rollout_stream) the reshard method is an rs.Stream whose tensors
-are handed to the targets as they arrive.
+For a case with `stream` set (rollout_stream, stream_offload) the reshard method is an rs.Stream
+whose tensors are handed to the targets as they arrive, and the baselines carry names that say
+exactly what they do (the same code as above where it is the same thing):
+- per_param_allgather (rollout_stream): `full_gather` then the receiver's hand-off: per
+  parameter, `deepspeed.zero.GatheredParameters([p])`'s all-gather on every rank, then the
+  receiver hands the full tensor to the engine (TRL / OpenRLHF with ZeRO-3).
+- per_param_gather_to_receiver (rollout_stream): `gather_broadcast`: per parameter, the chunks
+  gathered to the receiver only, then the hand-off (less traffic than GatheredParameters).
+- whole_model_allgather (rollout_stream): every tensor all-gathered on every rank and kept
+  (the whole-model gather), then the hand-off.
+- per_tensor_to_device (stream_offload, one process): per tensor `master.to(device, dtype)` of
+  the CPU fp32 master, then the hand-off.
+- reshard_transfer (stream_offload): one rs.Transfer straight into the engine's weights (no
+  stream, no full tensors by name): the executor's own path on the same bytes.
+- reshard_registered (stream_offload): the stream with `register_host_sources=True`.
+- stream_before (rollout_stream, stream_offload; sync_latency.py --stream-before PATH): the
+  same stream built by `Stream` from another revision's stream.py (ctx["stream_before"]), for a
+  before/after comparison in one run.
 - full_tensor (FSDP2 scenarios): per tensor `DTensor.full_tensor()` on every rank, then slice
   (what FSDP2 weight syncs do today); with one rank the local tensor is the whole one.
 - dcp (fsdp_resize): torch.distributed.checkpoint save of the source DTensors to a temporary
@@ -31,7 +45,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _scenarios import STREAM_BUCKET_BYTES
+from _scenarios import TP_STREAM_BUCKET_BYTES
 
 import reshard as rs
 
@@ -78,7 +92,15 @@ class _Acct:
 
 def m_reshard(case, ctx, register=False):
     if case.stream is not None:
-        return _m_stream(case, ctx, **case.stream)
+        return _m_stream(case, ctx, register=register, **case.stream)
+    return _m_transfer(case, ctx, register)
+
+
+def m_reshard_transfer(case, ctx):
+    return _m_transfer(case, ctx, False)
+
+
+def _m_transfer(case, ctx, register):
     t0 = time.perf_counter()
     sync = rs.Transfer(
         case.src_layout,
@@ -96,28 +118,43 @@ def m_reshard(case, ctx, register=False):
 
     def info():
         r = last["r"]
-        return _report_info(r) | {
-            "budget_bytes_per_peer": sync.plan.budget_bytes_per_peer,
-            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
-                "registered_bytes", 0
-            ),
-        }
+        return _report_info(r) | {"budget_bytes_per_peer": sync.plan.budget_bytes_per_peer}
 
     step.close = sync.close
     return step, info
 
 
-def _m_stream(case, ctx, receivers, bucket_bytes):
+def m_stream_before(case, ctx):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("reshard.stream_before", ctx["stream_before"])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # relative imports resolve in the reshard package
+    return _m_stream(case, ctx, cls=module.Stream, **case.stream)
+
+
+def _m_stream(
+    case,
+    ctx,
+    receivers,
+    bucket_bytes,
+    staging_bytes_per_rank=None,
+    register=False,
+    cls=rs.Stream,
+):
     """An rs.Stream of full tensors to `receivers`, each tensor handed to the 'engine' as it
     arrives (case.write: a receiver copies its part of the tensor into its weights)."""
     t0 = time.perf_counter()
-    stream = rs.Stream(
+    extra = {"register_host_sources": True} if register else {}
+    stream = cls(
         case.src_layout,
         receivers,
         bucket_bytes,
         dtype=case.dst.dtype,
         group=None if ctx["world"] == 1 else dist.group.WORLD,
         device=case.dst_device,
+        staging_bytes_per_rank=staging_bytes_per_rank,
+        **extra,
     )
     ctx["plan_s"] = time.perf_counter() - t0
     last = {}
@@ -128,8 +165,14 @@ def _m_stream(case, ctx, receivers, bucket_bytes):
         last["r"] = stream.report
 
     def info():
-        return _report_info(last["r"]) | {"buckets": last["r"].buckets}
+        r = last["r"]
+        return _report_info(r) | {
+            "buckets": r.buckets,
+            "wait_seconds": getattr(r, "wait_seconds", 0.0),
+        }
 
+    if hasattr(stream, "close"):
+        step.close = stream.close
     return step, info
 
 
@@ -145,6 +188,9 @@ def _report_info(r) -> dict:
         "rounds": r.rounds,
         "zero_copy_bytes": r.zero_copy_bytes,
         "seconds": r.seconds,
+        "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
+            "registered_bytes", 0
+        ),
     }
 
 
@@ -152,10 +198,10 @@ def m_stream_then_shard(case, ctx):
     """Full tensors to every rank that holds a target (rs.Stream), each rank then taking its
     part (what an engine's load_weights does with full tensors on every TP rank)."""
     receivers = sorted({r for ranks in case.target_ranks.values() for r in ranks})
-    return _m_stream(case, ctx, receivers, STREAM_BUCKET_BYTES)
+    return _m_stream(case, ctx, receivers, TP_STREAM_BUCKET_BYTES)
 
 
-def m_whole_gather(case, ctx):
+def m_whole_model_allgather(case, ctx):
     """The whole model first (every tensor all-gathered on every rank and kept), then the
     hand-off: what a trainer that gathers all ZeRO-3 params at once does."""
     acct = _Acct()
@@ -282,6 +328,27 @@ def m_to_device(case, ctx):
     return step, info
 
 
+def m_per_tensor_to_device(case, ctx):
+    """Per tensor: the CPU fp32 master `.to(device, dtype)`, then the hand-off (case.write)."""
+    acct = _Acct()
+
+    def step(bufs):
+        acct.reset()
+        for t in case.names:
+            numel = math.prod(case.shapes[t])
+            master = case.chunk_view(t)[1][:numel].view(case.shapes[t])
+            full = acct.alloc(master.to(case.dst_device, case.dst.dtype))
+            acct.recv += full.numel() * full.element_size()
+            case.write(t, full, bufs)
+            acct.free(full)
+            full = None  # freed before the next tensor's copy is allocated
+
+    def info():
+        return {"accounted_extra_bytes": acct.peak, "pinned_bytes": 0, "recv_bytes": acct.recv}
+
+    return step, info
+
+
 def m_full_tensor(case, ctx):
     acct = _Acct()
 
@@ -353,10 +420,15 @@ METHODS = {
     "gather_broadcast": m_gather_broadcast,
     "full_gather": m_full_gather,
     "to_device": m_to_device,
-    "whole_gather": m_whole_gather,
     "stream_then_shard": m_stream_then_shard,
     "full_tensor": m_full_tensor,
     "dcp": m_dcp,
+    "per_param_allgather": m_full_gather,
+    "per_param_gather_to_receiver": m_gather_broadcast,
+    "whole_model_allgather": m_whole_model_allgather,
+    "per_tensor_to_device": m_per_tensor_to_device,
+    "reshard_transfer": m_reshard_transfer,
+    "stream_before": m_stream_before,
 }
 
 
@@ -368,11 +440,17 @@ def methods_for(world, device, scenario=None):
     if scenario == "fsdp_resize":
         return ["reshard", "full_tensor", "dcp"]
     if scenario == "rollout_stream":
-        return ["reshard", "full_gather", "gather_broadcast", "whole_gather"]
+        return [
+            "reshard",
+            "per_param_allgather",
+            "per_param_gather_to_receiver",
+            "whole_model_allgather",
+        ]
     if scenario == "rollout_tp":
         return ["reshard", "stream_then_shard", "full_gather"]
     if scenario == "stream_offload":
-        return ["reshard"]
+        registered = ["reshard_registered"] if device == "cuda" else []
+        return ["reshard", *registered, "reshard_transfer", "per_tensor_to_device"]
     if world > 1:
         return ["reshard", "gather_broadcast", "full_gather"]
     out = ["reshard"]

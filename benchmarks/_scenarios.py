@@ -257,36 +257,47 @@ def lora_sync(model, rank, world, device="cpu"):
 def rollout_stream(model, rank, world, device="cpu"):
     """Full tensors by name to one receiver (an inference engine's `load_weights`): ZeRO-3 bf16
     shards -> every tensor whole on rank 0, where the 'engine weights' are one replica. The
-    reshard method is an `rs.Stream` (bucket_bytes = STREAM_BUCKET_BYTES) whose tensors are
-    copied into the engine weights as they arrive."""
+    reshard method is an `rs.Stream` (STREAM_BUCKET_BYTES buckets, STREAM_STAGING_BYTES of
+    staging per rank) whose tensors are copied into the engine weights as they arrive."""
     shapes = sc.named_shapes(model)
     src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
     dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
     desc = (
         f"ZeRO-3 bf16 param shards (DP={world}) -> full tensors by name on rank 0 (an engine's "
-        f"load_weights), stream buckets of {STREAM_BUCKET_BYTES >> 20} MiB"
+        f"load_weights), stream buckets of {STREAM_BUCKET_BYTES >> 20} MiB, staging "
+        f"{STREAM_STAGING_BYTES >> 20} MiB per rank"
     )
     case = Case("rollout_stream", model, rank, world, src, dst, desc, (device, device))
-    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    case.stream = {
+        "receivers": [0],
+        "bucket_bytes": STREAM_BUCKET_BYTES,
+        "staging_bytes_per_rank": STREAM_STAGING_BYTES,
+    }
     return case
 
 
-STREAM_BUCKET_BYTES = 8 << 20
+# The stream's buffer is max(largest bucket, 2 x bucket_bytes): from 124M parameters on, the
+# 50k-row embedding (74 MiB at 124M) is more than two 32 MiB buckets, so the buffer is that
+# tensor, the floor of any by-name path. A 2 MiB staging cap keeps the arenas small.
+STREAM_BUCKET_BYTES = 32 << 20
+STREAM_STAGING_BYTES = 2 << 20
+# GPU receivers: device memory is plentiful; larger buckets mean fewer per-bucket preflights.
+STREAM_GPU_BUCKET_BYTES = 64 << 20
 
 
 def stream_offload(model, rank, world, device="cpu"):
     """One process (--world 1 --device cuda): CPU-offloaded fp32 masters (a ZeRO-3 flat
     partition in host memory) streamed as bf16 into GPU tensors by name (rs.Stream with
-    STREAM_BUCKET_BYTES buckets on the GPU, each tensor copied into the 'engine' weights)."""
+    STREAM_GPU_BUCKET_BYTES buckets on the GPU, each tensor copied into the 'engine' weights)."""
     shapes = sc.named_shapes(model)
     src = sc.Zero3(shapes, range(world), torch.float32, loc0=0)
     dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
     desc = (
         "CPU-offloaded fp32 masters -> bf16 full tensors by name on "
-        f"{device} (rs.Stream, {STREAM_BUCKET_BYTES >> 20} MiB buckets)"
+        f"{device} (rs.Stream, {STREAM_GPU_BUCKET_BYTES >> 20} MiB buckets)"
     )
     case = Case("stream_offload", model, rank, world, src, dst, desc, ("cpu", device))
-    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_GPU_BUCKET_BYTES}
     return case
 
 
@@ -356,6 +367,9 @@ class VllmTP(sc.Side):
                     for v, shape in self.tgt.shapes.items()
                 }
                 self.tgt.load(name, full, r, params)
+
+
+TP_STREAM_BUCKET_BYTES = 8 << 20  # rollout_tp's stream_then_shard baseline
 
 
 def rollout_tp(model, rank, world, device="cpu"):

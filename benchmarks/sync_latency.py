@@ -300,6 +300,8 @@ def measure_method(case, method, ctx, timed=True):
 def _case_methods(cfg, world, scenario):
     """The run's methods that apply to `scenario`."""
     applies = B.methods_for(world, cfg["device"], scenario)
+    if cfg.get("stream_before") and scenario in ("rollout_stream", "stream_offload"):
+        applies = [applies[0], "stream_before", *applies[1:]]
     return [m for m in cfg["methods"] if m in applies]
 
 
@@ -314,6 +316,7 @@ def run_cases(rank, world, cfg, sink):
         "iters": cfg["iters"],
         "warmup": cfg["warmup"],
         "sampler": RssSampler(),
+        "stream_before": cfg.get("stream_before"),
     }
     out = {"rank": rank, "links": link_bandwidth(rank, world, cuda), "cases": []}
     # One-time process costs (loading the extension, lazy imports, first use of each
@@ -926,6 +929,12 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget", type=float, default=0, help="seconds; skip later cases")
     ap.add_argument("--quick", action="store_true", help=f"models {', '.join(QUICK_MODELS)}")
     ap.add_argument("--methods", default=None, help="comma list (default: all that apply)")
+    ap.add_argument(
+        "--stream-before",
+        default=None,
+        help="a stream.py of another revision (git show REV:python/reshard/stream.py > PATH): "
+        "adds its Stream as method stream_before to rollout_stream / stream_offload",
+    )
     ap.add_argument("--json", default=None, help="write PATH (+ .md, _latency/_memory.png)")
     ap.add_argument("--from-json", default=None, help="re-render PATH's .md and plots only")
     ap.add_argument(
@@ -973,6 +982,8 @@ def main(argv=None) -> int:
     methods = []  # every method of some scenario, in order; each case runs its own
     for s in scenarios:
         methods += [m for m in B.methods_for(args.world, args.device, s) if m not in methods]
+    if args.stream_before:
+        methods.insert(1, "stream_before")
     if args.methods:
         for m in args.methods.split(","):
             if m not in methods:
@@ -987,6 +998,7 @@ def main(argv=None) -> int:
         "warmup": max(1, args.warmup),
         "budget": int(budget_mib * MiB) if budget_mib else None,  # None: B.cpu_budget(case)
         "time_budget": args.time_budget,
+        "stream_before": args.stream_before,
         # On the shared CPU box the timed syncs go round-robin over the methods. In one
         # process on a GPU they stay per method: reshard_registered page-locks the very
         # sources the others read, which would change what they measure.

@@ -20,9 +20,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: every failure before the first write (argument types and the timeout
-included) is a collective `PreflightError` with nothing written; the agreement is followed by
-a commit step, so a rank whose peers gave up on it never writes (docs/executor.md states the
-one window left). Any failure after the commit is a `TransferError`: targets may be partially
+included) is a collective `PreflightError` with nothing written; when the ranks reached the
+agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
+(docs/executor.md states the windows left). Any failure after the commit is a `TransferError`: targets may be partially
 written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
 never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """
@@ -83,8 +83,9 @@ class _Engine:
     the context `preflight.run` checks: `prepare()` builds the schedule inside the collective
     step, `allocate()` lays out the rounds and allocates the staging."""
 
-    def __init__(self, plan, group, rank, world_size, transport):
+    def __init__(self, plan, group, rank, world_size, transport, make_staging=None):
         self.plan, self.group, self.rank = plan, group, rank
+        self.make_staging = make_staging or staging.Staging
         self.world_size, self.transport = world_size, transport
         if transport == "nccl":
             self.arena_device = torch.device("cuda", torch.cuda.current_device())
@@ -93,6 +94,8 @@ class _Engine:
         # the collective preflight's tensors live where the transport wants them
         self.exchange_device = self.arena_device
         self.sched = None  # built by prepare()
+        # preflight: where the last passing call's buffers were, and whether they need the ring
+        self.verified_placement, self.verified_need_ring = None, False
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
@@ -134,7 +137,7 @@ class _Engine:
             dloc for _, dloc in self.local_pairs
         }
         self._written = None
-        self.staging = staging.Staging(self.arena_device, sched.num_rounds)
+        self.staging = self.make_staging(self.arena_device, sched.num_rounds)
         self.sched = sched
         return self.schedule_reasons
 
@@ -320,23 +323,22 @@ def _bump_versions(engine, dst_ok) -> None:
 
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     t_start = time.perf_counter()
-    src_ok, dst_ok, fingerprint, timeout_s = pf.run(
-        engine, src_buffers, dst_buffers, checks, timeout
-    )
+    cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
+    src_ok, dst_ok = cleared.src, cleared.dst
     report = Report(
         rank=engine.rank,
         world_size=engine.world_size,
         transport=engine.transport,
         rounds=engine.num_rounds,
-        fingerprint=str(fingerprint),
+        fingerprint=cleared.fingerprint,
         bytes_sent=dict(engine.bytes_sent),
         bytes_received=dict(engine.bytes_received),
     )
     report.seconds["plan"] = plan_seconds
-    report.seconds["preflight"] = time.perf_counter() - t_start
+    report.seconds.update(cleared.seconds)
     report.staging_bound = engine.bound()
     try:
-        _RoundLoop(engine, src_ok, dst_ok, report.seconds, timeout_s).run()
+        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s).run()
     except Exception as exc:
         _retire(engine)
         raise TransferError(
@@ -479,10 +481,14 @@ class Transfer:
         timeout=DEFAULT_TIMEOUT_S,
         register_host_sources=False,
         register_host_targets=False,
+        staging=None,
     ) -> Transfer:
-        """A Transfer around an existing plan (e.g. one shared by several groups' Transfers)."""
+        """A Transfer around an existing plan (e.g. one shared by several groups' Transfers).
+        staging: a callable `(device, num_rounds) -> reshard.staging.Staging` (default: the
+        class itself), so Transfers that never run at the same time can share arenas."""
         self = cls.__new__(cls)
         self._setup(plan, 0.0, group, timeout, register_host_sources, register_host_targets)
+        self._make_staging = staging
         return self
 
     def _setup(
@@ -498,6 +504,7 @@ class Transfer:
             raise bad_timeout
         self.group, self.timeout = group, timeout
         self._engine = None
+        self._make_staging = None
         self._lock = _CallLock()
 
     @property
@@ -517,7 +524,7 @@ class Transfer:
             self._engine = None  # a failed call's arenas may still be written: start afresh
         if self._engine is None:
             group, rank, world, transport = resolve_group(self.group)
-            self._engine = _Engine(self.plan, group, rank, world, transport)
+            self._engine = _Engine(self.plan, group, rank, world, transport, self._make_staging)
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0

@@ -3,9 +3,17 @@
 Nothing is written unless every rank of the group agrees. Local checks (this rank only):
 ownership and presence of locations, dtype and extent against each `Storage`, 1-D contiguous,
 device vs transport, target writes that alias a source buffer or another target's writes,
-readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint) to one
-small all-gather; only when someone failed (or the fingerprints differ) a second all-gather
-carries the reasons, and every rank raises the same `PreflightError`.
+readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint, the
+time it entered) to one small all-gather; only when someone failed (or the fingerprints differ)
+a second all-gather carries the reasons, and every rank raises the same `PreflightError`; only
+when the ranks entered far apart (a peer may have given up waiting) a commit all-gather follows
+before anything is written.
+
+What cannot change between calls is checked once per Transfer (the schedule against what the
+kernels accept). Every call checks each buffer (ownership, dtype, extent, a live storage,
+device, the in-place rules of the current grad mode) and runs the hooks; the checks that depend
+only on where the buffers are (aliasing, local copy extents, staging) run again only when the
+buffers moved (`placement`).
 
 Buffer sets: `src_buffers` / `dst_buffers` are either a mapping {location: tensor} or an
 object with a `.buffers` mapping and, optionally, a `.check()` method that raises (e.g.
@@ -16,17 +24,22 @@ object with a `.buffers` mapping and, optionally, a `.check()` method that raise
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .errors import PreflightError
+from .layout.intervals import first_overlap, merge
+from .layout.values import as_dtype
 
 SUPPORTED_TRANSPORTS = ("gloo", "nccl", "local")
 
@@ -55,21 +68,14 @@ def as_buffer_set(obj, side: str) -> BufferSet:
     )
 
 
-def torch_dtype(d) -> torch.dtype:
-    """A Storage's dtype as a torch.dtype (accepts torch.dtype, numpy dtype or a name)."""
-    if isinstance(d, torch.dtype):
-        return d
-    name = str(getattr(d, "name", d)).removeprefix("torch.")
-    aliases = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16"}
-    t = getattr(torch, aliases.get(name, name), None)
-    if not isinstance(t, torch.dtype):
-        raise TypeError(f"cannot interpret {d!r} as a torch dtype")
-    return t
-
-
 def fingerprint_words(fp) -> tuple[int, int]:
     """Two int64 words of a fingerprint's hash, so it fits a fixed-size tensor all-gather."""
-    digest = hashlib.sha256(str(fp).encode()).digest()
+    return _hash_words(str(fp))
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_words(text: str) -> tuple[int, int]:
+    digest = hashlib.sha256(text.encode()).digest()
     return (
         int.from_bytes(digest[:8], "little", signed=True),
         int.from_bytes(digest[8:16], "little", signed=True),
@@ -187,7 +193,7 @@ class _ScheduleCheck:
         if s is None or t is None:
             return
         what = f"local copy {lc.src_location} -> {lc.dst_location}"
-        why = copy_support(torch_dtype(s.dtype), torch_dtype(t.dtype))
+        why = copy_support(as_dtype(s.dtype), as_dtype(t.dtype))
         if why:
             self.reasons.append(f"{what}: {why}")
         d = _desc(lc.desc)
@@ -217,7 +223,7 @@ class _ScheduleCheck:
             return None
         wire, n, at = seg.wire_dtype, int(seg.numel), int(seg.byte_offset)
         what = f"{what}, segment {seg.src_location} -> {seg.dst_location}"
-        pair = (torch_dtype(s.dtype), wire) if side == "send" else (wire, torch_dtype(t.dtype))
+        pair = (as_dtype(s.dtype), wire) if side == "send" else (wire, as_dtype(t.dtype))
         why = copy_support(*pair)
         if why:
             self.reasons.append(f"{what}: {why}")
@@ -287,17 +293,6 @@ def _expand_runs(desc: np.ndarray, off_col: int, stride_col: int) -> np.ndarray:
     return np.stack([starts, starts + length[row]], axis=1)
 
 
-def _merge(iv: np.ndarray) -> np.ndarray:
-    if iv.shape[0] <= 1:
-        return iv
-    iv = iv[np.argsort(iv[:, 0], kind="stable")]
-    ends = np.maximum.accumulate(iv[:, 1])
-    new = np.ones(iv.shape[0], bool)
-    new[1:] = iv[1:, 0] > ends[:-1]  # touching intervals merge too
-    idx = np.flatnonzero(new)
-    return np.stack([iv[idx, 0], np.maximum.reduceat(iv[:, 1], idx)], axis=1)
-
-
 def written_elements(sched) -> dict[int, np.ndarray]:
     """Per target location of this rank: merged element intervals the schedule writes."""
     parts: dict[int, list] = {}
@@ -308,21 +303,7 @@ def written_elements(sched) -> dict[int, np.ndarray]:
             for seg in msg.segments:
                 iv = _expand_runs(np.asarray(seg.desc), 2, 3)
                 parts.setdefault(seg.dst_location, []).append(iv)
-    return {loc: _merge(np.concatenate(p)) for loc, p in parts.items()}
-
-
-def _intervals_overlap(a: np.ndarray, b: np.ndarray) -> tuple[int, int] | None:
-    """First overlap [lo, hi) of two merged interval sets, or None."""
-    if a.shape[0] == 0 or b.shape[0] == 0:
-        return None
-    # b is disjoint and sorted, so its ends are sorted too: the last b starting before a's end
-    # is the only b interval that can reach into a.
-    j = np.searchsorted(b[:, 0], a[:, 1], side="left") - 1
-    hit = (j >= 0) & (b[np.maximum(j, 0), 1] > a[:, 0])
-    if not hit.any():
-        return None
-    i = int(np.flatnonzero(hit)[0])
-    return int(max(a[i, 0], b[j[i], 0])), int(min(a[i, 1], b[j[i], 1]))
+    return {loc: merge(np.concatenate(p)) for loc, p in parts.items()}
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -339,16 +320,17 @@ def _storage_shortfall(t: torch.Tensor) -> str | None:
     need = (t.storage_offset() + t.numel()) * t.element_size()
     if need == 0:
         return None
-    have = t.untyped_storage().nbytes()
-    if have == 0 or t.untyped_storage().data_ptr() == 0:
+    storage = t.untyped_storage()
+    have = storage.nbytes()
+    if have == 0 or storage.data_ptr() == 0:
         return f"its storage is freed (0 bytes; it needs {need})"
     if have < need:
         return f"its storage holds {have} bytes, fewer than the {need} its view needs"
     return None
 
 
-def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
-    storages = layout.storages
+def _check_ownership(side, storages, buffers, rank, world_size, reasons) -> None:
+    """The layout fits the group, and every location this rank owns is passed."""
     for loc, st in storages.items():
         if st.rank >= world_size:
             reasons.append(
@@ -357,63 +339,99 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons):
             )
         elif st.rank == rank and loc not in buffers:
             reasons.append(f"{side} location {loc} (owned by rank {rank}) is missing")
+
+
+def _admission(side, st, loc, t, rank) -> str | None:
+    """Why the value passed for `loc` is not a buffer this rank may pass there, else None."""
+    if st is None:
+        return f"{side} location {loc} does not exist in the {side} layout"
+    if st.rank != rank:
+        return f"{side} location {loc} is owned by rank {st.rank}, not {rank}"
+    if t is None:
+        return f"{side} location {loc} has no buffer (None: not ready)"
+    if not isinstance(t, torch.Tensor):
+        return f"{side} location {loc}: expected a torch.Tensor, got {type(t).__name__}"
+    return None
+
+
+def _shape_faults(st, t) -> list[str]:
+    """Tensor `t` against its `Storage`: dtype, 1-D contiguous, extent, a storage behind it."""
+    bad = []
+    want = as_dtype(st.dtype)
+    if t.dtype != want:
+        bad.append(f"dtype {t.dtype}, storage declares {want}")
+    if t.dim() != 1:
+        bad.append(f"must be 1-D, got shape {tuple(t.shape)}")
+    elif not t.is_contiguous():
+        bad.append(f"must be contiguous, got stride {t.stride()}")
+    if t.numel() != st.numel:
+        bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
+    if t.device.type != "meta":
+        short = _storage_shortfall(t)
+        if short:
+            bad.append(short)
+    return bad
+
+
+def _device_faults(t, transport) -> list[str]:
+    """Where `t` lives against what the transport moves."""
+    dev = t.device
+    if transport == "gloo" and dev.type != "cpu":
+        return [f"is on {dev}, but the gloo transport needs CPU buffers"]
+    if transport != "gloo" and dev.type not in ("cpu", "cuda"):
+        return [f"is on {dev}; reshard copies CPU and CUDA buffers only"]
+    if transport == "nccl" and dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        return [f"is on {dev}, not this rank's current device cuda:{torch.cuda.current_device()}"]
+    return []
+
+
+def _write_faults(t) -> list[str]:
+    """Why torch's in-place rules forbid writing target `t` in the current mode (grad mode and
+    inference mode can change from one call to the next)."""
+    bad = []
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        bad.append(
+            "is an inference tensor, which torch lets no in-place write touch outside "
+            "torch.inference_mode() (clone it, or call under inference_mode)"
+        )
+    if t.requires_grad and torch.is_grad_enabled():
+        bad.append(
+            "requires grad: the transfer writes it in place, which autograd does not "
+            "record (write under torch.no_grad(), or pass a .detach()ed view)"
+        )
+    return bad
+
+
+def _check_side(side, layout, buffers, rank, world_size, transport, reasons) -> dict:
+    """The buffers of one side that pass every per-buffer check, as {location: tensor}; the
+    reasons of the others are appended to `reasons`."""
+    storages = layout.storages
+    _check_ownership(side, storages, buffers, rank, world_size, reasons)
     ok = {}
     for loc, t in buffers.items():
         st = storages.get(loc)
-        if st is None:
-            reasons.append(f"{side} location {loc} does not exist in the {side} layout")
+        why = _admission(side, st, loc, t, rank)
+        if why:
+            reasons.append(why)
             continue
-        if st.rank != rank:
-            reasons.append(f"{side} location {loc} is owned by rank {st.rank}, not {rank}")
-            continue
-        if t is None:
-            reasons.append(f"{side} location {loc} has no buffer (None: not ready)")
-            continue
-        if not isinstance(t, torch.Tensor):
-            reasons.append(
-                f"{side} location {loc}: expected a torch.Tensor, got {type(t).__name__}"
-            )
-            continue
-        bad = []
-        want = torch_dtype(st.dtype)
-        if t.dtype != want:
-            bad.append(f"dtype {t.dtype}, storage declares {want}")
-        if t.dim() != 1:
-            bad.append(f"must be 1-D, got shape {tuple(t.shape)}")
-        elif not t.is_contiguous():
-            bad.append(f"must be contiguous, got stride {t.stride()}")
-        if t.numel() != st.numel:
-            bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
-        dev = t.device
-        if dev.type != "meta":
-            short = _storage_shortfall(t)
-            if short:
-                bad.append(short)
-        if side == "target" and t.is_inference() and not torch.is_inference_mode_enabled():
-            bad.append(
-                "is an inference tensor, which torch lets no in-place write touch outside "
-                "torch.inference_mode() (clone it, or call under inference_mode)"
-            )
-        if side == "target" and t.requires_grad and torch.is_grad_enabled():
-            bad.append(
-                "requires grad: the transfer writes it in place, which autograd does not "
-                "record (write under torch.no_grad(), or pass a .detach()ed view)"
-            )
-        if transport == "gloo" and dev.type != "cpu":
-            bad.append(f"is on {dev}, but the gloo transport needs CPU buffers")
-        elif transport != "gloo" and dev.type not in ("cpu", "cuda"):
-            bad.append(f"is on {dev}; reshard copies CPU and CUDA buffers only")
-        elif (
-            transport == "nccl" and dev.type == "cuda" and dev.index != torch.cuda.current_device()
-        ):
-            bad.append(
-                f"is on {dev}, not this rank's current device cuda:{torch.cuda.current_device()}"
-            )
+        bad = _shape_faults(st, t) + _device_faults(t, transport)
+        if side == "target":
+            bad += _write_faults(t)
         if bad:
             reasons.append(f"{side} location {loc}: " + "; ".join(bad))
         else:
             ok[loc] = t
     return ok
+
+
+def placement(src_ok: dict, dst_ok: dict) -> tuple:
+    """Where the validated buffers are: (location, first byte, bytes, device) per buffer. The
+    memory checks (aliasing, local copy extents) and the staging depend on nothing else, so a
+    call whose placement equals the last passing call's skips them."""
+    return tuple(
+        tuple((loc, t.data_ptr(), t.numel() * t.element_size(), t.device) for loc, t in ok.items())
+        for ok in (src_ok, dst_ok)
+    )
 
 
 def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
@@ -430,7 +448,7 @@ def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
             if s.device != d.device:
                 continue
             lo, hi = _extent(s)
-            hit = _intervals_overlap(wb, np.array([[lo, hi]], np.int64))
+            hit = first_overlap(wb, np.array([[lo, hi]], np.int64))
             if hit is not None:
                 reasons.append(
                     f"target location {dloc} aliases source location {sloc}: the transfer would "
@@ -441,7 +459,7 @@ def _check_aliasing(src_ok, dst_ok, sched_written, reasons):
         for b in locs[i + 1 :]:
             if dst_ok[a].device != dst_ok[b].device:
                 continue
-            hit = _intervals_overlap(written_bytes[a], written_bytes[b])
+            hit = first_overlap(written_bytes[a], written_bytes[b])
             if hit is not None:
                 reasons.append(
                     f"target locations {a} and {b} alias: both would write the same bytes "
@@ -474,28 +492,16 @@ def _any_overlap(src_ok, dst_ok) -> bool:
         if len(tg) > 1 and (tg[1:, 0] < np.maximum.accumulate(tg[:-1, 1])).any():
             return True
         sr = [_extent(t) for t in src_ok.values() if t.device == dev]
-        if sr and _intervals_overlap(tg, _merge(np.array(sr, np.int64))) is not None:
+        if sr and first_overlap(tg, merge(np.array(sr, np.int64))) is not None:
             return True
     return False
 
 
-def local_checks(
-    plan,
-    rank: int,
-    world_size: int,
-    transport: str,
-    src: BufferSet,
-    dst: BufferSet,
-    extra_checks: Iterable[Callable[[], None]] = (),
-    written: Callable[[], dict] | None = None,
-    local_pairs: Iterable[tuple[int, int]] = (),
-) -> tuple[list[str], dict, dict]:
-    """This rank's reasons (empty if fine) and the validated {location: tensor} maps.
-
-    written: returns {target location: merged element intervals this rank writes} (cached by
-    the caller; computed from the plan's schedule when omitted). local_pairs: the (source,
-    target) locations this rank copies locally. Staging allocation is the caller's last check
-    (it needs validated buffers)."""
+def buffer_checks(plan, rank, world_size, transport, src, dst, extra_checks=()):
+    """The checks every call makes: (reasons, src_ok, dst_ok) with the validated
+    {location: tensor} maps. Per buffer: ownership, dtype, extent, 1-D contiguous, a live
+    storage, device against the transport, and for targets the in-place rules of the current
+    grad / inference mode; then the readiness hooks."""
     if transport not in SUPPORTED_TRANSPORTS:
         return [f"unsupported transport {transport!r} (gloo, nccl or no process group)"], {}, {}
     reasons: list[str] = []
@@ -506,17 +512,18 @@ def local_checks(
             check()
         except Exception as exc:  # noqa: BLE001 - any hook failure is a reason, not a crash
             reasons.append(f"{type(exc).__name__}: {exc}")
-    if not reasons:
-        check_local_extents(local_pairs, src_ok, dst_ok, reasons)
-    if not reasons and _any_overlap(src_ok, dst_ok):
-        if written is None:
-            sched = plan.schedule(rank)
-
-            def written():
-                return written_elements(sched)
-
-        _check_aliasing(src_ok, dst_ok, written, reasons)
     return reasons, src_ok, dst_ok
+
+
+def memory_checks(src_ok, dst_ok, written, local_pairs) -> list[str]:
+    """Checks that depend only on the buffers' placement: a local copy's source and target
+    share no memory, and no target write touches a source buffer or another target's writes.
+    written: returns {target location: merged element intervals this rank writes}."""
+    reasons: list[str] = []
+    check_local_extents(local_pairs, src_ok, dst_ok, reasons)
+    if not reasons and _any_overlap(src_ok, dst_ok):
+        _check_aliasing(src_ok, dst_ok, written, reasons)
+    return reasons
 
 
 # ---------------------------------------------------------------- the collective
@@ -551,39 +558,67 @@ def _all_gather_bytes(payload: bytes, group, world_size, device, timeout_s) -> l
     return [bytes(g.cpu()[:n].tolist()) for g, n in zip(gathered, sizes, strict=True)]
 
 
+# A rank that reaches the exchange after its peers gave up waiting for it (their waits timed
+# out) completes its all-gather from what they had sent and would go on to write alone. Every
+# rank sends the wall-clock time it entered the exchange; when the entries are spread over
+# this fraction of the timeout or more, a peer may have given up, and a commit all-gather
+# follows before anyone writes: a rank writes only after it received every rank's commit.
+# Entries closer together than that mean every rank's contribution was on its way long before
+# any wait could expire, so the commit would only repeat the agreement. Every rank decides
+# from the same gathered rows, so they all take the same branch. Assumes the ranks' clocks
+# agree to well within the fraction of the timeout (NTP keeps hosts within milliseconds).
+COMMIT_SPREAD = 0.25
+
+
+def _arrivals_spread_out(entered_us: list[int], timeout_s: float) -> bool:
+    return max(entered_us) - min(entered_us) >= COMMIT_SPREAD * timeout_s * 1e6
+
+
+def _commit(group, rank, world_size, device, timeout_s) -> None:
+    try:
+        _all_gather_rows([1], group, world_size, device, timeout_s)
+    except Exception as exc:
+        raise PreflightError(
+            f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
+            "nothing was written on this rank. A peer that received every commit "
+            "before this rank gave up has begun writing and fails with TransferError",
+            {rank: [f"commit: {exc}"]},
+        ) from exc
+
+
 def agree(
     reasons: list[str], fingerprint, group, rank: int, world_size: int, device, timeout_s=None
 ) -> None:
-    """One all-gather of (ok, fingerprint); raise the same PreflightError on every rank if any
-    rank failed or the fingerprints differ. On success, a second tiny all-gather commits:
-    a rank writes only after it received every rank's commit, so a rank whose agreement came
-    too late (its peers gave up waiting for it) never writes. world_size 1 and no group:
-    purely local. timeout_s bounds every wait on CPU (gloo) tensors; NCCL relies on the
-    group's timeout. A failed wait raises the collective's own error (the caller reports it)."""
+    """One all-gather of (ok, fingerprint, entry time); raise the same PreflightError on every
+    rank if any rank failed or the fingerprints differ. When the ranks' entries were far apart
+    (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written.
+    world_size 1 and no group: purely local. timeout_s bounds every wait on CPU (gloo) tensors;
+    NCCL relies on the group's timeout. A failed wait raises the collective's own error (the
+    caller reports it)."""
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     words = fingerprint_words(fingerprint)
+    mine = [0 if reasons else 1, *words, time.time_ns() // 1000]
     if world_size == 1:
-        rows = [[0 if reasons else 1, *words]]
+        rows = [mine]
     else:
-        rows = _all_gather_rows([0 if reasons else 1, *words], group, world_size, device, timeout_s)
+        rows = _all_gather_rows(mine, group, world_size, device, timeout_s)
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
     # rank out is the one named.
-    fps = [tuple(row[1:]) for row in rows]
+    fps = [tuple(row[1:3]) for row in rows]
     ref_fp = max(fps, key=lambda f: (fps.count(f), -fps.index(f)))
-    ref_rank = fps.index(ref_fp)
     fp_bad = [r for r, f in enumerate(fps) if f != ref_fp]
     if all(row[0] for row in rows) and not fp_bad:
-        if world_size > 1:
-            try:
-                _all_gather_rows([1], group, world_size, device, timeout_s)
-            except Exception as exc:
-                raise PreflightError(
-                    f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
-                    "nothing was written on this rank. A peer that received every commit "
-                    "before this rank gave up has begun writing and fails with TransferError",
-                    {rank: [f"commit: {exc}"]},
-                ) from exc
+        if world_size > 1 and _arrivals_spread_out([row[3] for row in rows], timeout_s):
+            _commit(group, rank, world_size, device, timeout_s)
         return
     # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
+    _raise_failures(
+        reasons, fingerprint, fp_bad, fps.index(ref_fp), group, world_size, device, timeout_s
+    )
+
+
+def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, device, timeout_s):
+    """Gather every rank's reasons and fingerprint text; raise the one PreflightError."""
     if world_size == 1:
         all_reasons = [reasons]
         all_fps = [str(fingerprint)]
@@ -664,9 +699,10 @@ def staging_needs(transport, message_locations, local_pairs, src_ok, dst_ok):
 def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], dict, dict]:
     """Every check of this rank before the collective exchange: (reasons, src_ok, dst_ok).
     `ctx` is the executor's engine for this plan and rank (`prepare()` builds and checks the
-    schedule, `allocate()` the staging). Nothing here raises: an exception (a list where a
-    dict belongs, a schedule that cannot be built, an allocation) is a reason of this rank,
-    so every rank learns of it."""
+    schedule once, `allocate()` the staging, `verified_placement` / `verified_need_ring` the
+    placement of the last buffers that passed and whether they needed the pinned ring). Nothing here raises: an exception (a list where a dict belongs, a
+    schedule that cannot be built, an allocation) is a reason of this rank, so every rank
+    learns of it."""
     reasons, src_ok, dst_ok = [], {}, {}
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
@@ -675,40 +711,60 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], 
         reasons += ctx.prepare()
         src = as_buffer_set(src_buffers, "src")
         dst = as_buffer_set(dst_buffers, "dst")
-        more, src_ok, dst_ok = local_checks(
-            ctx.plan,
-            ctx.rank,
-            ctx.world_size,
-            ctx.transport,
-            src,
-            dst,
-            checks,
-            ctx.written,
-            ctx.local_pairs,
+        more, src_ok, dst_ok = buffer_checks(
+            ctx.plan, ctx.rank, ctx.world_size, ctx.transport, src, dst, checks
         )
         reasons += more
-        # Staging is allocated after every other local check passed (it needs validated
-        # buffers to know whether the pinned ring is needed).
         if not reasons:
-            need_ring, more = staging_needs(
-                ctx.transport, ctx.message_locations, ctx.local_pairs, src_ok, dst_ok
-            )
-            reasons += more
-        if not reasons:
-            try:
-                ctx.allocate(src_ok, dst_ok, need_ring)
-            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
-                reasons.append(f"staging allocation failed: {type(exc).__name__}: {exc}")
+            reasons += _placement_checks(ctx, src_ok, dst_ok)
     except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
         reasons.append(f"{type(exc).__name__}: {exc}")
     return reasons, src_ok, dst_ok
 
 
-def run(ctx, src_buffers, dst_buffers, checks, timeout):
-    """One call's whole preflight: `collect`, then `agree` (and its commit) over `ctx.group`.
-    Returns (src_ok, dst_ok, fingerprint, timeout seconds for the rounds) when every rank may
-    write; raises the same PreflightError on every rank otherwise. An unusable timeout is a
-    reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
+def _placement_checks(ctx, src_ok, dst_ok) -> list[str]:
+    """The memory checks and what the staging needs depend only on the buffers' `placement`:
+    a call that passes buffers where the last passing call had them skips them. The staging
+    is allocated last on every call (it needs validated buffers to know whether the pinned
+    ring is needed; it allocates nothing while its arenas are in place, and a staging shared
+    by several Transfers may have dropped them)."""
+    where = placement(src_ok, dst_ok)
+    if where == ctx.verified_placement:
+        need_ring = ctx.verified_need_ring
+    else:
+        reasons = memory_checks(src_ok, dst_ok, ctx.written, ctx.local_pairs)
+        if reasons:
+            return reasons
+        need_ring, reasons = staging_needs(
+            ctx.transport, ctx.message_locations, ctx.local_pairs, src_ok, dst_ok
+        )
+        if reasons:
+            return reasons
+    try:
+        ctx.allocate(src_ok, dst_ok, need_ring)
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
+        return [f"staging allocation failed: {type(exc).__name__}: {exc}"]
+    ctx.verified_placement, ctx.verified_need_ring = where, need_ring
+    return []
+
+
+class Cleared(NamedTuple):
+    """What a passed preflight hands the rounds: the validated buffers, the plan's
+    fingerprint, the timeout of every wait, and the preflight's own seconds ("preflight"
+    for all of it, "exchange" for the collective part)."""
+
+    src: dict
+    dst: dict
+    fingerprint: str
+    timeout_s: float
+    seconds: dict
+
+
+def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
+    """One call's whole preflight: `collect`, then `agree` over `ctx.group`. Returns when
+    every rank may write; raises the same PreflightError on every rank otherwise. An unusable
+    timeout is a reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
+    t0 = time.perf_counter()
     reasons, src_ok, dst_ok = collect(ctx, src_buffers, dst_buffers, checks, timeout)
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
     try:
@@ -717,6 +773,7 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout):
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
     device = ctx.exchange_device if ctx.transport == "nccl" else torch.device("cpu")
+    t1 = time.perf_counter()
     try:
         agree(reasons, fingerprint, ctx.group, ctx.rank, ctx.world_size, device, timeout_s)
     except PreflightError:
@@ -727,4 +784,6 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout):
             "nothing was written on this rank",
             {ctx.rank: [str(exc)]},
         ) from exc
-    return src_ok, dst_ok, fingerprint, timeout_s
+    t2 = time.perf_counter()
+    seconds = {"preflight": t2 - t0, "exchange": t2 - t1}
+    return Cleared(src_ok, dst_ok, str(fingerprint), timeout_s, seconds)

@@ -6,7 +6,18 @@ from dataclasses import dataclass, field
 
 # Every report carries every phase, so code that reads `report.seconds["h2d"]` never needs a
 # `.get`: phases a transport does not have stay 0.0.
-PHASES = ("plan", "preflight", "pack", "h2d", "transport", "d2h", "unpack", "local", "total")
+PHASES = (
+    "plan",
+    "preflight",
+    "exchange",
+    "pack",
+    "h2d",
+    "transport",
+    "d2h",
+    "unpack",
+    "local",
+    "total",
+)
 STAGING_KINDS = ("device", "host_pinned", "host")
 
 
@@ -28,7 +39,8 @@ class Report:
         buffer or into a target buffer (a message that is one contiguous range of the same
         dtype there), skipping the pack / unpack copy and the arenas.
     seconds: host wall time per phase (PHASES); "plan" is non-zero only on the call that
-        planned. Phases overlap (pack of round k+1 runs while round k is in flight), so they
+        planned; "exchange" is the collective part of "preflight" (it includes waiting for
+        the slowest rank to arrive). Phases overlap (pack of round k+1 runs while round k is in flight), so they
         need not add up to "total".
     peak_staging_bytes: staging actually held by the executor during the call, by kind;
         never above `staging_bound` (= plan.staging_bytes(rank, ...)).

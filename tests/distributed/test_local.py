@@ -19,6 +19,7 @@ import _scenarios as S  # noqa: E402
 
 import reshard as rs  # noqa: E402
 from reshard import preflight as pf  # noqa: E402
+from reshard.layout.intervals import first_overlap, merge  # noqa: E402
 
 
 def _one_rank_case(budget=64):
@@ -134,12 +135,12 @@ rows = st.lists(
 def test_written_intervals_match_brute_force(a, b):
     da = np.array(a, np.int64).reshape(-1, 6)
     db = np.array(b, np.int64).reshape(-1, 6)
-    ia = pf._merge(pf._expand_runs(da, 2, 3))
-    ib = pf._merge(pf._expand_runs(db, 2, 3))
+    ia = merge(pf._expand_runs(da, 2, 3))
+    ib = merge(pf._expand_runs(db, 2, 3))
     ca, cb = _brute_cover(da, 2, 3), _brute_cover(db, 2, 3)
     assert {x for lo, hi in ia.tolist() for x in range(lo, hi)} == ca
     assert all(ia[i, 1] < ia[i + 1, 0] for i in range(len(ia) - 1)), "not merged"
-    hit = pf._intervals_overlap(ia, ib)
+    hit = first_overlap(ia, ib)
     assert (hit is not None) == bool(ca & cb)
     if hit is not None:
         assert set(range(*hit)) <= ca & cb and hit[0] < hit[1]

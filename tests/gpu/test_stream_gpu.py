@@ -58,27 +58,43 @@ def _masters(pin):
     return full, layout, bufs
 
 
-@pytest.mark.parametrize("pin", [False, True], ids=["pageable", "pinned"])
-def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin):
+@pytest.mark.parametrize(
+    "pin,register",
+    [(False, False), (True, False), (False, True)],
+    ids=["pageable", "pinned", "registered"],
+)
+def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin, register):
     import time
 
     import reshard as rs
 
     full, layout, bufs = _masters(pin)
     want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
-    stream = rs.Stream(layout, [0], 32 << 20, dtype=torch.bfloat16, device="cuda")
+    stream = rs.Stream(
+        layout, [0], 32 << 20, dtype=torch.bfloat16, device="cuda", register_host_sources=register
+    )
     assert stream.device.type == "cuda"
-    assert stream.buffer_bytes <= (32 << 20) + max(32 << 20, 32000 * 1024 * 2)
-    for call in range(2):
-        seen, held = [], []
-        bucket_of = {n: b.index for b in stream.buckets for n in b.names}
+    # the buffer: the largest bucket or two buckets, whichever is more
+    assert stream.buffer_bytes == max(2 * (32 << 20), 32000 * 1024 * 2)
+    bucket_of = {n: b.index for b in stream.buckets for n in b.names}
+    # tensors of bucket k from the next bucket's wait_consumed on are never overwritten by it
+    keep_from = {
+        a.index: (b.wait_consumed if b is not None else 0)
+        for a, b in zip(stream.buckets, [*stream.buckets[1:], None])
+    }
+    held_before = None
+    for call in range(3):
+        seen, held, pos = [], [], 0
         for name, t in stream(bufs):
             assert t.device.type == "cuda" and t.dtype == torch.bfloat16
             if held and bucket_of[held[-1][0]] != bucket_of[name]:
-                held = []
+                held, pos = [], 0
                 time.sleep(0.02)  # a slow consumer: the next bucket lands meanwhile
-            held.append((name, t))
-            for hn, ht in held:  # the current bucket stays intact while the next one moves
+            assert torch.equal(t.view(torch.int16), want[name].view(torch.int16)), (call, name)
+            if pos >= keep_from[bucket_of[name]]:
+                held.append((name, t))
+            pos += 1
+            for hn, ht in held:  # never overwritten while in use
                 assert torch.equal(ht.view(torch.int16), want[hn].view(torch.int16)), (call, hn)
             seen.append(name)
         assert seen == list(SHAPES)
@@ -87,6 +103,13 @@ def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin):
         for k in rep.peak_staging_bytes:
             assert rep.peak_staging_bytes[k] <= rep.staging_bound[k], rep.summary()
         assert rep.peak_staging_bytes["device"] >= stream.buffer_bytes
+        # staging is kept across calls: a later call holds exactly what the first one did
+        if held_before is not None:
+            assert rep.peak_staging_bytes == held_before
+        held_before = dict(rep.peak_staging_bytes)
         assert rep.local_bytes == sum(w.numel() * 2 for w in want.values())
+        if register:
+            assert rep.host_registration.get("registered_bytes", 0) > 0, rep.host_registration
         # the sources are read, never written: their padding is still poisoned
         assert bufs[0][SHAPES["embed"][0] * 1024 :][:7].isnan().all()
+    stream.close()

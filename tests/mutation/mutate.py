@@ -28,6 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PKG = "python/reshard/**/*.py"
 HOSTILE = "tests/distributed/test_hostile_ranks.py"
 LOCAL_HOSTILE = "tests/test_hostile_local.py"
+REPEAT = "tests/distributed/test_repeated_calls.py"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ MUTANTS = (
     Mutant(
         "target_target_alias",
         PKG,
-        "            hit = _intervals_overlap(written_bytes[a], written_bytes[b])",
+        "            hit = first_overlap(written_bytes[a], written_bytes[b])",
         "            hit = None",
         (f"{HOSTILE}::test_non_collective_failures_become_collective",),
         "two target locations that overlap where both are written are not refused",
@@ -53,7 +54,7 @@ MUTANTS = (
     Mutant(
         "target_source_alias",
         PKG,
-        "            hit = _intervals_overlap(wb, np.array([[lo, hi]], np.int64))",
+        "            hit = first_overlap(wb, np.array([[lo, hi]], np.int64))",
         "            hit = None",
         ("tests/distributed/test_executor.py::test_preflight_failures_are_collective",),
         "a target inside a source buffer is not refused",
@@ -69,8 +70,8 @@ MUTANTS = (
     Mutant(
         "commit_step",
         PKG,
-        "                _all_gather_rows([1], group, world_size, device, timeout_s)",
-        "                pass",
+        "        _all_gather_rows([1], group, world_size, device, timeout_s)",
+        "        pass",
         (f"{HOSTILE}::test_a_rank_arriving_after_its_peers_gave_up_writes_nothing",),
         "a rank arriving after its peers gave up writes its targets",
     ),
@@ -83,18 +84,42 @@ MUTANTS = (
         "ranks with different plans go ahead",
     ),
     Mutant(
+        "commit_skipped_for_late_rank",
+        PKG,
+        "    return max(entered_us) - min(entered_us) >= COMMIT_SPREAD * timeout_s * 1e6",
+        "    return False",
+        (f"{HOSTILE}::test_a_rank_arriving_after_its_peers_gave_up_writes_nothing",),
+        "a rank arriving after its peers gave up skips the commit and writes its targets",
+    ),
+    Mutant(
+        "placement_without_address",
+        PKG,
+        "(loc, t.data_ptr(), t.numel() * t.element_size(), t.device)",
+        "(loc, t.numel() * t.element_size(), t.device)",
+        (f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process",),
+        "a repeated call whose targets moved onto a source skips the aliasing check",
+    ),
+    Mutant(
+        "placement_checks_always_skipped",
+        PKG,
+        "    if where == ctx.verified_placement:",
+        "    if ctx.verified_placement is not None:",
+        (f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process",),
+        "a repeated call skips the memory checks whatever buffers it was given",
+    ),
+    Mutant(
         "storage_extent",
         PKG,
-        "            short = _storage_shortfall(t)",
-        "            short = None",
+        "        short = _storage_shortfall(t)",
+        "        short = None",
         (f"{LOCAL_HOSTILE}::test_storage_smaller_than_its_view_is_refused",),
         "a freed or shrunk storage reaches the kernels",
     ),
     Mutant(
         "requires_grad_target",
         PKG,
-        '        if side == "target" and t.requires_grad and torch.is_grad_enabled():',
-        "        if False:",
+        "    if t.requires_grad and torch.is_grad_enabled():",
+        "    if False:",
         (f"{LOCAL_HOSTILE}::test_versions_move_and_grad_targets_are_refused_in_process",),
         "a leaf that requires grad is written under grad mode",
     ),
@@ -133,8 +158,8 @@ MUTANTS = (
     Mutant(
         "dtype_check",
         PKG,
-        "        if t.dtype != want:",
-        "        if False:",
+        "    if t.dtype != want:",
+        "    if False:",
         (
             "tests/distributed/test_local.py",
             f"{LOCAL_HOSTILE}::test_property_hostile_input_in_process",

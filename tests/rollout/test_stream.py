@@ -74,19 +74,44 @@ def test_oversized_tensor_gets_its_own_bucket():
     s = rs.Stream(layout, [0], 1000, dtype=torch.bfloat16)
     (big,) = [b for b in s.buckets if "big" in b.names]
     assert big.names == ["big"] and big.nbytes == 64 * 24 * 2
-    assert s.buffer_bytes <= 1000 + 64 * 24 * 2
+    # the largest tensor is more than two buckets: it alone sizes the buffer
+    assert s.buffer_bytes == max(2 * 1000, 64 * 24 * 2) == 64 * 24 * 2
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "oversized") == []
+    assert W.consume(s, bufs, want, True, "oversized, slow", linger=0.01) == []
 
 
-def test_two_oversized_buckets_in_a_row_do_not_overlap_but_fit_one_buffer():
+def test_buffer_is_the_largest_bucket_or_two_buckets():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 16, dtype=torch.float32, names=["big", "w1", "embed"])
     assert [b.names for b in s.buckets] == [["big"], ["w1"], ["embed"]]
-    assert not s._overlaps(0) and not s._overlaps(1)
     assert s.buffer_bytes == 64 * 24 * 4  # the largest bucket, not two of them
+    # w1 overlaps big wherever it goes: it waits until big is consumed; embed fits after w1
+    assert [(b.start, b.wait_consumed) for b in s.buckets] == [(0, 0), (0, 1), (960, 0)]
     want = {n: v.float() for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "serial") == []
+    s = rs.Stream(layout, [0], 1 << 20, dtype=torch.float32, names=["w1", "embed"])
+    assert s.buffer_bytes == 960 + 37 * 12 * 4  # everything streamed, less than two buckets
+
+
+def test_placement_never_overwrites_tensors_in_use():
+    """Random tensor sizes and bucket sizes: the placement invariant, from the placement alone
+    (W.regions_disjoint), and the bound max(largest bucket, min(2 x bucket, all))."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 12)
+        sizes = [rng.choice([1, 3, 17, 64, 100, 257, 1000]) for _ in range(n)]
+        layout = rs.Layout(
+            {f"t{i}": rs.replicated((m,), [i]) for i, m in enumerate(sizes)},
+            {i: rs.Storage(0, torch.float32, m) for i, m in enumerate(sizes)},
+        )
+        bucket = rng.choice([16, 64, 400, 1024, 4096])
+        s = rs.Stream(layout, [0], bucket)
+        assert W.regions_disjoint(s) == [], (sizes, bucket)
+        total = sum(b.nbytes for b in s.buckets)
+        assert s.buffer_bytes == max(max(b.nbytes for b in s.buckets), min(2 * bucket, total))
 
 
 def test_slow_consumer_holds_a_bucket_while_the_next_moves():

@@ -1,0 +1,190 @@
+"""The bucket transfer engine of an `rs.Stream`: moves one bucket at a time on one worker
+thread, so the group sees the same sequence of collectives on every rank.
+
+Each bucket gets one `Transfer` (around the bucket's plan, built in the Stream's constructor),
+created on its first move and kept: later calls reuse its schedule, typed rounds and descriptor
+tables, so a call costs each bucket only its preflight and its rounds. The Transfers share one
+`StagingPool` (they never run at the same time): arenas sized for the largest bucket's rounds and
+one pinned ring, allocated on first use and kept across calls. With `register_host_sources`, CPU
+source storages are page-locked in place once (`reshard.hostreg`), for every bucket.
+
+CUDA: the worker moves buckets on its own CUDA stream. A landed bucket is handed to the caller
+as an event its current stream waits on (no host synchronization); before a bucket overwrites
+bytes the caller used, the worker's stream waits on an event recorded on the caller's stream.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from . import staging
+from .hostreg import HostRegistry
+from .report import STAGING_KINDS
+from .rounds import RECV, SEND
+
+
+class StagingPool:
+    """The staging of one Stream on one rank, shared by its buckets' Transfers (they never run
+    at the same time): per direction up to two arenas, each as large as the largest any bucket
+    has asked for so far, on the transport's device, and one pinned ring; kept across calls.
+    Arenas only grow while the first call meets buckets that need more; growing drops every
+    member Staging's views (their Transfers take new ones at their next preflight), so the old
+    arenas are freed. The most it may hold is `bound()`, from the plans."""
+
+    def __init__(self, plans, rank: int):
+        self.plans, self.rank = plans, rank
+        self.ring_nbytes = max(
+            (staging.ring_bytes(p.budget_bytes_per_peer) for p in plans), default=0
+        )
+        self.arenas: dict = {}  # (side, index) -> uint8 tensor
+        self.ring = None
+        self.members: list = []  # the PooledStaging of every bucket Transfer
+
+    def arena(self, device, side, index: int, nbytes: int) -> torch.Tensor:
+        t = self.arenas.get((side, index))
+        if t is None or t.numel() < nbytes or t.device != device:
+            if t is not None:  # grow: nobody may keep a view of the smaller arena
+                for m in self.members:
+                    m.arenas = None
+                self.arenas[(side, index)] = t = None
+            t = self.arenas[(side, index)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return t[:nbytes]
+
+    def ring_view(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.ring_nbytes:
+            raise RuntimeError(f"a ring of {nbytes} B exceeds the pool's {self.ring_nbytes} B")
+        if self.ring is None:
+            self.ring = torch.empty(self.ring_nbytes, dtype=torch.uint8, pin_memory=True)
+        return self.ring[:nbytes]
+
+    def staging(self, device, num_rounds: int) -> staging.Staging:
+        """The `Transfer.from_plan(staging=...)` factory: a Staging whose tensors are views of
+        this pool's."""
+        member = PooledStaging(self, device, num_rounds)
+        self.members.append(member)
+        return member
+
+    def held(self) -> dict:
+        """Bytes this pool holds now, by kind."""
+        out = dict.fromkeys(STAGING_KINDS, 0)
+        for t in self.arenas.values():
+            out["device" if t.device.type == "cuda" else "host"] += t.numel()
+        if self.ring is not None:
+            out["host_pinned"] += self.ring.numel()
+            out["device"] += ring_device_bytes(self.ring_nbytes)
+        return out
+
+    def bound(self, transport: str, host_ring_bytes: int) -> dict:
+        """The most it may hold: per direction, min(2, rounds) arenas of the largest round any
+        bucket plan sends / receives on this rank (plan.rounds.send_arena / recv_arena), on the
+        transport's device; plus the ring (and the device slots the stage ops take with it)
+        when there is one."""
+        nbuf = max((min(2, p.num_rounds) for p in self.plans), default=0)
+        send = max((p.rounds.send_arena.get(self.rank, 0) for p in self.plans), default=0)
+        recv = max((p.rounds.recv_arena.get(self.rank, 0) for p in self.plans), default=0)
+        out = dict.fromkeys(STAGING_KINDS, 0)
+        out["device" if transport == "nccl" else "host"] = nbuf * (send + recv)
+        if host_ring_bytes:
+            out["host_pinned"] += host_ring_bytes
+            out["device"] += ring_device_bytes(host_ring_bytes)
+        return out
+
+
+def ring_device_bytes(ring_nbytes: int) -> int:
+    """Device staging a stage op may take with a ring of this size (none without CUDA)."""
+    if not ring_nbytes or not torch.cuda.is_available():
+        return 0
+    return int(torch.ops.reshard.stage_device_bytes(ring_nbytes))
+
+
+class PooledStaging(staging.Staging):
+    """One bucket Transfer's Staging, backed by the Stream's pool."""
+
+    def __init__(self, pool: StagingPool, device, num_rounds: int):
+        super().__init__(device, num_rounds)
+        self.pool = pool
+
+    def allocate_arenas(self, send_bytes: int, recv_bytes: int) -> None:
+        self.arenas = {
+            SEND: [self.pool.arena(self.device, SEND, i, send_bytes) for i in range(self.nbuf)],
+            RECV: [self.pool.arena(self.device, RECV, i, recv_bytes) for i in range(self.nbuf)],
+        }
+
+    def allocate_ring(self, nbytes: int) -> None:
+        if self.ring is None:
+            self.ring = self.pool.ring_view(nbytes)
+
+
+class BucketMover:
+    """Moves a Stream's buckets, one at a time, on one worker thread (see the module
+    docstring). `submit` returns a Future of (Report, CUDA event or None)."""
+
+    def __init__(self, buckets, group, rank, timeout, cuda_device, register_host_sources):
+        self.group, self.timeout = group, timeout
+        self.plans = [b.plan for b in buckets]
+        self.pool = StagingPool(self.plans, rank)
+        self.transfers: dict = {}  # bucket index -> Transfer, created on its first move
+        self.cuda_device = cuda_device
+        self.registry = HostRegistry() if register_host_sources else None
+        self.registration = None  # what the last call's registration did
+        self._worker = None
+        self._cuda_stream = None
+
+    def submit(self, bucket, src, dst, checks, caller_done=None, host_sync=False):
+        """Move `bucket` from `src` into `dst` ({location: tensor}) on the worker. checks: the
+        preflight's extra checks. caller_done: a CUDA event the move waits for before writing.
+        host_sync: the targets are read by the host once the Future is done."""
+        if self._worker is None:
+            # one worker thread for the Stream's life: its allocator arena (CPU staging) and
+            # CUDA stream are reused by every call
+            self._worker = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="reshard-stream"
+            )
+        return self._worker.submit(self._move, bucket, src, dst, checks, caller_done, host_sync)
+
+    def _transfer(self, bucket):
+        t = self.transfers.get(bucket.index)
+        if t is None:
+            from .executor import Transfer  # needs the built ops; planning does not
+
+            t = self.transfers[bucket.index] = Transfer.from_plan(
+                bucket.plan, group=self.group, timeout=self.timeout, staging=self.pool.staging
+            )
+        return t
+
+    def _move(self, bucket, src, dst, checks, caller_done, host_sync):
+        transfer = self._transfer(bucket)
+        if self.cuda_device is None:
+            return transfer(src, dst, checks=checks), None
+        torch.cuda.set_device(self.cuda_device)
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(self.cuda_device)
+        stream = self._cuda_stream
+        with torch.cuda.stream(stream):
+            if caller_done is not None:
+                stream.wait_event(caller_done)
+            rep = transfer(src, dst, checks=checks)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        if host_sync:
+            landed.synchronize()
+        return rep, landed
+
+    def register(self, bufs: dict) -> None:
+        """Page-lock the CPU source storages in place (with register_host_sources; once, later
+        calls check only that they are the same storages). An optimization only: on failure the
+        buckets still move, bounced through the ring."""
+        if self.registry is None:
+            self.registration = None
+            return
+        try:
+            self.registration = self.registry.sync(bufs)
+        except RuntimeError as exc:
+            self.registration = {"error": str(exc)}
+
+    def close(self) -> None:
+        """Undo host registrations (the Stream stays usable: the next call re-registers)."""
+        if self.registry is not None:
+            self.registry.close()
