@@ -1,4 +1,4 @@
-"""Scenarios of the sync benchmarks (sync_latency.py, nccl_bench.py): a named model
+"""Scenarios of the sync benchmarks (sync_latency.py, gpu_bench.py --mode multi): a named model
 (reshard.scenarios.MODELS) laid out as a trainer and as a consumer holds it.
 
 Each scenario builds, on one rank, a `Case`: source and target layouts from the shared sides of
@@ -257,30 +257,25 @@ def lora_sync(model, rank, world, device="cpu"):
 def rollout_stream(model, rank, world, device="cpu"):
     """Full tensors by name to one receiver (an inference engine's `load_weights`): ZeRO-3 bf16
     shards -> every tensor whole on rank 0, where the 'engine weights' are one replica. The
-    reshard method is an `rs.Stream` (STREAM_BUCKET_BYTES buckets, STREAM_STAGING_BYTES of
-    staging per rank) whose tensors are copied into the engine weights as they arrive."""
+    reshard method is an `rs.Stream` (STREAM_BUCKET_BYTES buckets, the default staging cap of a
+    quarter bucket) whose tensors are copied into the engine weights as they arrive."""
     shapes = sc.named_shapes(model)
     src = sc.Zero3(shapes, range(world), torch.bfloat16, loc0=0)
     dst = sc.Replicas(shapes, [0], torch.bfloat16, loc0=100000)
     desc = (
         f"ZeRO-3 bf16 param shards (DP={world}) -> full tensors by name on rank 0 (an engine's "
         f"load_weights), stream buckets of {STREAM_BUCKET_BYTES >> 20} MiB, staging "
-        f"{STREAM_STAGING_BYTES >> 20} MiB per rank"
+        f"{STREAM_BUCKET_BYTES >> 22} MiB per rank"
     )
     case = Case("rollout_stream", model, rank, world, src, dst, desc, (device, device))
-    case.stream = {
-        "receivers": [0],
-        "bucket_bytes": STREAM_BUCKET_BYTES,
-        "staging_bytes_per_rank": STREAM_STAGING_BYTES,
-    }
+    case.stream = {"receivers": [0], "bucket_bytes": STREAM_BUCKET_BYTES}
     return case
 
 
 # The stream's buffer is max(largest bucket, 2 x bucket_bytes): from 124M parameters on, the
 # 50k-row embedding (74 MiB at 124M) is more than two 32 MiB buckets, so the buffer is that
-# tensor, the floor of any by-name path. A 2 MiB staging cap keeps the arenas small.
+# tensor, the floor of any by-name path.
 STREAM_BUCKET_BYTES = 32 << 20
-STREAM_STAGING_BYTES = 2 << 20
 # GPU receivers: device memory is plentiful; larger buckets mean fewer per-bucket preflights.
 STREAM_GPU_BUCKET_BYTES = 64 << 20
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import stream_buckets as sb
 from .layout import Layout
 from .stream_iter import Call, check_sources
-from .stream_mover import BucketMover
+from .stream_mover import BucketMover, StagingPool
 
 __all__ = ["Stream"]
 
@@ -70,6 +70,9 @@ class Stream:
         counts against its peers' wait for the next.
     register_host_sources: page-lock CPU source storages in place on the first call (CUDA
         receivers: DMA straight from them), undone by `close()`.
+    buffer_bytes: the receivers' buffer (default max(largest bucket, min(2 * bucket_bytes,
+        everything streamed)); at least the largest bucket). More lets the bucket after a
+        tensor that fills the buffer move while that tensor is consumed.
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class Stream:
         staging_bytes_per_rank=None,
         timeout=DEFAULT_TIMEOUT_S,
         register_host_sources=False,
+        buffer_bytes=None,
     ):
         if not isinstance(src_layout, Layout):
             raise TypeError(
@@ -97,6 +101,8 @@ class Stream:
         if staging_bytes_per_rank is None:
             staging_bytes_per_rank = max(min(bucket_bytes // 4, 64 << 20), 64 << 10)
         _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
+        if buffer_bytes is not None:
+            _positive_int("buffer_bytes", buffer_bytes)
         self.rank, self.world_size, self.backend = _group_info(group)
         self.group, self.timeout, self.dtype = group, float(timeout), dtype
         self.receivers = sb.check_receivers(receivers, self.world_size)
@@ -106,7 +112,7 @@ class Stream:
         self.src_layout = src_layout
         out_dtypes = {n: sb.out_dtype(n, src_layout, dtype) for n in self.names}
         self.buckets = sb.make_buckets(self.names, src_layout, out_dtypes, bucket_bytes)
-        self.buffer_bytes = sb.ring_bytes(self.buckets, bucket_bytes)
+        self.buffer_bytes = sb.ring_bytes(self.buckets, bucket_bytes, buffer_bytes)
         sb.place_buckets(self.buckets, self.buffer_bytes)
         t0 = time.perf_counter()
         for b in self.buckets:
@@ -140,8 +146,6 @@ class Stream:
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
         ones)."""
-        from .stream_mover import StagingPool
-
         rank = self.rank if rank is None else rank
         if transport is None:
             transport = "nccl" if self.device.type == "cuda" else "gloo"

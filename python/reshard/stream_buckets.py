@@ -4,8 +4,10 @@ once in the Stream's constructor, the same on every rank.
 
 The receivers' buffer is a ring of `ring_bytes(buckets, bucket_bytes)` bytes: the largest
 bucket, or two buckets' worth (`2 * bucket_bytes`, at most everything streamed) when that is
-more. A receiver must hold the largest tensor whole at some point, so the ring is never larger
-than it needs to be when a tensor is at least two buckets large. Each bucket is placed right
+more, or what the caller asks for (at least the largest bucket). A receiver must hold the
+largest tensor whole at some point, so by default the ring is never larger than it needs to be
+when a tensor is at least two buckets large; a larger ring lets the bucket after such a tensor
+move while that tensor is consumed. Each bucket is placed right
 after the previous one, or at the start or the end of the ring, wherever the fewest of the
 previous bucket's tensors still in use overlap it (`place_buckets`). Bucket k+1 moves while
 bucket k is consumed; it waits only for the tensors of bucket k that share its bytes, and
@@ -98,10 +100,20 @@ def _bucket(index, items, layout, out_dtypes) -> Bucket:
     return b
 
 
-def ring_bytes(buckets: list[Bucket], bucket_bytes: int) -> int:
-    """The receivers' buffer: max(largest bucket, min(2 * bucket_bytes, all buckets))."""
+def ring_bytes(buckets: list[Bucket], bucket_bytes: int, buffer_bytes=None) -> int:
+    """The receivers' buffer: `buffer_bytes` when given (at least the largest bucket), else
+    max(largest bucket, min(2 * bucket_bytes, all buckets))."""
+    largest = max((b.nbytes for b in buckets), default=0)
+    if buffer_bytes is not None:
+        if buffer_bytes < largest:
+            name = next(b.names[0] for b in buckets if b.nbytes == largest)
+            raise ValueError(
+                f"buffer_bytes {buffer_bytes} is smaller than the largest bucket ({largest} B, "
+                f"from {name!r}): a receiver holds one bucket whole"
+            )
+        return buffer_bytes
     total = sum(b.nbytes for b in buckets)
-    return max(max((b.nbytes for b in buckets), default=0), min(2 * bucket_bytes, total))
+    return max(largest, min(2 * bucket_bytes, total))
 
 
 def _needs(prev: Bucket, start: int, nbytes: int) -> int:

@@ -164,6 +164,7 @@ def w_stream(rank, world):
         want = {n: values[n].to(dtype or values[n].dtype) for n in chosen}
         plans = [id(p) for p in s.plans]
         errs += consume(s, bufs, want, rank in receivers, tag + " call 1")
+        held1 = dict(s.report.peak_staging_bytes)
         # sources change between steps: the second call must move the new values, same plans
         values2 = {n: v * 2 + 1 for n, v in values.items()}
         _, bufs2 = zero3_source(world, values2, rank)
@@ -171,6 +172,8 @@ def w_stream(rank, world):
             bufs[loc].copy_(bufs2[loc])
         want2 = {n: values2[n].to(dtype or values2[n].dtype) for n in chosen}
         errs += consume(s, bufs, want2, rank in receivers, tag + " call 2")
+        if s.report.peak_staging_bytes != held1:  # staging is kept, not re-allocated
+            errs.append(f"{tag}: held {held1} then {s.report.peak_staging_bytes}")
         if [id(p) for p in s.plans] != plans:
             errs.append(f"{tag}: plans were rebuilt")
         _, bufs = zero3_source(world, values, rank)

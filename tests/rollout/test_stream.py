@@ -94,6 +94,17 @@ def test_buffer_is_the_largest_bucket_or_two_buckets():
     assert s.buffer_bytes == 960 + 37 * 12 * 4  # everything streamed, less than two buckets
 
 
+def test_a_larger_buffer_lets_the_bucket_after_a_large_tensor_move_meanwhile():
+    values, layout, bufs = _local()
+    names = ["big", "w1", "embed"]
+    with pytest.raises(ValueError, match="smaller than the largest bucket"):
+        rs.Stream(layout, [0], 16, dtype=torch.float32, names=names, buffer_bytes=6143)
+    s = rs.Stream(layout, [0], 16, dtype=torch.float32, names=names, buffer_bytes=6144 + 960)
+    assert [(b.start, b.wait_consumed) for b in s.buckets] == [(0, 0), (6144, 0), (0, 0)]
+    want = {n: v.float() for n, v in values.items()}
+    assert W.consume(s, bufs, want, True, "larger buffer", linger=0.01) == []
+
+
 def test_placement_never_overwrites_tensors_in_use():
     """Random tensor sizes and bucket sizes: the placement invariant, from the placement alone
     (W.regions_disjoint), and the bound max(largest bucket, min(2 x bucket, all))."""
@@ -111,7 +122,15 @@ def test_placement_never_overwrites_tensors_in_use():
         s = rs.Stream(layout, [0], bucket)
         assert W.regions_disjoint(s) == [], (sizes, bucket)
         total = sum(b.nbytes for b in s.buckets)
-        assert s.buffer_bytes == max(max(b.nbytes for b in s.buckets), min(2 * bucket, total))
+        largest = max(b.nbytes for b in s.buckets)
+        assert s.buffer_bytes == max(largest, min(2 * bucket, total))
+        extra = rng.choice([0, 16, 100, 1000])
+        s = rs.Stream(layout, [0], bucket, buffer_bytes=largest + extra)
+        assert W.regions_disjoint(s) == [], (sizes, bucket, extra)
+        if rng.random() < 0.1:  # and some of them for real, with a slow consumer
+            bufs = {i: torch.randn(m) for i, m in enumerate(sizes)}
+            want = {f"t{i}": bufs[i].clone() for i in range(n)}
+            assert W.consume(s, bufs, want, True, "random", linger=0.001) == []
 
 
 def test_slow_consumer_holds_a_bucket_while_the_next_moves():
@@ -127,9 +146,15 @@ def test_plans_are_built_once_and_reused():
     s = rs.Stream(layout, [0], 512, dtype=torch.bfloat16)
     plans = s.plans
     fp = s.fingerprint
+    list(s(bufs))
+    # after the first call: one Transfer per bucket and the buffer, reused by every later call
+    transfers = dict(s.mover.transfers)
+    assert sorted(transfers) == [b.index for b in s.buckets]
+    buffer_ptr = s.buffer.data_ptr()
     for _ in range(3):
         list(s(bufs))
         assert s.plans == plans and s.report.fingerprint == fp
+        assert s.mover.transfers == transfers and s.buffer.data_ptr() == buffer_ptr
 
 
 def test_early_break_then_full_call():
