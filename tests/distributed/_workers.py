@@ -408,6 +408,18 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), getattr(exc, "failures", None))
 
 
+def _run_threads(worker, n, timeout) -> bool:
+    """worker(0) .. worker(n-1) on n threads at once; whether all finished within `timeout` s."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    return not any(th.is_alive() for th in threads)
+
+
 def w_threads(rank, world, calls):
     """Two threads per rank call one Transfer at the same time, `calls` times each, with the
     same sources and their own targets: every call succeeds and every target is exact."""
@@ -433,12 +445,7 @@ def w_threads(rank, world, calls):
                 return
             errs.extend(f"thread {i} call {c}: {m}" for m in S.mismatches(db, want))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    if any(th.is_alive() for th in threads):
+    if not _run_threads(worker, 2, 120):
         errs.append("a thread did not finish")
     return errs
 
@@ -478,12 +485,7 @@ def w_threads_two_transfers(rank, world, calls):
                 errs.append(f"thread {i} call {c}: {type(exc).__name__}: {exc}")
                 return
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(200)
-    if any(th.is_alive() for th in threads):
+    if not _run_threads(worker, 2, 200):
         errs.append("a thread did not finish")
     return errs, outcomes
 
