@@ -5,7 +5,7 @@
     report = sync(src_buffers, dst_buffers)                          # every step: no re-plan,
                                                                      # arenas reused
 The flow of one call: `preflight.run` (this rank's schedule built and checked, buffers
-checked, staging allocated, then the collective agreement and commit), then `_RoundLoop`
+checked, staging allocated, then the collective agreement), then `_RoundLoop`
 over the typed rounds of `reshard.rounds`: per round k (global order, the same on every
 rank) pack this rank's messages of round k with `copy_runs` into a send arena, post all sends
 and receives of the round in one `batch_isend_irecv`, wait, unpack out of the receive arena.
@@ -22,8 +22,8 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 Failure model: every failure before the first write (argument types and the timeout
 included) is a collective `PreflightError` with nothing written; when the ranks reached the
 agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
-(docs/executor.md states the windows left). Any failure after the commit is a `TransferError`: targets may be partially
-written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
+(docs/executor.md states the windows left). Any failure after the agreement is a
+`TransferError`: targets may be partially written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
 never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """
 
@@ -100,7 +100,7 @@ class _Engine:
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
         self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
-        self.broken = False  # a call failed after the commit: never reuse these arenas
+        self.broken = False  # a call failed after the agreement: never reuse these arenas
 
     def prepare(self) -> list[str]:
         """Build this rank's schedule and everything derived from it (once); return why it

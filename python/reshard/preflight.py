@@ -366,7 +366,7 @@ def _shape_faults(st, t) -> list[str]:
         bad.append(f"must be contiguous, got stride {t.stride()}")
     if t.numel() != st.numel:
         bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
-    if t.device.type != "meta":
+    if not t.is_meta:
         short = _storage_shortfall(t)
         if short:
             bad.append(short)
@@ -375,8 +375,10 @@ def _shape_faults(st, t) -> list[str]:
 
 def _device_faults(t, transport) -> list[str]:
     """Where `t` lives against what the transport moves."""
+    if t.is_cpu:  # every transport moves CPU buffers (the cheap test first: once per buffer)
+        return []
     dev = t.device
-    if transport == "gloo" and dev.type != "cpu":
+    if transport == "gloo":
         return [f"is on {dev}, but the gloo transport needs CPU buffers"]
     if transport != "gloo" and dev.type not in ("cpu", "cuda"):
         return [f"is on {dev}; reshard copies CPU and CUDA buffers only"]
@@ -425,11 +427,15 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons) -> 
 
 
 def placement(src_ok: dict, dst_ok: dict) -> tuple:
-    """Where the validated buffers are: (location, first byte, bytes, device) per buffer. The
-    memory checks (aliasing, local copy extents) and the staging depend on nothing else, so a
-    call whose placement equals the last passing call's skips them."""
+    """Where the validated buffers are: (location, first byte, bytes, device index; -1 for
+    the CPU) per buffer. The memory checks (aliasing, local copy extents) and what the staging
+    needs depend on nothing else, so a call whose placement equals the last passing call's
+    skips them."""
     return tuple(
-        tuple((loc, t.data_ptr(), t.numel() * t.element_size(), t.device) for loc, t in ok.items())
+        tuple(
+            (loc, t.data_ptr(), t.numel() * t.element_size(), t.get_device())
+            for loc, t in ok.items()
+        )
         for ok in (src_ok, dst_ok)
     )
 

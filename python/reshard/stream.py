@@ -44,7 +44,7 @@ import torch.distributed as dist
 from . import stream_buckets as sb
 from .layout import Layout
 from .stream_iter import Call, check_sources
-from .stream_mover import BucketMover
+from .stream_mover import BucketMover, StagingPool
 
 __all__ = ["Stream"]
 
@@ -146,8 +146,6 @@ class Stream:
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
         ones)."""
-        from .stream_mover import StagingPool
-
         rank = self.rank if rank is None else rank
         if transport is None:
             transport = "nccl" if self.device.type == "cuda" else "gloo"

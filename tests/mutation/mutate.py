@@ -94,8 +94,8 @@ MUTANTS = (
     Mutant(
         "placement_without_address",
         PKG,
-        "(loc, t.data_ptr(), t.numel() * t.element_size(), t.device)",
-        "(loc, t.numel() * t.element_size(), t.device)",
+        "(loc, t.data_ptr(), t.numel() * t.element_size(), t.get_device())",
+        "(loc, t.numel() * t.element_size(), t.get_device())",
         (f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process",),
         "a repeated call whose targets moved onto a source skips the aliasing check",
     ),
