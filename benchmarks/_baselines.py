@@ -1,9 +1,9 @@
 """The methods a sync benchmark compares, written once for every benchmark (sync_latency.py,
-nccl_bench.py): reshard and what people do without it. Each method is `make(case, ctx) ->
-(step, info)`: `step(targets)` runs one sync of the benchmark `Case` (benchmarks/_scenarios.py)
-into `targets`; `info()` describes the last step: accounted_extra_bytes (what the method holds
-by its own account), pinned_bytes, recv_bytes (this rank, over the transport), and for reshard
-its report's figures. ctx: {"world", "budget" (bytes per peer; None: cpu_budget)}; reshard
+gpu_bench.py --mode multi): reshard and what people do without it. Each method is
+`make(case, ctx) -> (step, info)`: `step(targets)` runs one sync of the benchmark `Case`
+(benchmarks/_scenarios.py) into `targets`; `info()` describes the last step:
+accounted_extra_bytes (what the method holds by its own account), pinned_bytes, recv_bytes
+(this rank, over the transport), and for reshard its report's figures. ctx: {"world", "budget" (bytes per peer; None: cpu_budget)}; reshard
 puts the seconds its Transfer took to build (plan included) into ctx["plan_s"].
 
 - reshard: one `reshard.Transfer` reused for every sync.
@@ -111,31 +111,44 @@ def _m_transfer(case, ctx, register):
         register_host_targets=register,
     )
     ctx["plan_s"] = time.perf_counter() - t0
-    last = {}
+    last = {"calls": 0}
 
     def step(bufs):
+        wait = getattr(sync, "wait_host_registration", None)
+        if register and last["calls"] == 1 and wait is not None:
+            # the first sync started the registration on a thread and did not wait for it; the
+            # second (a warm-up) waits, so the timed syncs are the registered steady state
+            last["registration"] = wait()
         last["r"] = sync(case.src_buffers, bufs)
+        last["calls"] += 1
 
     def info():
         r = last["r"]
-        return {
-            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
-            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
-            "staging_bytes": dict(r.peak_staging_bytes),
-            "staging_bound": r.staging_bound,
-            "recv_bytes": r.total_bytes_received,
-            "local_bytes": r.local_bytes,
-            "rounds": r.rounds,
+        reg = last.get("registration") or {}
+        return _report_info(r) | {
             "budget_bytes_per_peer": sync.plan.budget_bytes_per_peer,
-            "zero_copy_bytes": r.zero_copy_bytes,
-            "seconds": r.seconds,
-            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
-                "registered_bytes", 0
+            "host_registration_s": max(
+                (v.get("background_seconds", 0.0) for v in reg.values()), default=0.0
             ),
+            "local_h2d": _local_h2d(sync),
         }
 
     step.close = sync.close
     return step, info
+
+
+def _local_h2d(sync):
+    """What the batched CPU -> CUDA path did on the last call (reshard.h2d), if it ran."""
+    paths = getattr(getattr(sync, "_engine", None), "_local_paths", (None, None))[1]
+    path = paths[0] if paths else None
+    if path is None:
+        return None
+    return {
+        **path.last,
+        "tables": len(path.tables),
+        "host_s_per_elem": path.host_s_per_elem,
+        "link_bytes_per_s": path.link_bytes_per_s,
+    }
 
 
 def m_stream_before(case, ctx):
@@ -180,26 +193,32 @@ def _m_stream(
 
     def info():
         r = last["r"]
-        return {
-            "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
-            "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
-            "staging_bytes": dict(r.peak_staging_bytes),
-            "staging_bound": r.staging_bound,
-            "recv_bytes": r.total_bytes_received,
-            "local_bytes": r.local_bytes,
-            "rounds": r.rounds,
+        return _report_info(r) | {
             "buckets": r.buckets,
-            "zero_copy_bytes": r.zero_copy_bytes,
-            "seconds": r.seconds,
             "wait_seconds": getattr(r, "wait_seconds", 0.0),
-            "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
-                "registered_bytes", 0
-            ),
         }
 
     if hasattr(stream, "close"):
         step.close = stream.close
     return step, info
+
+
+def _report_info(r) -> dict:
+    """What a reshard Report (of a Transfer or a Stream) says of the last step."""
+    return {
+        "accounted_extra_bytes": sum(r.peak_staging_bytes.values()),
+        "pinned_bytes": r.peak_staging_bytes.get("host_pinned", 0),
+        "staging_bytes": dict(r.peak_staging_bytes),
+        "staging_bound": r.staging_bound,
+        "recv_bytes": r.total_bytes_received,
+        "local_bytes": r.local_bytes,
+        "rounds": r.rounds,
+        "zero_copy_bytes": r.zero_copy_bytes,
+        "seconds": r.seconds,
+        "registered_bytes": (getattr(r, "host_registration", None) or {}).get(
+            "registered_bytes", 0
+        ),
+    }
 
 
 def m_stream_then_shard(case, ctx):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+GB = 1e9  # bandwidths are in GB/s
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 

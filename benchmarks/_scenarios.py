@@ -1,4 +1,4 @@
-"""Scenarios of the sync benchmarks (sync_latency.py, nccl_bench.py): a named model
+"""Scenarios of the sync benchmarks (sync_latency.py, gpu_bench.py --mode multi): a named model
 (reshard.scenarios.MODELS) laid out as a trainer and as a consumer holds it.
 
 Each scenario builds, on one rank, a `Case`: source and target layouts from the shared sides of

@@ -8,14 +8,16 @@
 #
 # BUDGET (seconds, default 560: one 600 s device call) bounds the whole script: later steps
 # shrink or are skipped. The tests need ~90 s with -n 4, so keep BUDGET >= 450 with SYNC_S=150.
-# BENCH=0 skips benchmarks/gpu_bench.py, SANITIZE=0 the compute-sanitizer step.
+# BENCH=0 skips benchmarks/gpu_bench.py (one GPU), SANITIZE=0 the compute-sanitizer step.
 # SYNC_S (seconds, default 150; 0 skips) is kept for benchmarks/sync_latency.py (one GPU:
-# CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_MODELS its models.
+# CPU-offloaded optimizer state <-> GPU, reshard vs per-tensor .to(device)), SYNC_SCENARIOS and
+# SYNC_MODELS its scenarios (scenario-major: the first ones get every model) and models.
 # SYNC_S comes out of the tests' and benchmarks' time: give BUDGET ~550 on one GPU. A longer run
 # of it: SYNC_S=450 SYNC_MODELS=gpt-125m,gpt-350m,gpt-760m,gpt-1.3b (BUDGET raised to match).
 # With >= 2 GPUs the default BUDGET is 520 and MULTI_S (default 270) is kept for the
 # multi-GPU step that runs last: tests/gpu/multi over NCCL (<= MULTI_TEST_S, default 170) and
-# benchmarks/nccl_bench.py (the rest); pytest_multi.log, nccl_bench.{json,md,png,txt,log}.
+# benchmarks/gpu_bench.py --mode multi (the rest); pytest_multi.log,
+# gpu_bench_multi.{json,md,png,txt,log}.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -25,7 +27,8 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 if ((NGPU >= 2)); then BUDGET=${BUDGET:-520} MULTI_S=${MULTI_S:-270}; else MULTI_S=0; fi
-BUDGET=${BUDGET:-560} MULTI_TEST_S=${MULTI_TEST_S:-170} status_multi=skipped status_nccl=skipped
+BUDGET=${BUDGET:-560} MULTI_TEST_S=${MULTI_TEST_S:-170}
+status_multi=skipped status_multi_bench=skipped
 T0=$(date +%s)
 # Until the multi-GPU step starts, MULTI_S is held back from every earlier step's time.
 RESERVE=$MULTI_S
@@ -117,7 +120,8 @@ print("no crash")' >"$OUT/diag.log" 2>&1
   ((t > SYNC_S + 30)) && t=$((SYNC_S + 30))
   if ((SYNC_S > 0 && t > 40)); then
     timeout "$t" $PY benchmarks/sync_latency.py --world 1 --device cuda --iters 20 \
-      --models "${SYNC_MODELS:-gpt-small,gpt-125m,gpt-350m}" --time-budget $((t - 80 > 20 ? t - 80 : 20)) \
+      --scenarios "${SYNC_SCENARIOS:-offload_fp32,offload_bf16,fsdp_offload,offload_back,fsdp_weight_sync}" \
+      --models "${SYNC_MODELS:-gpt-125m,gpt-350m}" --time-budget $((t - 80 > 20 ? t - 80 : 20)) \
       --json "$OUT/sync_latency_h200.json" >"$OUT/sync_latency.log" 2>&1
     rc=$?
     status_sync=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
@@ -144,7 +148,7 @@ print("no crash")' >"$OUT/diag.log" 2>&1
     tail -6 "$OUT/sanitizer.log"
   fi
 
-  # ---- multi-GPU, last: NCCL tests on 2 GPUs, then benchmarks/nccl_bench.py
+  # ---- multi-GPU, last: NCCL tests on 2 GPUs, then benchmarks/gpu_bench.py --mode multi
   if ((NGPU >= 2)); then
     RESERVE=0
     echo "== multi-GPU ($NGPU GPUs, $(left) s left)"
@@ -159,20 +163,20 @@ print("no crash")' >"$OUT/diag.log" 2>&1
     echo "multi tests: $status_multi ($(($(date +%s) - T0)) s)"
     t=$(( $(left) - 5 ))
     if ((t > 40)); then
-      timeout -k 10 "$t" $PY benchmarks/nccl_bench.py --out "$OUT" --time-cap $((t - 10)) \
-        >"$OUT/nccl_bench.txt" 2>"$OUT/nccl_bench.log"
+      timeout -k 10 "$t" $PY benchmarks/gpu_bench.py --mode multi --out "$OUT" \
+        --time-cap $((t - 10)) >"$OUT/gpu_bench_multi.txt" 2>"$OUT/gpu_bench_multi.log"
       rc=$?
-      status_nccl=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
-      tail -5 "$OUT/nccl_bench.log"
+      status_multi_bench=$([[ $rc == 0 ]] && echo ok || echo "rc=$rc")
+      tail -5 "$OUT/gpu_bench_multi.log"
     fi
-    echo "nccl_bench: $status_nccl ($(($(date +%s) - T0)) s)"
+    echo "gpu_bench --mode multi: $status_multi_bench ($(($(date +%s) - T0)) s)"
   fi
 fi
 
 echo
 echo "== summary ($(($(date +%s) - T0)) s): build $status_build, tests $status_tests," \
   "bench $status_bench, sync_latency $status_sync, sanitizer $status_san," \
-  "multi-GPU tests $status_multi, nccl_bench $status_nccl"
+  "multi-GPU tests $status_multi, multi-GPU bench $status_multi_bench"
 grep -E "passed|failed|error" "$OUT/pytest.log" 2>/dev/null | tail -1
 [[ -f $OUT/gpu_bench.md ]] && grep -vE "^(\{|\}| \")" "$OUT/gpu_bench.md" | head -60
-if [[ -f $OUT/nccl_bench.txt ]]; then cat "$OUT/nccl_bench.txt"; fi
+if [[ -f $OUT/gpu_bench_multi.txt ]]; then cat "$OUT/gpu_bench_multi.txt"; fi

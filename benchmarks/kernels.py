@@ -430,7 +430,7 @@ def validation_times(rows=64_000, repeats=5):
     sorted by dst; a transpose (every row's runs interleave with every other row's) in row
     order and in random order; and the transpose with every 7th row split in two rows of twice
     the stride. The median of `repeats` calls each, through ctypes on the loaded extension."""
-    lib = ctypes.CDLL(_ops._C.__file__)
+    lib = ctypes.CDLL(_ops.library_path())
     lib.rs_validate.restype = ctypes.c_int
     lib.rs_validate.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.rs_validate.argtypes += [ctypes.c_uint, ctypes.c_void_p]

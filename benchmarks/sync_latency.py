@@ -475,6 +475,8 @@ def aggregate(per_rank, meta):
                 row["zero_copy_bytes"] = sum(p.get("zero_copy_bytes", 0) for p in per)
                 row["phases_s"] = per[0].get("seconds")
                 row["registered_bytes"] = max(p.get("registered_bytes", 0) for p in per)
+                row["host_registration_s"] = max(p.get("host_registration_s", 0.0) for p in per)
+                row["local_h2d"] = per[0].get("local_h2d")
             if m == "reshard":
                 base = row
             rows.append(row)

@@ -180,12 +180,160 @@ __device__ __noinline__ void copy_scalar(const Params &p, int64_t r, int64_t k, 
   }
 }
 
+/* Short-run tiles (at most 32 rows): lane i loads row rlo + i with the prefix entries, the
+ * rows go to warp-private shared memory, every group of the lane resolves its row there (no
+ * global load between the tile's start and its data loads), all U data loads are issued as
+ * asynchronous copies into the warp's shared staging before the first store (no registers
+ * held across them), and groups that cross a run or are misaligned are copied element by
+ * element afterwards. Where the kernel has the registers for it (two_tiles), each warp keeps
+ * two short tiles in flight: the next tile's rows and loads are issued before the previous
+ * tile is stored. */
+constexpr int kStageWords = 2 * kUnroll * 32; /* 16-byte words of one tile's staging, per warp */
+struct WarpSmem {
+  uint4 *stage;   /* kStageWords */
+  rs_run *rows;   /* 32 */
+  int64_t *start; /* 32 */
+};
+__host__ __device__ constexpr int warp_smem_bytes(int bufs) {
+  return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8);
+}
+/* Two tiles in flight per warp hide a tile's descriptor and load latency behind the other's
+ * stores. The fp32 -> 16-bit casts hold two 16-byte loads per group and spill with a second
+ * tile's state, so they keep one. */
+__host__ __device__ constexpr bool two_tiles(int src_size, int dst_size) {
+  return !(src_size == 4 && dst_size == 2);
+}
+__host__ __device__ constexpr int smem_bufs(int src_size, int dst_size) {
+  return two_tiles(src_size, dst_size) ? 2 : 1;
+}
+__device__ __forceinline__ WarpSmem warp_smem(unsigned char *base, int bufs, int buf) {
+  unsigned char *w = base + (threadIdx.x >> 5) * warp_smem_bytes(bufs) + buf * warp_smem_bytes(1);
+  WarpSmem m;
+  m.stage = reinterpret_cast<uint4 *>(w);
+  m.rows = reinterpret_cast<rs_run *>(w + kStageWords * 16);
+  m.start = reinterpret_cast<int64_t *>(w + kStageWords * 16 + 32 * sizeof(rs_run));
+  return m;
+}
+extern __shared__ __align__(16) unsigned char rs_dyn_smem[];
+
+/* What the store half of a short tile needs. */
+struct ShortTile {
+  int64_t t0, t1, rlo, rhi;
+  uint64_t vec;    /* per group u, 6 bits at 6u: its row past rlo (bit 5: vectorized) */
+  unsigned scalar; /* groups copied element by element */
+};
+
+template <int SK, int DK>
+__device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, int64_t rhi,
+                                                 int64_t pre, int64_t t0, int64_t t1,
+                                                 const rs_run &my_row, const WarpSmem &m) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
+  constexpr int kSrcVec = V * sizeof(S) / 16;
+  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int lane = threadIdx.x & 31;
+  const int nrows = (int)(rhi - rlo) + 1; /* <= 32 */
+  /* prefix[rlo + lane]: lane 0 reads it, the others take their left neighbour's entry */
+  int64_t start = __shfl_up_sync(0xFFFFFFFFu, pre, 1);
+  if (lane == 0) start = __ldg(p.prefix + rlo);
+  /* row ends relative to the tile (they all lie past t0); INT_MAX from t1 on */
+  const int pre_rel = pre >= t1 ? 0x7FFFFFFF : (int)(pre - t0);
+  __syncwarp(); /* every lane is done with this buffer's previous tile */
+  if (lane < nrows) {
+    /* one row (a tile inside one strided row): the prefix entries were not loaded */
+    m.rows[lane] = nrows == 1 ? load_row(p.runs, rlo) : my_row;
+    m.start[lane] = start;
+  }
+  __syncwarp();
+
+  ShortTile st;
+  st.t0 = t0;
+  st.t1 = t1;
+  st.rlo = rlo;
+  st.rhi = rhi;
+  st.vec = 0;
+  st.scalar = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int k_rel = (u * 32 + lane) * V;
+    const int64_t k = t0 + k_rel;
+    int c = 0; /* rows of the tile starting at or before k, past rlo */
+#pragma unroll
+    for (int step = 16; step >= 1; step >>= 1) {
+      const int v = __shfl_sync(0xFFFFFFFFu, pre_rel, c + step - 1);
+      if (v <= k_rel) c += step;
+    }
+    if (k >= t1) continue;
+    int64_t si, di, left;
+    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    const S *sp = src + si;
+    if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)(dst + di)) & 15) == 0) {
+#pragma unroll
+      for (int w = 0; w < kSrcVec; ++w) {
+        const unsigned to =
+            (unsigned)__cvta_generic_to_shared(m.stage + (u * kSrcVec + w) * 32 + lane);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to),
+                     "l"(reinterpret_cast<const uint4 *>(sp) + w));
+      }
+      st.vec |= (uint64_t)(c | 32) << (6 * u);
+    } else {
+      st.scalar |= 1u << u;
+    }
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+  return st;
+}
+
+/* The store half: cast and store what short_issue staged (each lane reads back only what it
+ * staged itself; its cp.async group must be complete), then the element-wise groups. */
+template <int SK, int DK>
+__device__ __forceinline__ void short_finish(const Params &p, const ShortTile &st,
+                                             const WarpSmem &m) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
+  constexpr int kSrcVec = V * sizeof(S) / 16;
+  constexpr int kDstVec = V * sizeof(D) / 16;
+  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned cv = (unsigned)(st.vec >> (6 * u)) & 63u;
+    if (!(cv & 32u)) continue;
+    const int c = (int)(cv & 31u);
+    const int64_t k = st.t0 + (u * 32 + lane) * V;
+    int64_t si, di, left;
+    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    uint4 in[kSrcVec], out[kDstVec];
+#pragma unroll
+    for (int w = 0; w < kSrcVec; ++w) in[w] = m.stage[(u * kSrcVec + w) * 32 + lane];
+    const S *sv = reinterpret_cast<const S *>(in);
+    D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+    for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+    for (int w = 0; w < kDstVec; ++w) reinterpret_cast<uint4 *>(dst + di)[w] = out[w];
+  }
+  unsigned scalar = st.scalar;
+  while (scalar) {
+    const int u = __ffs(scalar) - 1;
+    scalar &= scalar - 1;
+    const int64_t k = st.t0 + (u * 32 + lane) * V;
+    copy_scalar<SK, DK>(p, find_row(p.prefix, st.rlo, st.rhi + 1, k), k, min(k + V, st.t1));
+  }
+}
+
 /* Each warp owns a contiguous range of tiles, so the row of its next tile is found by
  * stepping forward from the last one instead of a search over the whole table. Per tile:
  *  - one run covers the tile (long runs): addresses are affine in the lane, no per-group
  *    lookup, 16-byte accesses when both sides are aligned;
- *  - the tile spans at most 32 rows (short runs): each lane holds one prefix entry and the
- *    lanes find their groups' rows by a binary search over registers (shuffles);
+ *  - the tile spans at most 32 rows (short runs): short_issue / short_finish, each lane
+ *    holding one prefix entry and finding its groups' rows by a binary search over
+ *    registers (shuffles);
  *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows. */
 template <int SK, int DK>
 __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
@@ -198,6 +346,11 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
   static_assert(kSpan == 32 * U * V, "a tile is 32 lanes x U groups x V elements");
 
+  constexpr bool kTwoTiles = two_tiles(sizeof(S), sizeof(D));
+  constexpr int kBufs = smem_bufs(sizeof(S), sizeof(D));
+  int buf = 0;          /* kTwoTiles: the buffer the next short tile uses */
+  bool pending = false; /* kTwoTiles: a short tile issued but not stored yet */
+  ShortTile pend;
   const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
@@ -221,9 +374,11 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
     int64_t rhi = rlo;
     /* lane i holds prefix[rlo + 1 + i] (INT64_MAX past the table) */
     int64_t pre = INT64_MAX;
+    rs_run my_row;
     const int64_t rlo_end = __ldg(p.prefix + rlo + 1);
     if (rlo_end < t1) {
       pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
+      if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
       const unsigned below = __ballot_sync(0xFFFFFFFFu, pre <= t1 - 1);
       rhi = below == 0xFFFFFFFFu ? find_row(p.prefix, rlo, p.n, t1 - 1) : rlo + __popc(below);
     }
@@ -282,7 +437,27 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
       }
     }
 
-    /* several runs in the tile: per-group lookup, four groups at a time (registers) */
+    if (rhi - rlo < 32) {
+      const WarpSmem m = warp_smem(rs_dyn_smem, kBufs, buf);
+      const ShortTile st = short_issue<SK, DK>(p, rlo, rhi, pre, t0, t1, my_row, m);
+      if (kTwoTiles) {
+        if (pending) {
+          asm volatile("cp.async.wait_group 1;" ::: "memory");
+          short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
+        }
+        pend = st;
+        pending = true;
+        buf ^= 1;
+      } else {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        short_finish<SK, DK>(p, st, m);
+      }
+      rlo = rhi;
+      continue;
+    }
+
+    /* more than 32 rows in the tile (runs of a few elements): a per-lane binary search
+     * between the tile's rows, four groups at a time (registers) */
 #pragma unroll 1
     for (int h = 0; h < U; h += 4) {
       uint4 val[4][kSrcVec];
@@ -291,21 +466,8 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
       for (int uu = 0; uu < 4; ++uu) {
         dvec[uu] = -1;
         const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
-        int64_t r = rlo;
-        if (rhi != rlo) {
-          if (rhi - rlo < 32) { /* count of prefix[rlo+1..] <= k over the lanes' registers */
-            int c = 0;
-#pragma unroll
-            for (int step = 16; step >= 1; step >>= 1) {
-              const int64_t v = __shfl_sync(0xFFFFFFFFu, pre, c + step - 1);
-              if (v <= k) c += step;
-            }
-            r = rlo + c;
-          } else if (k < t1) {
-            r = find_row(p.prefix, rlo, rhi + 1, k);
-          }
-        }
         if (k >= t1) continue;
+        const int64_t r = find_row(p.prefix, rlo, rhi + 1, k);
         const rs_run row = load_row(p.runs, r);
         const int64_t row_start = __ldg(p.prefix + r);
         int64_t si, di, left;
@@ -334,6 +496,10 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
       }
     }
     rlo = rhi; /* the next tile starts in rhi or later */
+  }
+  if (kTwoTiles && pending) { /* the other paths use no shared memory: it could wait */
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
   }
 }
 
@@ -399,20 +565,28 @@ int sm_count(int device) {
   return cache[device];
 }
 
-/* Blocks of kThreads that fit on one multiprocessor, per kernel (read once; benign race). */
-int resident_blocks(kernel_fn fn) {
-  static kernel_fn fns[16];
-  static int counts[16];
-  for (int i = 0; i < 16; ++i) {
-    if (fns[i] == fn) return counts[i];
+/* Blocks of kThreads that fit on one multiprocessor, per kernel and device (read once; benign
+ * race). Shared memory beyond the default 48 KiB is opted into here, once per kernel and
+ * device (a function attribute is per device). */
+int resident_blocks(kernel_fn fn, int device, size_t smem) {
+  static kernel_fn fns[64];
+  static int devices[64], counts[64];
+  for (int i = 0; i < 64; ++i) {
+    if (fns[i] == fn && devices[i] == device) return counts[i];
   }
   int c = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, fn, kThreads, 0) != cudaSuccess || c < 1) {
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(reinterpret_cast<const void *>(fn),
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+    return -1;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, fn, kThreads, smem) != cudaSuccess ||
+      c < 1) {
     cudaGetLastError();
     c = 2;
   }
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < 64; ++i) {
     if (fns[i] == nullptr) {
+      devices[i] = device;
       counts[i] = c;
       fns[i] = fn;
       break;
@@ -441,13 +615,20 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
 
   int device = 0;
   RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
-  const int64_t span =
-      tile_elems((int)rs_dtype_size(src_dtype), (int)rs_dtype_size(dst_dtype)); /* = kernel's */
+  const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
+  const int64_t span = tile_elems(ss, ds); /* = kernel's */
+  /* warp-private shared memory of the short-run tiles (the kernel's own layout) */
+  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(smem_bufs(ss, ds));
   const int64_t tiles = (end - begin + span - 1) / span;
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
   /* One resident wave: each warp then walks a contiguous range of tiles. */
-  const int64_t cap = (int64_t)sm_count(device) * resident_blocks(fn);
+  const int resident = resident_blocks(fn, device, smem);
+  if (resident < 0) {
+    const cudaError_t e = cudaGetLastError();
+    return rs_cuda_fail(err, "copy_runs (CUDA): cudaFuncSetAttribute (shared memory)", e);
+  }
+  const int64_t cap = (int64_t)sm_count(device) * resident;
   if (blocks > cap) blocks = cap;
   if (blocks < 1) blocks = 1;
 
@@ -461,7 +642,7 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
   p.end = end;
   p.mode = (int)mode;
   cudaGetLastError(); /* a stale error from elsewhere must not be reported as ours */
-  fn<<<(unsigned)blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  fn<<<(unsigned)blocks, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
   RS_CUDA_TRY("copy_runs (CUDA): kernel launch", cudaGetLastError(), err);
   return RS_OK;
 }

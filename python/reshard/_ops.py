@@ -69,11 +69,16 @@ def is_built() -> bool:
 def build_info() -> dict:
     """The facts compiled into `reshard._C` (csrc/ops.cpp `reshard_build_info`): the torch it
     was built against, whether it has CUDA kernels, its archs, flags and the C core version."""
-    require_built()
-    lib = ctypes.CDLL(_C.__file__)
+    lib = ctypes.CDLL(library_path())
     fn = lib.reshard_build_info
     fn.restype = ctypes.c_char_p
     return json.loads(fn().decode())
+
+
+def library_path() -> str:
+    """The loaded extension's file: ctypes reaches the C core's `rs_*` symbols through it."""
+    require_built()
+    return _C.__file__
 
 
 def built_with_cuda() -> bool:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from . import _ops, staging
 from . import preflight as pf
 from .errors import TransferError
+from .h2d import HostToDevice, contiguous_spans
 from .report import STAGING_KINDS, Report
 from .rounds import RECV, SEND, build_rounds, local_tables
 
@@ -101,6 +102,8 @@ class _Engine:
         self.direct_locations = None
         self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
         self.broken = False  # a call failed after the agreement: never reuse these arenas
+        self._local_paths = (None, None)  # (key, (HostToDevice or None, other local tables))
+        self._spans = None  # per local table: its contiguous spans, or None
 
     def prepare(self) -> list[str]:
         """Build this rank's schedule and everything derived from it (once); return why it
@@ -167,6 +170,33 @@ class _Engine:
         out["device"] += self.staging.stage_device_bytes()
         return out
 
+    def local_paths(self, src: dict, dst: dict):
+        """(the batched CPU -> CUDA path of the local tables that qualify or None, the other
+        local tables), for the devices and dtypes of this call's buffers (reshard.h2d)."""
+        key = tuple(
+            (src[a].device, src[a].dtype, dst[b].device, dst[b].dtype) for a, b in self.local_pairs
+        )
+        if self._local_paths[0] == key:
+            return self._local_paths[1]
+        if self._spans is None:
+            self._spans = [contiguous_spans(t.desc.numpy()) for t in self.local]
+        here = torch.cuda.current_device() if torch.cuda.is_available() else None
+        batched, rest = [], []
+        for t, spans in zip(self.local, self._spans, strict=True):
+            s, d = src[t.src_location], dst[t.dst_location]
+            ok = (
+                spans is not None
+                and self.staging.ring is not None
+                and s.device.type == "cpu"
+                and d.device.type == "cuda"
+                and d.device.index == here
+                and d.element_size() <= s.element_size()
+            )
+            (batched if ok else rest).append((t, spans) if ok else t)
+        paths = (HostToDevice(batched) if batched else None, tuple(rest))
+        self._local_paths = (key, paths)
+        return paths
+
     def allocate(self, src: dict, dst: dict, need_ring: bool) -> None:
         """Lay out the rounds and allocate the staging (once), then check it against the
         plan's bound. `src` / `dst`: the validated buffers. A message skips the arena only
@@ -231,8 +261,12 @@ class _RoundLoop:
 
     def local(self):
         t0 = time.perf_counter()
-        for t in self.e.local:
-            self._copy(self.src[t.src_location], t.desc, self.dst[t.dst_location], "local")
+        if self.e.local:
+            batched, rest = self.e.local_paths(self.src, self.dst)
+            if batched is not None:
+                batched.run(self.src, self.dst, self.ring, self.e.staging.stage_device_bytes())
+            for t in rest:
+                self._copy(self.src[t.src_location], t.desc, self.dst[t.dst_location], "local")
         self.sec["local"] += time.perf_counter() - t0
 
     def post(self, rnd):
@@ -448,12 +482,14 @@ class Transfer:
     ):
         """budget_bytes_per_rank: cap each rank's total staging instead of (or as well as)
         the per-peer budget (see `reshard.plan`). register_host_sources: page-lock the CPU
-        source buffers in place (cudaHostRegister) on the first call, so every sync DMAs
-        straight from them (reshard.hostreg);
-        register_host_targets: the same for CPU target buffers (GPU -> CPU syncs DMA straight
-        into them). Undone by `close()`, on context exit, when a location's storage changes, or
-        on collection; each Report says what was done in `host_registration` (targets under its
-        "targets" key)."""
+        source buffers in place (cudaHostRegister), so syncs DMA straight from them
+        (reshard.hostreg); register_host_targets: the same for CPU target buffers (GPU -> CPU
+        syncs DMA straight into them). A call starts the registration on a thread after its
+        copies and no call waits for it: syncs bounce through the pinned ring until it is done
+        (`wait_host_registration()` waits for it). Undone by `close()`, on context exit, when a
+        location's storage changes, or on collection; each Report says what was done in
+        `host_registration` (targets under its "targets" key; "pending" while the thread
+        runs)."""
         from .planning import plan as make_plan
 
         t0 = time.perf_counter()
@@ -496,8 +532,8 @@ class Transfer:
     ):
         from .hostreg import HostRegistry
 
-        self._hostreg = HostRegistry() if register_host_sources else None
-        self._hostreg_targets = HostRegistry() if register_host_targets else None
+        self._hostreg = HostRegistry(background=True) if register_host_sources else None
+        self._hostreg_targets = HostRegistry(background=True) if register_host_targets else None
         self.plan, self._plan_seconds = plan, plan_seconds
         bad_timeout = pf.timeout_error(timeout)
         if bad_timeout:
@@ -528,14 +564,29 @@ class Transfer:
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
+        report = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
+        # After the copies: page-locking holds the driver, so a registration running during
+        # them would delay this call's copies as much as registering first.
         reg = _register(self._hostreg, src_buffers)
         reg_targets = _register(self._hostreg_targets, dst_buffers)
         if reg_targets is not None:
             reg = dict(reg or {}, targets=reg_targets)
-        report = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
         if reg is not None:
             report.host_registration = reg
         return report
+
+    def wait_host_registration(self) -> dict:
+        """Wait for the background host registration of this Transfer's buffers (if any) and
+        return what it did ({"sources": ..., "targets": ...}, as HostRegistry.wait says)."""
+        with _call_lock(resolve_group(self.group)[0], self._lock):
+            return {
+                side: registry.wait()
+                for side, registry in (
+                    ("sources", self._hostreg),
+                    ("targets", self._hostreg_targets),
+                )
+                if registry is not None
+            }
 
     def close(self) -> None:
         """Undo host registrations (if any). The Transfer stays usable (it re-registers)."""

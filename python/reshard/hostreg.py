@@ -9,10 +9,19 @@ storage changes identity, and undoes everything on `close()` / context exit / ga
     with HostRegistry() as reg:
         info = reg.sync({0: cpu_masters})   # registers once; later calls are no-ops
         ...                                 # stage_h2d(cpu_masters, ...) now goes direct
+
+Registering is slow (page-locking gigabytes takes a large fraction of a second), so a registry
+made with `background=True` registers on a thread instead: `sync` starts the work and returns
+at once, syncs meanwhile bounce through the pinned ring, and a later `sync` (or `wait()`)
+collects what the thread did. Page-locking changes no byte of the buffer, and the copy paths
+ask the driver per call whether a buffer is page-locked, so a registration completing during a
+sync is safe. Unregistering (a changed storage, `close()`) happens on the caller's thread
+between syncs, after the thread finished.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -32,8 +41,10 @@ def available() -> bool:
 class HostRegistry:
     """Registrations by location: {location: (storage, data_ptr, nbytes, registered_by_us)}."""
 
-    def __init__(self):
+    def __init__(self, background: bool = False):
+        self.background = background
         self._regs: dict = {}
+        self._job = None  # a background registration: (thread, work, results)
         self.total_register_s = 0.0
         self.total_unregister_s = 0.0
 
@@ -44,30 +55,76 @@ class HostRegistry:
     def sync(self, buffers: dict) -> dict:
         """Make every CPU tensor in `buffers` registered. Returns what this call did:
         {"registered": [locations], "unregistered": [locations], "already_pinned": [...],
-        "seconds": float, "registered_bytes": int (held now)}."""
+        "seconds": float (on this thread), "registered_bytes": int (held now)}; with
+        `background`, also "pending": [locations a thread is registering] and, once collected,
+        "background_seconds" (the thread's time) and "error" (a registration that failed)."""
         out = {"registered": [], "unregistered": [], "already_pinned": [], "seconds": 0.0}
         if not available():
             out["registered_bytes"] = 0
             return out
         t0 = time.perf_counter()
-        for loc, t in buffers.items():
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
-                continue
-            st = t.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
-            old = self._regs.get(loc)
-            if old is not None and old[1] == ptr and old[2] == nbytes:
-                continue
-            if old is not None:  # the location's storage changed: undo the old one first
-                self._undo(loc)
-                out["unregistered"].append(loc)
-            ours = bool(torch.ops.reshard.host_register(t))
-            self._regs[loc] = (st, ptr, nbytes, ours)
-            (out["registered"] if ours else out["already_pinned"]).append(loc)
+        self._collect(out, wait=False)
+        if self._job is not None:  # still running: storage changes are handled afterwards
+            out["pending"] = [w[0] for w in self._job[1]]
+        else:
+            work = []
+            for loc, t in buffers.items():
+                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+                    continue
+                st = t.untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+                old = self._regs.get(loc)
+                if old is not None and old[1] == ptr and old[2] == nbytes:
+                    continue
+                if old is not None:  # the location's storage changed: undo the old one first
+                    self._undo(loc)
+                    out["unregistered"].append(loc)
+                work.append((loc, t, st, ptr, nbytes))
+            if work and self.background:
+                results: list = []
+                th = threading.Thread(
+                    target=_register_all,
+                    args=(work, torch.cuda.current_device(), results),
+                    name="reshard-hostreg",
+                    daemon=True,
+                )
+                self._job = (th, work, results)
+                th.start()
+                out["pending"] = [w[0] for w in work]
+            elif work:
+                results = []
+                _register_all(work, None, results)
+                self._merge(results, out)
         out["seconds"] = time.perf_counter() - t0
         self.total_register_s += out["seconds"]
         out["registered_bytes"] = self.registered_bytes
         return out
+
+    def wait(self) -> dict:
+        """Wait for a background registration and collect it: what it did, as `sync` says."""
+        out = {"registered": [], "already_pinned": []}
+        self._collect(out, wait=True)
+        out["registered_bytes"] = self.registered_bytes
+        return out
+
+    def _collect(self, out: dict, wait: bool) -> None:
+        if self._job is None or (not wait and self._job[0].is_alive()):
+            return
+        th, _, results = self._job
+        th.join()
+        self._job = None
+        self._merge(results, out)
+
+    def _merge(self, results, out) -> None:
+        for loc, st, ptr, nbytes, ours, err, seconds in results:
+            if err is not None:
+                out.setdefault("error", []).append(f"location {loc}: {err}")
+            elif loc is not None:
+                self._regs[loc] = (st, ptr, nbytes, ours)
+                (out["registered"] if ours else out["already_pinned"]).append(loc)
+            if seconds is not None:
+                out["background_seconds"] = seconds
+                self.total_register_s += seconds
 
     def _undo(self, loc) -> None:
         st, _, _, ours = self._regs.pop(loc)
@@ -78,6 +135,7 @@ class HostRegistry:
 
     def close(self) -> list:
         """Undo every registration (idempotent). Returns the locations undone."""
+        self._collect({"registered": [], "already_pinned": []}, wait=True)
         done = []
         for loc in list(self._regs):
             self._undo(loc)
@@ -96,3 +154,20 @@ class HostRegistry:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the CUDA context may be gone
             pass
+
+
+def _register_all(work, device, results) -> None:
+    """Registers each (location, tensor, storage, ptr, nbytes) of `work`, appending
+    (location, storage, ptr, nbytes, registered by us, error, None) per item and, on a thread
+    (`device` given), one final (None, ..., seconds) entry with the time it took."""
+    t0 = time.perf_counter()
+    if device is not None:
+        torch.cuda.set_device(device)  # a new thread's current device is 0
+    for loc, t, st, ptr, nbytes in work:
+        try:
+            ours = bool(torch.ops.reshard.host_register(t))
+            results.append((loc, st, ptr, nbytes, ours, None, None))
+        except RuntimeError as exc:
+            results.append((loc, st, ptr, nbytes, False, str(exc), None))
+    if device is not None:
+        results.append((None, None, 0, 0, False, None, time.perf_counter() - t0))

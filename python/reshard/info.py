@@ -18,8 +18,8 @@ def build_info() -> dict:
     from . import _ops
 
     info = dict(_ops.build_info())
-    info["path"] = _ops._C.__file__
-    level = ctypes.CDLL(_ops._C.__file__).rs_cpu_capability()
+    info["path"] = _ops.library_path()
+    level = ctypes.CDLL(info["path"]).rs_cpu_capability()
     info["cast_isa"] = ("baseline", "avx2", "avx512")[level]
     return info
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _faults as F  # noqa: E402
 import _refplan  # noqa: E402
 import _scenarios as S  # noqa: E402
 
@@ -105,17 +106,13 @@ def w_repeat(rank, world, planner, n):
     return errs, rss, allocs, len(set(ptrs)), rep.rounds
 
 
-PREFLIGHT_KINDS = (
-    "dtype",
-    "short",
-    "foreign",
-    "missing",
-    "alias",
-    "fingerprint",
-    "notready",
-    "oom",
-    "device",
-)
+# the shared faults (_faults.py) plus two only this executor has: the staging allocation fails
+# on one rank ("oom"), a buffer on a device the gloo transport cannot use ("device")
+PREFLIGHT_KINDS = F.PREFLIGHT_KINDS + ("oom", "device")
+
+
+def _no_memory(self, nbytes, pinned):
+    raise torch.OutOfMemoryError(f"cannot allocate {nbytes} bytes (injected)")
 
 
 def w_preflight(rank, world, planner, kinds):
@@ -135,40 +132,15 @@ def w_preflight(rank, world, planner, kinds):
         for bad in range(world):
             sb = S.source_buffers(src, values, rank)
             db = dst.empty(rank)
-            before = {k: t.clone() for k, t in db.items()}
             p, checks = plan, ()
-            if rank == bad:
+            if rank == bad and kind == "oom":  # the staging allocation fails on this rank only
+                Staging._alloc = _no_memory
+            elif rank == bad and kind == "device":
                 sloc = next(iter(sb))
-                if kind == "dtype":
-                    sb[sloc] = sb[sloc].to(torch.float16)
-                elif kind == "short":
-                    sb[sloc] = sb[sloc][:-1]
-                elif kind == "foreign":  # a location owned by the next rank
-                    peer = (rank + 1) % world
-                    loc = next(loc for loc, s in src.storages.items() if s.rank == peer)
-                    sb[loc] = torch.zeros(src.storages[loc].numel)
-                elif kind == "missing":
-                    del sb[sloc]
-                elif kind == "alias":  # the largest target is a view of a source's memory
-                    dloc = max(db, key=lambda k: db[k].numel())
-                    db[dloc] = sb[sloc].view(torch.bfloat16)[: db[dloc].numel()]
-                    before[dloc] = db[dloc].clone()
-                elif kind == "fingerprint":
-                    p = other
-                elif kind == "notready":
-
-                    def not_ready():
-                        raise rs.NotReadyError("exp_avg does not exist before the first step")
-
-                    checks = (not_ready,)
-                elif kind == "oom":  # the staging allocation fails on this rank only
-
-                    def no_memory(self, nbytes, pinned):
-                        raise torch.OutOfMemoryError(f"cannot allocate {nbytes} bytes (injected)")
-
-                    Staging._alloc = no_memory
-                elif kind == "device":  # a buffer on a device the gloo transport cannot use
-                    sb[sloc] = sb[sloc].to("meta")
+                sb[sloc] = sb[sloc].to("meta")
+            elif rank == bad:
+                p, checks = F.break_inputs(kind, rank, world, src, sb, db, plan, other)
+            before = {k: t.clone() for k, t in db.items()}  # after the break: aliases included
             try:
                 rs.execute(p, sb, db, checks=checks)
                 errs.append(f"{kind} on rank {bad}: no PreflightError on rank {rank}")
@@ -189,7 +161,6 @@ def w_preflight(rank, world, planner, kinds):
 def w_killed(rank, world, planner, victim, mode, timeout):
     """`victim` dies (or stalls) in the middle of the rounds; the others must raise
     TransferError within the timeout."""
-    import reshard.executor as ex
     from tests._spawn import die
 
     shapes = S.model_shapes()
@@ -201,18 +172,7 @@ def w_killed(rank, world, planner, victim, mode, timeout):
     if rank == victim and mode == "die_in_preflight":
         checks = (die,)  # dies inside the local checks, before the collective exchange
     elif rank == victim:
-        real = ex._copy_runs_op()
-        calls = [0]
-
-        def dying(s, d, o):
-            calls[0] += 1
-            if calls[0] == 5:
-                if mode == "die":
-                    die()
-                time.sleep(timeout * 2)
-            return real(s, d, o)
-
-        ex._copy_runs_op = lambda: dying
+        F.die_in_rounds(mode, timeout)
     t0 = time.monotonic()
     try:
         db = dst.empty(rank)
@@ -448,6 +408,18 @@ def _outcome(fn):
         return (type(exc).__name__, str(exc), getattr(exc, "failures", None))
 
 
+def _run_threads(worker, n, timeout) -> bool:
+    """worker(0) .. worker(n-1) on n threads at once; whether all finished within `timeout` s."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    return not any(th.is_alive() for th in threads)
+
+
 def w_threads(rank, world, calls):
     """Two threads per rank call one Transfer at the same time, `calls` times each, with the
     same sources and their own targets: every call succeeds and every target is exact."""
@@ -473,12 +445,7 @@ def w_threads(rank, world, calls):
                 return
             errs.extend(f"thread {i} call {c}: {m}" for m in S.mismatches(db, want))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(120)
-    if any(th.is_alive() for th in threads):
+    if not _run_threads(worker, 2, 120):
         errs.append("a thread did not finish")
     return errs
 
@@ -518,12 +485,7 @@ def w_threads_two_transfers(rank, world, calls):
                 errs.append(f"thread {i} call {c}: {type(exc).__name__}: {exc}")
                 return
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(200)
-    if any(th.is_alive() for th in threads):
+    if not _run_threads(worker, 2, 200):
         errs.append("a thread did not finish")
     return errs, outcomes
 

@@ -120,6 +120,7 @@ def test_preflight_failures_are_collective(tmp_path):
     assert "is owned by rank 2, not 1" in msgs["foreign"]
     assert "is missing" in msgs["missing"]
     assert "aliases source location" in msgs["alias"]
+    assert "alias: both would write the same bytes" in msgs["alias_targets"]
     assert "fingerprint" in msgs["fingerprint"]
     assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
     assert "staging allocation failed: OutOfMemoryError: cannot allocate" in msgs["oom"]

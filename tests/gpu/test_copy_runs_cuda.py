@@ -74,6 +74,55 @@ def test_misaligned(pair, offsets):
     assert_same(out, cpu, nan_exact=True)
 
 
+def _tile_elems(src_size, dst_size):
+    """Work elements of one warp tile (copy_runs.cu: tile_elems): 32 lanes x U groups of V."""
+    v = 16 // min(src_size, dst_size)
+    u = 8 // (v * max(src_size, dst_size) // 16)
+    return 32 * u * v, v
+
+
+def _short_run_table(rng, lens, count_max, aligned, v):
+    """Rows of the given run lengths (count 1..count_max, strided when > 1), in random order,
+    with empty rows mixed in; offsets multiples of v when aligned (whole 16-byte groups),
+    anything otherwise."""
+    rows, dpos, src_need = [], int(rng.integers(0, 3)) * (v if aligned else 1), 0
+    for ln in lens:
+        ct = int(rng.integers(1, count_max + 1))
+        gap = int(rng.integers(0, 3)) * v if aligned else int(rng.integers(0, 5))
+        so = int(rng.integers(0, 4000)) * (v if aligned else 1) + (0 if aligned else 1)
+        ss = ln + gap
+        ds = ln + gap
+        rows.append((so, ss, dpos, ds, ln, ct))
+        dpos += (ct - 1) * ds + ln + gap
+        src_need = max(src_need, so + (ct - 1) * ss + ln)
+        if rng.random() < 0.05:  # an empty row (zero length or zero count) in between
+            rows.append((0, 0, dpos, 0, 0, 1) if rng.random() < 0.5 else (0, 1, dpos, 1, 3, 0))
+    desc = np.array(rows, dtype=np.int64)[rng.permutation(len(rows))]
+    return desc, src_need + 3, dpos + 1
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "misaligned"])
+def test_short_run_tiles(pair, aligned):
+    """Tiles of 2..33 rows (the short-run path stages a tile's rows in shared memory and loads
+    every group before storing): run lengths around tile/32 (32 and 33 rows per tile), whole
+    and partial 16-byte groups, groups that cross runs and rows, strided rows, empty rows,
+    aligned and misaligned offsets; against the reference and the CPU op, bit for bit."""
+    sdt, ddt = pair
+    tile, v = _tile_elems(sdt.itemsize, ddt.itemsize)
+    rng = np.random.default_rng(17 + sdt.itemsize * 3 + ddt.itemsize)
+    for base in sorted({tile // 32 - 1, tile // 32, tile // 32 + 1, tile // 16, 2 * v, v + 1}):
+        for count_max in (1, 3):
+            lens = rng.integers(max(1, base - 1), base + 2, 400)
+            if aligned:
+                lens = np.maximum(v, lens // v * v)
+            desc, sn, dn = _short_run_table(rng, lens.tolist(), count_max, aligned, v)
+            src = random_values(rng, sn, sdt)
+            out, cpu, ref = run_both(src, desc, ddt, dn, *((0, 0) if aligned else (1, 3)))
+            assert_same(out, ref)
+            assert_same(out, cpu, nan_exact=True)
+
+
 @pytest.mark.parametrize("pair", FLOAT_PAIRS, ids=_ids)
 def test_every_bit_pattern(pair):
     """All 65536 16-bit patterns and 4M random 32-bit patterns (NaN payloads, subnormals,

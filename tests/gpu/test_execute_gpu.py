@@ -117,12 +117,14 @@ def test_transfer_registers_host_targets_in_place():
     before = {k: v.clone() for k, v in dev.items()}
     back = torch.full((numel,), -777.0)
     with rs.Transfer(dst_l, src_l, register_host_targets=True) as sync:
+        rep = sync(dev, {0: back})  # starts the registration on a thread, does not wait
+        assert rep.host_registration["targets"]["pending"] == [0]
+        assert sync.wait_host_registration()["targets"]["registered"] == [0] and back.is_pinned()
         with StageCalls() as calls:
             rep = sync(dev, {0: back})
-        assert rep.host_registration["targets"]["registered"] == [0] and back.is_pinned()
         assert calls.stats and calls.stats[-1].direct_copies > 0  # direct D2H rows, no bounce
-        rep = sync(dev, {0: back})
         assert rep.host_registration["targets"]["registered"] == []
+        assert "pending" not in rep.host_registration["targets"]
     assert not back.is_pinned()
     off = 0
     for shp in SHAPES:
@@ -144,7 +146,13 @@ def test_transfer_registers_host_sources_in_place():
     dst = {k: torch.full_like(v, -777.0, device="cuda") for k, v in expected.items()}
     with rs.Transfer(src_l, dst_l, register_host_sources=True) as sync:
         rep = sync({0: flat}, dst)
-        assert rep.host_registration["registered"] == [0] and flat.is_pinned()
+        assert rep.host_registration["pending"] == [0]
+        for k, v in expected.items():  # right while the registration runs
+            assert torch.equal(dst[k].cpu(), v)
+        assert sync.wait_host_registration()["sources"]["registered"] == [0]
+        assert flat.is_pinned()
+        for v in dst.values():
+            v.fill_(-777.0)
         rep = sync({0: flat}, dst)
         assert rep.host_registration["registered"] == [] and flat.is_pinned()
         torch.cuda.synchronize()
@@ -153,6 +161,8 @@ def test_transfer_registers_host_sources_in_place():
         other = flat.clone()  # a new storage for location 0: the old one is released
         rep = sync({0: other}, dst)
         assert rep.host_registration["unregistered"] == [0]
+        assert rep.host_registration["pending"] == [0]
+        sync.wait_host_registration()
         assert not flat.is_pinned() and other.is_pinned()
     assert not other.is_pinned()  # context exit undid it
     with HostRegistry() as reg:  # memory from the pinned allocator is left alone

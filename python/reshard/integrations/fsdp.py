@@ -12,7 +12,7 @@ as in the DeepSpeed integration, so layouts of both frameworks plan against each
 - "exp_avg" | "exp_avg_sq": a torch.optim Adam/AdamW moment of every parameter the optimizer
   holds, keyed by the sharded parameter; a DTensor with the parameter's placements.
 
-The geometry is the parameters' DTensor placements (reshard.integrations.dtensor): FSDP shards
+The geometry is the parameters' DTensor placements (reshard.integrations.dtensor_geometry): FSDP shards
 dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks hold fewer rows
 or none; FSDP2 pads their shard to equal size, and that padding lies outside the local tensor,
 so no piece covers it and a transfer never reads or writes it. HSDP adds a Replicate mesh dim
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from reshard.errors import NotReadyError, UnsupportedError
 
-from . import dtensor as _dt
+from .dtensor import describe_entries
+from .dtensor_geometry import PlacementOp, entry, mesh_ranks, placement_ops, segments
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -119,17 +120,17 @@ def _ops(name, p):
     DTensor's own redistribution would be wrong too: refuse.
     """
     spec = p._spec
-    ops = _dt._placement_ops(name, spec.placements, p.ndim)
-    strided = [op for op in ops if op[1] == "strided"]
+    ops = placement_ops(name, spec.placements, p.ndim)
+    strided = [op for op in ops if op.kind == "strided"]
     if strided:
         import numpy as np
 
-        fsdp_order = [op for op in ops if op[1] != "strided"]
-        fsdp_order += [(m, "shard", d, 1) for m, _, d, _ in strided]
-        mesh_shape = _dt._mesh_ranks(spec.mesh).shape
+        fsdp_order = [op for op in ops if op.kind != "strided"]
+        fsdp_order += [PlacementOp(op.mesh_dim, "shard", op.dim, 1) for op in strided]
+        mesh_shape = mesh_ranks(spec.mesh).shape
         for coord in np.ndindex(*mesh_shape):
-            a = _dt._segments(tuple(p.shape), mesh_shape, coord, ops)
-            b = _dt._segments(tuple(p.shape), mesh_shape, coord, fsdp_order)
+            a = segments(tuple(p.shape), mesh_shape, coord, ops)
+            b = segments(tuple(p.shape), mesh_shape, coord, fsdp_order)
             if a != b:
                 raise UnsupportedError(
                     f"{name!r}: FSDP2 over TP with shape {tuple(p.shape)} on mesh "
@@ -180,57 +181,72 @@ def describe(module, kind: str, optimizer=None, group=None):
     if kind == "param" and optimizer is not None:
         raise ValueError("kind 'param' takes no optimizer")
     params = _sharded_params(module)
+    chosen = params if kind == "param" else _optimized(params, optimizer)
+    entries = [entry(n, p, _ops(n, p)) for n, p in chosen]
     if kind == "param":
-        chosen = params
-        what = "FSDP2 param"
+        locals_ = _param_locals(module, chosen)
     else:
-        import torch
+        locals_ = _moment_locals(module, chosen, optimizer, kind)
+    return describe_entries(f"FSDP2 {kind}", entries, locals_, group)
 
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UnsupportedError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        held = {id(q) for g in optimizer.param_groups for q in g["params"]}
-        known = {id(p) for _, p in params}
-        if held - known:
-            raise UnsupportedError(
-                f"the optimizer holds {len(held - known)} tensors that are not this module's "
-                "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
-                "replaced since?)"
-            )
-        chosen = [(n, p) for n, p in params if id(p) in held]
-        what = f"FSDP2 {kind}"
-    entries = [_dt._entry(n, p, _ops(n, p)) for n, p in chosen]
+
+def _optimized(params, optimizer):
+    """[(name, sharded parameter)] the optimizer holds; every tensor it holds must be one."""
+    import torch
+
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+    known = {id(p) for _, p in params}
+    if held - known:
+        raise UnsupportedError(
+            f"the optimizer holds {len(held - known)} tensors that are not this module's "
+            "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
+            "replaced since?)"
+        )
+    return [(n, p) for n, p in params if id(p) in held]
+
+
+def _param_locals(module, chosen):
+    """() -> the described parameters' local tensors; NotReadyError once one was replaced
+    (re-fully_shard or an assign-load replaces the parameter objects themselves)."""
     names = [n for n, _ in chosen]
-    if kind == "param":
-        # the parameter objects themselves: re-fully_shard / an assign-load replaces them
-        described = [p for _, p in chosen]
+    described = [p for _, p in chosen]
 
-        def locals_():
-            now = dict(_sharded_params(module))
-            missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
-            if missing:
-                raise NotReadyError(
-                    f"parameters {missing[:8]} were replaced since describe() "
-                    "(load_state_dict(assign=True)?): describe() again"
-                )
-            return [p._local_tensor for p in described]
-    else:
-        opt_name = type(optimizer).__name__
-        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+    def locals_():
+        now = dict(_sharded_params(module))
+        missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
+        if missing:
+            raise NotReadyError(
+                f"parameters {missing[:8]} were replaced since describe() "
+                "(load_state_dict(assign=True)?): describe() again"
+            )
+        return [p._local_tensor for p in described]
 
-        def locals_():
-            _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
-            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
-            replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
-            if replaced:
-                raise NotReadyError(
-                    f"{kind} of {replaced[:8]} replaced since describe() "
-                    "(optimizer.load_state_dict?): describe() again"
-                )
-            return [m._local_tensor for m in now]
+    return locals_
 
-    return _dt._live(what, entries, locals_, group)
+
+def _moment_locals(module, chosen, optimizer, kind):
+    """() -> the `kind` moments' local tensors; NotReadyError while the module is unsharded
+    or once a moment was replaced (optimizer.load_state_dict)."""
+    names = [n for n, _ in chosen]
+    opt_name = type(optimizer).__name__
+    moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+
+    def locals_():
+        _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
+        now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+        replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
+        if replaced:
+            raise NotReadyError(
+                f"{kind} of {replaced[:8]} replaced since describe() "
+                "(optimizer.load_state_dict?): describe() again"
+            )
+        return [m._local_tensor for m in now]
+
+    return locals_
 
 
 def init_adam_state(optimizer, step) -> None:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ._demo_report import print_sync, verdict
+from ._demo_common import compare, model, print_syncs_and_verdict, split_targets, summary
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -31,31 +31,14 @@ def _full(dt, device):
     return moved.full_tensor().cpu()
 
 
-def _report(r):
-    return {
-        "rounds": r.rounds,
-        "sent": r.total_bytes_sent,
-        "received": r.total_bytes_received,
-        "local": r.local_bytes,
-        "total_s": r.seconds["total"],
-        "held": sum(r.peak_staging_bytes.values()),
-        "bound": sum(r.staging_bound.values()),
-    }
-
-
-def run_rank(rank, world, backend, cfg):
-    """One rank of the demo (process group already initialized); a JSON-able result."""
+def _sharded_model(world, backend, cfg, device):
+    """The demo model under fully_shard (per layer and at the root), fp32 params and AdamW state
+    offloaded to CPU, bf16 compute; and its optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    import reshard as rs
-    from reshard.integrations import fsdp as rsfsdp
-    from reshard.integrations.deepspeed_demo import _compare, _model, _split_targets
-
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", (world,))
-    hidden, ffn, vocab, layers = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"]
-    net = _model(hidden, ffn, vocab, layers).to(device)
+    net = model(cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"]).to(device)
     policy = {
         "offload_policy": CPUOffloadPolicy(pin_memory=backend == "nccl"),
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
@@ -63,52 +46,79 @@ def run_rank(rank, world, backend, cfg):
     for layer in net.layers:
         fully_shard(layer, mesh=mesh, **policy)
     fully_shard(net, mesh=mesh, **policy)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def _train_and_sync(net, opt, rank, world, cfg, device):
+    """Train cfg["steps"] steps, the sharded params -> TP rollout buffers after each one with one
+    reused Transfer; returns (rollout layout, buffers, last Report, first Report, last loss)."""
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
     tp = 2 if world % 2 == 0 else world
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
-
     live = rsfsdp.describe(net, "param")
-    roll_layout, roll_bufs = _split_targets(
+    roll_layout, roll_bufs = split_targets(
         rs, live.layout, groups, torch.bfloat16, device, tp_rules=True
     )
     sync = rs.Transfer(live.layout, roll_layout, budget_bytes_per_peer=cfg["budget"])
     g = torch.Generator().manual_seed(1000 + rank)
     first = None
     for _ in range(cfg["steps"]):
-        tokens = torch.randint(0, vocab, (2, 16), generator=g).to(device)
+        tokens = torch.randint(0, cfg["vocab"], (2, 16), generator=g).to(device)
         loss = net(tokens).float().logsumexp(-1).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         report = sync(live, roll_bufs)  # preflight runs live.check() on every rank
         first = first or report
-    params = dict(net.named_parameters())
-    full = {n: _full(p, device) for n, p in params.items()}
-    bad, checked = _compare(roll_layout, roll_bufs, full, "rollout")
+    return roll_layout, roll_bufs, report, first, loss
 
-    # the CPU-offloaded fp32 params and moments into a CPU snapshot split over all ranks
-    reports = {"rollout": _report(report)}
+
+def _snapshot_and_compare(net, opt, world, cfg, device, full, reports):
+    """The CPU-offloaded fp32 params and moments into a CPU snapshot split over all ranks,
+    compared with full_tensor(); fills `reports`, returns (bad, checked)."""
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    params = dict(net.named_parameters())
+    bad, checked = [], 0
     for kind in KINDS:
         live = rsfsdp.describe(net, kind, **({} if kind == "param" else {"optimizer": opt}))
-        snap_layout, snap_bufs = _split_targets(
+        snap_layout, snap_bufs = split_targets(
             rs, live.layout, [list(range(world))], torch.float32, "cpu"
         )
         rep = rs.Transfer(live.layout, snap_layout, budget_bytes_per_peer=cfg["budget"])(
             live, snap_bufs
         )
-        reports[kind] = _report(rep)
+        reports[kind] = summary(rep)
         want = (
             full
             if kind == "param"
             else {n: _full(opt.state[p][kind], device) for n, p in params.items()}
         )
-        b, c = _compare(snap_layout, snap_bufs, want, kind)
+        b, c = compare(snap_layout, snap_bufs, want, kind)
         bad += b
         checked += c
+    return bad, checked
+
+
+def run_rank(rank, world, backend, cfg):
+    """One rank of the demo (process group already initialized); a JSON-able result."""
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    net, opt = _sharded_model(world, backend, cfg, device)
+    roll_layout, roll_bufs, report, first, loss = _train_and_sync(
+        net, opt, rank, world, cfg, device
+    )
+    params = dict(net.named_parameters())
+    full = {n: _full(p, device) for n, p in params.items()}
+    bad, checked = compare(roll_layout, roll_bufs, full, "rollout")
+    reports = {"rollout": summary(report)}
+    b, c = _snapshot_and_compare(net, opt, world, cfg, device, full, reports)
     return {
-        "bad": bad,
+        "bad": bad + b,
         "params": sum(math.prod(p.shape) for p in params.values()),
-        "elements_checked": checked,
+        "elements_checked": checked + c,
         "loss": float(loss.detach()),
         "first_sync_s": first.seconds["total"],
         "reports": reports,
@@ -124,13 +134,4 @@ def print_report(results, world, backend, cfg, wall):
     print("  after each step: sharded fp32 params (CPU) -> bf16 TP=2 rollout buffers")
     print("  after the last step: params + exp_avg + exp_avg_sq (CPU) -> CPU snapshot")
     print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
-    for r, x in enumerate(results):
-        for kind, rep in x["reports"].items():
-            print_sync(r, kind, rep, rep["held"], rep["bound"])
-    over = [
-        (r, k)
-        for r, x in enumerate(results)
-        for k, rep in x["reports"].items()
-        if rep["held"] > rep["bound"]
-    ]
-    return verdict(results, over, "DTensor.full_tensor()", wall)
+    return print_syncs_and_verdict(results, "DTensor.full_tensor()", wall)

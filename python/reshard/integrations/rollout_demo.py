@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ._demo_report import print_sync, verdict
+from ._demo_common import KIB, deepspeed_env, print_syncs_and_verdict, summary
 
 BUCKET_BYTES = 256 << 10  # small on purpose: the demo model streams in several buckets
 TP = 2
@@ -49,15 +49,10 @@ def _bits(t):
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-def run_rank(rank, world, backend, cfg):
-    """One rank of the demo (process group already initialized); a JSON-able result."""
-    os.environ.setdefault("DS_ACCELERATOR", "cuda" if backend == "nccl" else "cpu")
-    os.environ.update(
-        LOCAL_RANK=str(rank if backend != "nccl" else torch.cuda.current_device()),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_SIZE=str(world),
-    )
+def _engine(rank, world, backend, cfg):
+    """The HF Llama under a real ZeRO-3 engine with its optimizer offloaded to CPU, as a
+    launcher would make it; returns (engine, HF config)."""
+    deepspeed_env(rank, world, backend)
     # DeepSpeed's CPU shared-memory allreduce names its segment after MASTER_ADDR/PORT (unset
     # under a FileStore): the launcher's pid keeps concurrent runs on one machine apart.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -65,10 +60,6 @@ def run_rank(rank, world, backend, cfg):
     import deepspeed
     import transformers
     from deepspeed.utils import logger
-
-    import reshard as rs
-    from reshard.integrations import deepspeed as rsds
-    from reshard.integrations import vllm as rsvllm
 
     logger.setLevel(logging.ERROR)
     hf = _config(cfg)
@@ -87,13 +78,13 @@ def run_rank(rank, world, backend, cfg):
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    device = engine.device
+    return engine, hf
 
-    live = rsds.describe(engine, "param")
-    stream = rs.Stream(live.layout, receivers=[0], bucket_bytes=BUCKET_BYTES, device=device)
-    hosts = [0, 1 % world]
-    tgt = rsvllm.tp_layout(hf, TP, hosts, dtype=torch.bfloat16)
-    vllm_params = {  # the 'engine' parameters of the TP ranks this process hosts, poisoned
+
+def _vllm_targets(tgt, hosts, rank, device):
+    """The 'engine' parameters of the TP ranks this process hosts, NaN-poisoned, and the
+    {location: buffer} the Transfer writes: ({tp rank: {name: tensor}}, buffers)."""
+    vllm_params = {
         r: {
             n: torch.full(s, float("nan"), dtype=torch.bfloat16, device=device)
             for n, s in tgt.shapes.items()
@@ -104,6 +95,46 @@ def run_rank(rank, world, backend, cfg):
     dst = {}
     for r, params in vllm_params.items():
         dst.update(tgt.buffers(params, r))
+    return vllm_params, dst
+
+
+def _check_step(step, rank, engine, engine_weights, vllm_params, tgt):
+    """References without reshard (DeepSpeed's gather; vLLM's loader on the full weights)
+    against the streamed weights and the TP parameters: (bad, checked, named parameters)."""
+    import deepspeed
+
+    bad, checked = [], 0
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params]):
+        full = {n: p.data.detach().clone() for n, p in params}
+    for n, w in engine_weights.items() if rank == 0 else ():
+        checked += w.numel()
+        if not torch.equal(_bits(w), _bits(full[n])):
+            bad.append(f"step {step}: streamed {n} differs from GatheredParameters")
+    for r, got in vllm_params.items():
+        want = {n: torch.full(s, float("nan"), dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+        for n, t in full.items():
+            tgt.load(n, t.cpu(), r, want)
+        for n, w in want.items():
+            checked += w.numel()
+            if not torch.equal(_bits(got[n]), _bits(w)):
+                bad.append(f"step {step}: TP rank {r} {n} differs from vLLM's loader")
+    return bad, checked, params
+
+
+def run_rank(rank, world, backend, cfg):
+    """One rank of the demo (process group already initialized); a JSON-able result."""
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+    from reshard.integrations import vllm as rsvllm
+
+    engine, hf = _engine(rank, world, backend, cfg)
+    device = engine.device
+    live = rsds.describe(engine, "param")
+    stream = rs.Stream(live.layout, receivers=[0], bucket_bytes=BUCKET_BYTES, device=device)
+    hosts = [0, 1 % world]
+    tgt = rsvllm.tp_layout(hf, TP, hosts, dtype=torch.bfloat16)
+    vllm_params, dst = _vllm_targets(tgt, hosts, rank, device)
     tp_sync = rs.Transfer(live.layout, tgt.layout, budget_bytes_per_peer=cfg["budget"])
     engine_weights = {}  # rank 0's 'inference engine': HF-named full tensors
     g = torch.Generator().manual_seed(1000 + rank)
@@ -119,37 +150,10 @@ def run_rank(rank, world, backend, cfg):
             engine_weights[name].copy_(tensor)  # what load_weights does
         stream_reports.append(stream.report)
         tp_reports.append(tp_sync(live, dst))
-        # references, without reshard: DeepSpeed's gather, vLLM's loader on the full weights
-        params = list(engine.module.named_parameters())
-        with deepspeed.zero.GatheredParameters([p for _, p in params]):
-            full = {n: p.data.detach().clone() for n, p in params}
-        for n, w in engine_weights.items() if rank == 0 else ():
-            checked += w.numel()
-            if not torch.equal(_bits(w), _bits(full[n])):
-                bad.append(f"step {step}: streamed {n} differs from GatheredParameters")
-        for r, got in vllm_params.items():
-            want = {
-                n: torch.full(s, float("nan"), dtype=torch.bfloat16) for n, s in tgt.shapes.items()
-            }
-            for n, t in full.items():
-                tgt.load(n, t.cpu(), r, want)
-            for n, w in want.items():
-                checked += w.numel()
-                if not torch.equal(_bits(got[n]), _bits(w)):
-                    bad.append(f"step {step}: TP rank {r} {n} differs from vLLM's loader")
+        b, c, params = _check_step(step, rank, engine, engine_weights, vllm_params, tgt)
+        bad += b
+        checked += c
     engine.destroy()
-
-    def summary(r):
-        return {
-            "rounds": r.rounds,
-            "sent": r.total_bytes_sent,
-            "received": r.total_bytes_received,
-            "local": r.local_bytes,
-            "total_s": r.seconds["total"],
-            "held": dict(r.peak_staging_bytes),
-            "bound": dict(r.staging_bound),
-        }
-
     return {
         "bad": bad,
         "params": sum(math.prod(getattr(p, "ds_shape", p.shape)) for _, p in params),
@@ -157,16 +161,14 @@ def run_rank(rank, world, backend, cfg):
         "buckets": len(stream.buckets),
         "buffer_bytes": stream.buffer_bytes if rank == 0 else 0,
         "model_bytes": sum(2 * math.prod(getattr(p, "ds_shape", p.shape)) for _, p in params),
-        "stream": summary(stream_reports[-1]),
         "stream_first_s": stream_reports[0].seconds["total"],
-        "tp": summary(tp_reports[-1]),
+        "reports": {"stream": summary(stream_reports[-1]), "tp": summary(tp_reports[-1])},
         "hosts": hosts,
     }
 
 
 def print_report(results, world, backend, cfg, wall):
     r0 = results[0]
-    kib = 1 << 10
     print(
         f"reshard demo (rollout): HF Llama (GQA 8/2 heads), DeepSpeed ZeRO-3 + CPU optimizer "
         f"offload, {world} ranks ({backend}), {r0['params'] / 1e6:.2f}M params, "
@@ -174,19 +176,9 @@ def print_report(results, world, backend, cfg, wall):
     )
     print(
         f"  rs.Stream -> rank 0 (load_weights by name): {r0['buckets']} buckets of "
-        f"{BUCKET_BYTES // kib} KiB; receiver buffer {r0['buffer_bytes'] / kib:.0f} KiB for a "
-        f"{r0['model_bytes'] / kib:.0f} KiB model"
+        f"{BUCKET_BYTES // KIB} KiB; receiver buffer {r0['buffer_bytes'] / KIB:.0f} KiB for a "
+        f"{r0['model_bytes'] / KIB:.0f} KiB model"
     )
     print(f"  tp_layout: vLLM TP={TP} weights on ranks {r0['hosts']} (one Transfer, in place)")
-    for r, x in enumerate(results):
-        for what in ("stream", "tp"):
-            rep = x[what]
-            print_sync(r, what, rep, sum(rep["held"].values()), sum(rep["bound"].values()))
-    over = [
-        (r, w)
-        for r, x in enumerate(results)
-        for w in ("stream", "tp")
-        if any(x[w]["held"][k] > x[w]["bound"][k] for k in x[w]["held"])
-    ]
     equal_to = "DeepSpeed's GatheredParameters and to vLLM's loader applied to them"
-    return verdict(results, over, equal_to, wall)
+    return print_syncs_and_verdict(results, equal_to, wall)

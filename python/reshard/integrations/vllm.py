@@ -144,6 +144,38 @@ class _Spec:
 
 
 def _spec(cfg) -> _Spec:
+    cfg = _text_config(cfg)
+    hidden, heads = _positive(cfg, "hidden_size"), _positive(cfg, "num_attention_heads")
+    layers = _positive(cfg, "num_hidden_layers")
+    inter, vocab = _positive(cfg, "intermediate_size"), _positive(cfg, "vocab_size")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % kv:
+        raise UnsupportedError(f"num_attention_heads {heads} is not a multiple of kv heads {kv}")
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedError(f"hidden_act {act!r}: vLLM's Llama/Qwen2 MLP supports only silu")
+    head_dim = getattr(cfg, "head_dim", None)
+    if cfg.model_type == "qwen2":
+        qkv_bias, o_bias, mlp_bias = _qwen2_biases(cfg, head_dim, hidden // heads)
+    else:
+        qkv_bias, o_bias, mlp_bias = _llama_biases(cfg)
+    return _Spec(
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=head_dim or hidden // heads,
+        intermediate=inter,
+        vocab=vocab,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+    )
+
+
+def _text_config(cfg):
+    """The decoder's config (a multimodal config's text part), of a model type tp_layout covers."""
     get_text = getattr(cfg, "get_text_config", None)
     cfg = get_text() if callable(get_text) else cfg
     model_type = getattr(cfg, "model_type", None)
@@ -152,58 +184,41 @@ def _spec(cfg) -> _Spec:
             f"model_type {model_type!r}: tp_layout covers {MODEL_TYPES} decoders (vLLM's "
             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
         )
+    return cfg
 
-    def need(key):
-        v = getattr(cfg, key, None)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise UnsupportedError(f"config.{key} = {v!r}: a positive int is required")
-        return v
 
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    layers, inter, vocab = need("num_hidden_layers"), need("intermediate_size"), need("vocab_size")
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % kv:
-        raise UnsupportedError(f"num_attention_heads {heads} is not a multiple of kv heads {kv}")
-    act = getattr(cfg, "hidden_act", "silu")
-    if act != "silu":
-        raise UnsupportedError(f"hidden_act {act!r}: vLLM's Llama/Qwen2 MLP supports only silu")
-    head_dim = getattr(cfg, "head_dim", None)
-    if model_type == "qwen2":
-        # vLLM's Qwen2Attention always uses hidden_size // num_heads
-        if head_dim not in (None, hidden // heads):
+def _positive(cfg, key) -> int:
+    v = getattr(cfg, key, None)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise UnsupportedError(f"config.{key} = {v!r}: a positive int is required")
+    return v
+
+
+def _qwen2_biases(cfg, head_dim, default_head_dim):
+    """(qkv, o, mlp) biases of vLLM's Qwen2, whose attention always uses hidden_size //
+    num_heads (config.head_dim ignored) and has no qk_norm."""
+    if head_dim not in (None, default_head_dim):
+        raise UnsupportedError(
+            f"qwen2 with head_dim {head_dim} != hidden_size // num_attention_heads: vLLM's "
+            "Qwen2 ignores config.head_dim"
+        )
+    if getattr(cfg, "qk_norm", False):
+        raise UnsupportedError("qwen2 with qk_norm: set config.qk_norm to false")
+    return True, False, False
+
+
+def _llama_biases(cfg):
+    """(qkv, o, mlp) biases of vLLM's Llama for an HF Llama/Mistral config."""
+    for key in ("qkv_bias", "bias"):
+        if getattr(cfg, key, None) is not None:
             raise UnsupportedError(
-                f"qwen2 with head_dim {head_dim} != hidden_size // num_attention_heads: vLLM's "
-                "Qwen2 ignores config.head_dim"
+                f"config.{key} is set: vLLM's Llama reads it for non-HF-Llama models; "
+                "tp_layout covers HF Llama/Mistral configs (attention_bias, mlp_bias)"
             )
-        if getattr(cfg, "qk_norm", False):
-            raise UnsupportedError("qwen2 with qk_norm: set config.qk_norm to false")
-        qkv_bias, o_bias, mlp_bias = True, False, False
-    else:
-        for key in ("qkv_bias", "bias"):
-            if getattr(cfg, key, None) is not None:
-                raise UnsupportedError(
-                    f"config.{key} is set: vLLM's Llama reads it for non-HF-Llama models; "
-                    "tp_layout covers HF Llama/Mistral configs (attention_bias, mlp_bias)"
-                )
-        if getattr(cfg, "ada_rms_norm_t_cond", False):
-            raise UnsupportedError("mistral with ada_rms_norm_t_cond adds layers tp_layout lacks")
-        attention_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = o_bias = attention_bias
-        mlp_bias = bool(getattr(cfg, "mlp_bias", False))
-    head_dim = head_dim or hidden // heads
-    return _Spec(
-        layers=layers,
-        hidden=hidden,
-        heads=heads,
-        kv_heads=kv,
-        head_dim=head_dim,
-        intermediate=inter,
-        vocab=vocab,
-        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
-        mlp_bias=mlp_bias,
-    )
+    if getattr(cfg, "ada_rms_norm_t_cond", False):
+        raise UnsupportedError("mistral with ada_rms_norm_t_cond adds layers tp_layout lacks")
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    return attention_bias, attention_bias, bool(getattr(cfg, "mlp_bias", False))
 
 
 def _check_tp(s: _Spec, tp: int):

@@ -1,10 +1,8 @@
-"""Multi-GPU benchmarks of reshard over NCCL (2 GPUs), each against baselines in the same run.
+"""`gpu_bench.py --mode multi`: reshard over NCCL on 2 GPUs, each against baselines in the
+same run (`--backend gloo`: the same code as a CPU dry run, no GPU needed).
 
-    python benchmarks/nccl_bench.py --out DIR [--quick] [--time-cap 170]
-    python benchmarks/nccl_bench.py --out DIR --quick --backend gloo   # CPU dry run, no GPU
-
-Writes DIR/nccl_bench.json, DIR/nccl_bench.md, DIR/nccl_bench.png; a progress line per step on
-stderr; a summary table at the end on stdout. Sections:
+Writes DIR/gpu_bench_multi.{json,md,png}; a progress line per step on stderr; a summary table
+at the end on stdout. Sections:
 - `p2p`: the NCCL point-to-point ceiling: S bytes GPU0 -> GPU1 (one direction) and S bytes each
   way at once (both directions), plain `batch_isend_irecv` of device buffers.
 - `swap`: reshard moving the same bytes GPU -> GPU, both directions at once (a tensor whose
@@ -24,7 +22,6 @@ per second (1 GB = 1e9 B). NCCL's own buffers are not counted in any method's me
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -51,13 +48,10 @@ NCCL_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-GB = 1e9
-MiB = 1 << 20
+GB, MiB = C.GB, C.MiB
+STEM = "gpu_bench_multi"
 T_START = time.monotonic()
-
-
-def progress(msg: str) -> None:
-    print(f"[nccl_bench {time.monotonic() - T_START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+progress = C.progress_logger(STEM)
 
 
 # ----------------------------------------------------------------- timing helpers
@@ -104,7 +98,7 @@ class Ctx:
         allt = [None] * WORLD
         dist.all_gather_object(allt, mine)
         per_iter = sorted(max(ts) for ts in zip(*allt))
-        return statistics.median(per_iter), per_iter[min(len(per_iter) - 1, int(0.9 * iters))]
+        return statistics.median(per_iter), C.quantile(per_iter, 0.9)
 
 
 # ----------------------------------------------------------------- p2p ceiling
@@ -334,11 +328,11 @@ def _fmt_bytes(n):
 
 
 def write_outputs(out_dir, res):
-    C.write_results(os.path.join(out_dir, "nccl_bench.json"), res, markdown, plot)
+    C.write_results(os.path.join(out_dir, STEM + ".json"), res, markdown, plot)
 
 
 def markdown(res):
-    lines = [f"# nccl_bench ({res['env']['backend']}, {WORLD} ranks)", "", "```"]
+    lines = [f"# {STEM} ({res['env']['backend']}, {WORLD} ranks)", "", "```"]
     lines += [json.dumps(res["env"])]
     lines += ["```", "", "## NCCL point-to-point ceiling", ""]
     lines += ["| size | one direction GB/s | both directions GB/s (each) |", "|---|---|---|"]
@@ -411,7 +405,7 @@ def plot(stem, res):
 
 
 def summary(res) -> str:
-    out = [f"== nccl_bench summary ({res['env']['backend']}, {res['env'].get('gpus', 'cpu')})"]
+    out = [f"== {STEM} summary ({res['env']['backend']}, {res['env'].get('gpus', 'cpu')})"]
     out.append(f"{'bytes/dir':>10} {'p2p 1-dir':>10} {'p2p both':>10} {'reshard best':>13} "
                f"{'ratio':>6} {'budget':>9}")  # fmt: skip
     for r in res["p2p"]:
@@ -444,18 +438,9 @@ def summary(res) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--quick", action="store_true", help="small sizes and model")
-    ap.add_argument("--backend", choices=["nccl", "gloo"], default="nccl",
-                    help="gloo: a CPU dry run of the same code (no GPU needed)")  # fmt: skip
-    ap.add_argument("--time-cap", type=float, default=170.0, help="seconds; later steps shrink")
-    args = ap.parse_args(argv)
-    if args.backend == "nccl" and torch.cuda.device_count() < WORLD:
-        print(f"nccl_bench needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
-        return 2
-    if args.quick or args.backend == "gloo":
+def config(quick, backend, time_cap) -> dict:
+    """Sizes, budgets, model and iterations (small with --quick or as a gloo dry run)."""
+    if quick or backend == "gloo":
         sizes = [64 << 10, 1 * MiB, 8 * MiB]
         budgets = [1 * MiB, 64 * MiB]
         model = "gpt-nano"
@@ -465,18 +450,28 @@ def main(argv=None) -> int:
         budgets = [16 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB]
         model = "llama-8l"
         iters, ws_iters = 10, 10
-    cfg = {
+    return {
         "sizes": sizes,
         "swap_sizes": sizes,
         "budgets": budgets,
         "model": model,
-        "ws_budgets": [64 * MiB, 256 * MiB] if not args.quick else [1 * MiB],
+        "ws_budgets": [64 * MiB, 256 * MiB] if not quick else [1 * MiB],
         "iters": iters,
         "ws_iters": ws_iters,
         # steps shrink past this (wall clock of this machine, shared with the ranks)
-        "deadline": time.monotonic() + args.time_cap - 15,
+        "deadline": time.monotonic() + time_cap - 15,
     }
-    progress(f"start: backend {args.backend}, sizes {[_fmt_bytes(s) for s in sizes]}")
+
+
+def run(args) -> int:
+    """Spawn the ranks, gather their sections, write the results and print the summary."""
+    if args.backend == "nccl" and torch.cuda.device_count() < WORLD:
+        print(
+            f"--mode multi needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr
+        )
+        return 2
+    cfg = config(args.quick, args.backend, args.time_cap)
+    progress(f"start: backend {args.backend}, sizes {[_fmt_bytes(s) for s in cfg['sizes']]}")
     try:
         results = launch(
             _rank_body,
@@ -486,7 +481,7 @@ def main(argv=None) -> int:
             env=NCCL_ENV,
             timeout_s=60,
             join_s=max(10.0, T_START + args.time_cap - 3 - time.monotonic()),
-            prefix="reshard-nccl-bench-",
+            prefix="reshard-gpu-bench-",
         )
     except RanksFailed as exc:
         print(exc, file=sys.stderr)
@@ -501,8 +496,17 @@ def main(argv=None) -> int:
     base = next((x for x in results if x), None)
     if base is None:
         return 1
+    res = _record(base, results, cfg, args.backend, rc != 0)
+    write_outputs(args.out, res)
+    print(summary(res))
+    return rc if all(res["per_rank_correct"]) else 1
+
+
+def _record(base, results, cfg, backend, errors) -> dict:
+    """The results record: rank `base`'s sections (all ranks measure the same slowest-rank
+    times), the environment, the config, and whether every rank's targets were correct."""
     cfg_out = {k: v for k, v in cfg.items() if k != "deadline"}
-    res = {"env": _env_info(args.backend), "config": cfg_out, "errors": rc != 0}
+    res = {"env": _env_info(backend), "config": cfg_out, "errors": errors}
     res.update({k: v for k, v in base.items() if k != "error"})
     res.setdefault("p2p", [])
     res.setdefault("swap", [])
@@ -514,10 +518,4 @@ def main(argv=None) -> int:
         and all(p["correct"] for p in x.get("p2p", []))
         for x in results
     ]
-    write_outputs(args.out, res)
-    print(summary(res))
-    return rc if all(res["per_rank_correct"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return res

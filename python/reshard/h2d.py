@@ -1,0 +1,483 @@
+"""Local CPU -> CUDA copies of one rank's schedule, batched over all its tables in one pipeline.
+
+A `stage_h2d` call moves one table and waits for its last copy before returning, so a schedule
+of many small tables (an FSDP2 model offloaded to the CPU: one storage per parameter and
+moment) drains the link between tables and packs each one while nothing is in flight. This
+path moves every qualifying table in one pipeline instead:
+
+- source spans in page-locked memory (pinned, or registered in place: reshard.hostreg) with
+  the target's dtype are copied straight from the source by the copy engine (no host work);
+- other spans are packed by the host (a cast to the target dtype on the way: the C core's
+  `copy_runs`): pieces of several ring slots through `stage_h2d`'s own pipeline, smaller ones
+  together through the slots of the same pinned ring, each slot copied to the device while the
+  host packs the next, its pieces landing straight in their targets (no device staging);
+- fp32 spans in page-locked memory bound for narrower targets are split between the host-side
+  cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
+  scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
+  bit for bit), so the host and the link finish together: the share is `split_fraction` of the
+  host's measured time per element and the link's measured rate, kept only where the first
+  calls measured it faster than all casts on the host (`keep_split`).
+
+Direct copies and device casts are queued first on two side streams (after the caller's queued
+work), so they share the link with the host's copies from the start. The call returns after
+every copy completed (the caller may rewrite sources at once). Device memory: the scratch, at
+most the stage ops' device staging for the same ring (`stage_device_bytes`), allocated per call
+from the caching allocator (the staged pieces land straight in their targets: no staging of
+their own); host: the ring. A table qualifies when its source is on the CPU, its target on the
+current CUDA device, the target dtype is no wider than the source's, and its runs are at most
+`MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_SPANS = 256  # per table: more (a strided split) and the stage op's one pass wins
+MAX_SLOTS = 4  # ring slots, as the stage ops cut the ring
+MIN_SLOT_BYTES = 64 * 1024
+ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed DMA)
+EMA = 0.5  # weight of the newest measurement of the host's time per element
+TRIAL_CALLS = 2  # calls measured all on the host, then split, before the split is kept or not
+MIN_GAIN = 0.03
+STAGE_MIN_SLOTS = 4  # a piece of this many ring slots goes through stage_h2d's own pipeline
+PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
+MAX_DESCS = 256
+
+
+def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
+    """A descriptor table as contiguous copies [(src_offset, dst_offset, length)], adjacent
+    ones merged, in the table's work order; None when there are more than `max_spans`."""
+    d = np.asarray(desc, dtype=np.int64).reshape(-1, 6)
+    d = d[(d[:, 4] > 0) & (d[:, 5] > 0)]
+    whole = (d[:, 5] == 1) | ((d[:, 1] == d[:, 4]) & (d[:, 3] == d[:, 4]))
+    count = np.where(whole, 1, d[:, 5])
+    if int(count.sum()) > 4 * max_spans:  # merging cannot bring it under the cap
+        return None
+    rows = []
+    for (so, ss, do, ds, n, c), one in zip(d.tolist(), whole.tolist(), strict=True):
+        if one:
+            rows.append((so, do, n * c))
+        else:
+            rows.extend((so + i * ss, do + i * ds, n) for i in range(c))
+    out: list[list[int]] = []
+    for so, do, n in rows:
+        if out and out[-1][0] + out[-1][2] == so and out[-1][1] + out[-1][2] == do:
+            out[-1][2] += n
+        else:
+            out.append([so, do, n])
+    if len(out) > max_spans:
+        return None
+    return np.array(out, dtype=np.int64).reshape(-1, 3)
+
+
+def ring_slots(ring_bytes: int) -> tuple[int, int]:
+    """(slots, slot bytes) of a ring, cut as the stage ops cut it (rs_stage_slots)."""
+    s = MAX_SLOTS
+    while s > 2 and ring_bytes // s < MIN_SLOT_BYTES:
+        s -= 1
+    return s, (ring_bytes // s) // ALIGN * ALIGN
+
+
+def split_fraction(host_s_per_elem, link_bytes_per_s, host_wire_bytes, device_wire_bytes):
+    """The share f of cast elements to give the host-side cast so that the host, casting f of
+    them, and the link, carrying f of them narrow and 1 - f at the source's width, finish
+    together: f * h = (f * a + (1 - f) * b) / link. 1.0 (all on the host, the narrowest wire)
+    whenever the host outruns the link or a rate is unknown."""
+    h, link = host_s_per_elem, link_bytes_per_s
+    if not h or not link or h <= 0 or link <= 0 or device_wire_bytes <= host_wire_bytes:
+        return 1.0
+    b = device_wire_bytes / link
+    f = b / (h + b - host_wire_bytes / link)
+    return float(min(1.0, max(0.0, f)))
+
+
+def keep_split(host_only_s, split_s, min_gain: float) -> bool:
+    """Whether the split pays: its fastest measured call beat the fastest host-only call (all
+    casts on the host) by at least `min_gain`. Where the host's memory is the bottleneck, the
+    source reads of the device-side share slow the host's cast, and the model alone cannot see
+    that: these measured calls decide."""
+    return bool(host_only_s) and bool(split_s) and min(split_s) < (1 - min_gain) * min(host_only_s)
+
+
+def device_cast_chunks(spans, want: int, chunk: int) -> list[tuple[int, int, int]]:
+    """Which elements of the cast spans go to the device-side cast: [(span index, first
+    element within the span, length)], about `want` elements in all, each a suffix piece of at
+    most `chunk` elements. Taken from the ends of the spans in whole chunks so the lengths
+    come from a fixed set (chunk, the spans' remainders and short spans) whatever `want` is:
+    the device op's table cache stays warm as the share moves."""
+    out, left = [], int(want)
+    i = len(spans) - 1
+    while left > 0 and i >= 0:
+        n = int(spans[i])
+        end = n
+        while left > 0 and end > 0:
+            size = end % chunk or min(chunk, end)
+            if end - size < 0:
+                break
+            out.append((i, end - size, size))
+            left -= size
+            end -= size
+        i -= 1
+    return out
+
+
+def slot_pieces(pieces, itemsizes, slot_bytes: int):
+    """Cuts host pieces [(key, first, n)] (key indexes `itemsizes`, the wire element size) into
+    ring slots: a list per slot of (key, first, n, byte offset in the slot), every piece at an
+    ALIGN-byte offset, a piece cut where a slot ends."""
+    slots, cur, used = [], [], 0
+    for key, first, n in pieces:
+        isz = itemsizes[key]
+        while n > 0:
+            at = -(-used // ALIGN) * ALIGN
+            room = (slot_bytes - at) // isz
+            if room <= 0:
+                slots.append(cur)
+                cur, used = [], 0
+                continue
+            take = min(n, room)
+            cur.append((key, first, take, at))
+            used = at + take * isz
+            first += take
+            n -= take
+    if cur:
+        slots.append(cur)
+    return slots
+
+
+@dataclass(frozen=True)
+class _Table:
+    src_location: int
+    dst_location: int
+    spans: np.ndarray  # [m, 3] (src_offset, dst_offset, length)
+
+
+def _dense_desc(n: int) -> torch.Tensor:
+    return torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64)
+
+
+class HostToDevice:
+    """The batched CPU -> CUDA path for the local tables it was given (see the module doc).
+    Built once per plan and buffer set; `run` once per call."""
+
+    def __init__(self, tables):
+        """tables: [(LocalTable, spans)] whose source is a CPU buffer and target a CUDA one."""
+        self.tables = [_Table(t.src_location, t.dst_location, s) for t, s in tables]
+        self.host_s_per_elem = None  # host-side cast time per element, measured
+        self.link_bytes_per_s = None  # H2D copy rate of page-locked memory, measured once
+        self.host_share = 1.0  # of the cast elements in page-locked memory
+        self.split = "trial"  # "trial" (measuring), "kept" or "rejected" (all on the host)
+        self._trial = {"host_only": [], "split": []}  # seconds of whole calls
+        self._streams = None
+        self._descs: dict[int, torch.Tensor] = {}  # device-cast tables by length (kept alive)
+        self.last = {}  # what the last call did (elements per path, share, seconds)
+
+    def _desc(self, n: int) -> torch.Tensor:
+        """One dense table per length, kept so the ops' table caches stay warm (bounded: the
+        host share moves the lengths of split spans)."""
+        d = self._descs.get(n)
+        if d is None:
+            if len(self._descs) >= MAX_DESCS:
+                self._descs.clear()
+            d = self._descs[n] = _dense_desc(n)
+        return d
+
+    def run(self, src: dict, dst: dict, ring: torch.Tensor, device_bytes: int, pinned=None):
+        """One call: every table's spans from `src` into `dst` through `ring` (pinned) and at
+        most `device_bytes` of device scratch. pinned: {source location: page-locked?}
+        (default: asked of torch). Targets on the CPU run the same pipeline in order, with
+        no streams (the CPU tests of this module)."""
+        dev = dst[self.tables[0].dst_location].device
+        if dev.type != "cuda":
+            return self._run(src, dst, ring, device_bytes, dev, _Ordered(), pinned or {})
+        with torch.cuda.device(dev):
+            if self._streams is None:
+                self._streams = _Streams(dev)
+            self._run(src, dst, ring, device_bytes, dev, self._streams, pinned or {})
+
+    def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
+        side, cast_stream, cur = q.side, q.cast, q.current()
+        pinned = dict(pinned)
+        direct, cast_spans, host = [], [], []  # (table, span row) / pieces (table, span, first, n)
+        for ti, t in enumerate(self.tables):
+            s, d = src[t.src_location], dst[t.dst_location]
+            if t.src_location not in pinned:
+                pinned[t.src_location] = s.device.type == "cpu" and bool(s.is_pinned())
+            same = s.dtype == d.dtype
+            for j in range(t.spans.shape[0]):
+                if pinned[t.src_location] and same:
+                    direct.append((ti, j))
+                elif pinned[t.src_location] and s.element_size() > d.element_size():
+                    cast_spans.append((ti, j))
+                else:
+                    host.append((ti, j, 0, int(t.spans[j, 2])))
+        if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
+            self._probe_link(cast_spans, src, q, dev, device_bytes)
+        # the device-side cast: whole chunks from the ends of the page-locked cast spans
+        dev_chunks, chunk, src_isz = [], 0, 4
+        if cast_spans:
+            src_isz = max(src[self.tables[ti].src_location].element_size() for ti, _ in cast_spans)
+            chunk = device_bytes // 2 // src_isz  # two scratch halves
+            lengths = [int(self.tables[ti].spans[j, 2]) for ti, j in cast_spans]
+            want = 0 if chunk <= 0 else round((1.0 - self.host_share) * sum(lengths))
+            taken = {}
+            for i, first, n in device_cast_chunks(lengths, want, max(chunk, 1)):
+                dev_chunks.append((cast_spans[i], first, n))
+                taken[i] = min(taken.get(i, lengths[i]), first)
+            for i, (ti, j) in enumerate(cast_spans):
+                if taken.get(i, lengths[i]) > 0:
+                    host.append((ti, j, 0, taken.get(i, lengths[i])))
+        n_slots, slot_bytes = ring_slots(ring.numel())
+        # pieces of several slots go through stage_h2d (its own pipeline); the rest share one
+        big, small = [], []
+        for ti, j, first, n in host:
+            wsz = dst[self.tables[ti].dst_location].element_size()
+            (big if n * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append((ti, j, first, n))
+        t_start = time.perf_counter()
+        timed = dev.type == "cuda" and bool(dev_chunks)
+        side_start, side_end = q.event(timed), q.event(timed)
+        q.record(side_start, cur)  # the side streams start after the caller's queued work
+        q.wait(side, side_start)
+        q.wait(cast_stream, side_start)
+        scratch = None
+        if dev_chunks:
+            scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
+        for ti, j in direct:
+            t = self.tables[ti]
+            so, do, n = (int(v) for v in t.spans[j])
+            with q.on(side):
+                _bytes(dst[t.dst_location], do, n).copy_(
+                    _bytes(src[t.src_location], so, n), non_blocking=True
+                )
+        self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
+        q.record(side_end, cast_stream)
+        for ti, j, first, n in big:
+            t = self.tables[ti]
+            so, do, _ = (int(v) for v in t.spans[j])
+            a, b = so + first, do + first
+            q.stage(
+                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
+            )
+        pack_s = self._ring_pieces(q, src, dst, ring, small, n_slots, slot_bytes)
+        host_s = time.perf_counter() - t_start
+        q.finish()  # every source byte read, every target byte written
+        total_s = time.perf_counter() - t_start
+        side_s = q.elapsed(side_start, side_end) if timed else 0.0
+        share = self.host_share
+        self._balance(cast_spans, host, src, dst, host_s, total_s)
+        self.last = {
+            "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
+            "device_cast_elements": sum(n for _, _, n in dev_chunks),
+            "host_elements": sum(n for _, _, _, n in host),
+            "staged_pieces": len(big),
+            "ring_pieces": len(small),
+            "host_share": share,  # this call's (self.host_share: the next call's)
+            "host_s": host_s,
+            "host_pack_s": pack_s,
+            "device_side_s": side_s,
+            "total_s": total_s,
+            "split": self.split,
+        }
+
+    def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
+        """Each chunk: its source elements to a scratch half (side stream), then the cast into
+        the target (cast stream); a half is refilled after the cast that read it."""
+        sc_events = [(q.event(), q.event()) for _ in range(2)]
+        for c, ((ti, j), first, n) in enumerate(chunks):
+            t = self.tables[ti]
+            so, do, _ = (int(v) for v in t.spans[j])
+            s, d = src[t.src_location], dst[t.dst_location]
+            h = c % 2
+            dma_done, cast_done = sc_events[h]
+            buf = scratch[h * half_bytes : (h + 1) * half_bytes].view(s.dtype)[:n]
+            if c >= 2:  # the cast that last read this half
+                q.wait(q.side, cast_done)
+            with q.on(q.side):
+                buf.copy_(s[so + first : so + first + n], non_blocking=True)
+            q.record(dma_done, q.side)
+            q.wait(q.cast, dma_done)
+            with q.on(q.cast):
+                torch.ops.reshard.copy_runs(buf, self._desc(n), d[do + first : do + first + n])
+            q.record(cast_done, q.cast)
+
+    def _ring_pieces(self, q, src, dst, ring, pieces, n_slots, slot_bytes) -> float:
+        """Pieces packed by the host into ring slots (cast to the target dtype on the way),
+        each slot copied to the device while the next is packed; returns the packing time."""
+        itemsizes = [dst[self.tables[ti].dst_location].element_size() for ti, _, _, _ in pieces]
+        slots = slot_pieces(
+            [(k, first, n) for k, (_, _, first, n) in enumerate(pieces)], itemsizes, slot_bytes
+        )
+        events = [q.event() for _ in range(n_slots)]
+        pack_s = 0.0
+        for k, slot in enumerate(slots):
+            sl = k % n_slots
+            if k >= n_slots:
+                q.host_wait(events[sl])  # the copy that last read this slot
+            base = ring[sl * slot_bytes : (sl + 1) * slot_bytes]
+            t0 = time.perf_counter()
+            for key, first, n, at in slot:
+                ti, j, _, _ = pieces[key]
+                t = self.tables[ti]
+                so = int(t.spans[j, 0]) + first
+                s, d = src[t.src_location], dst[t.dst_location]
+                isz = d.element_size()
+                # pack calls under the C core's streaming-store threshold: the DMA reads the
+                # slot right away, so it should stay in the cache
+                step = max(1, (PACK_CALL_BYTES // isz))
+                for a in range(0, n, step):
+                    m = min(step, n - a)
+                    w = base[at + a * isz : at + (a + m) * isz].view(d.dtype)
+                    torch.ops.reshard.copy_runs(s[so + a : so + a + m], _dense_desc(m), w)
+            pack_s += time.perf_counter() - t0
+            for key, first, n, at in slot:
+                ti, j, _, _ = pieces[key]
+                t = self.tables[ti]
+                d = dst[t.dst_location]
+                do = int(t.spans[j, 1]) + first
+                _bytes(d, do, n).copy_(base[at : at + n * d.element_size()], non_blocking=True)
+            q.record(events[sl], q.current())
+        return pack_s
+
+    def _balance(self, cast_spans, host, src, dst, host_s, total_s) -> None:
+        """The next call's share of the host-side cast (`split_fraction` of the host's measured
+        time per element and the link's measured rate), once TRIAL_CALLS calls with all casts
+        on the host and TRIAL_CALLS with the split showed the split pays (`keep_split`);
+        otherwise every cast stays on the host."""
+        if not cast_spans:
+            return
+        host_elems = sum(n for _, _, _, n in host)
+        if host_elems and host_s > 0:
+            h = host_s / host_elems
+            self.host_s_per_elem = (
+                h if self.host_s_per_elem is None else EMA * h + (1 - EMA) * self.host_s_per_elem
+            )
+        if self.split == "rejected" or not self.link_bytes_per_s or not self.host_s_per_elem:
+            return
+        trial = self._trial["host_only" if self.host_share >= 1.0 else "split"]
+        trial[:] = [*trial[1 - TRIAL_CALLS :], total_s]
+        if self.split == "trial" and len(self._trial["split"]) == TRIAL_CALLS:
+            if len(self._trial["host_only"]) == TRIAL_CALLS and not keep_split(
+                self._trial["host_only"], self._trial["split"], MIN_GAIN
+            ):
+                self.split, self.host_share = "rejected", 1.0
+                return
+            self.split = "kept"
+        if self.host_share < 1.0 or len(self._trial["host_only"]) == TRIAL_CALLS:
+            ti, _ = cast_spans[0]
+            t = self.tables[ti]
+            self.host_share = split_fraction(
+                self.host_s_per_elem,
+                self.link_bytes_per_s,
+                dst[t.dst_location].element_size(),
+                src[t.src_location].element_size(),
+            )
+            if self.host_share >= 1.0 and self.split == "trial":
+                self.split = "rejected"  # the model sees no gain: nothing to try
+
+    def _probe_link(self, cast_spans, src, q, dev, device_bytes):
+        """The H2D rate of page-locked memory, once: a copy of up to 64 MiB (within the
+        scratch's bound, before the scratch exists) of the first cast span's source, best of
+        three, timed on the device."""
+        ti, j = cast_spans[0]
+        t = self.tables[ti]
+        s = src[t.src_location]
+        so, _, n = (int(v) for v in t.spans[j])
+        n = min(n, min(64 << 20, device_bytes) // s.element_size())
+        if n <= 0:
+            return
+        buf = torch.empty(n, dtype=s.dtype, device=dev)
+        best = None
+        for _ in range(3):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(q.side)
+            with q.on(q.side):
+                buf.copy_(s[so : so + n], non_blocking=True)
+            b.record(q.side)
+            b.synchronize()
+            ms = a.elapsed_time(b)
+            best = ms if best is None else min(best, ms)
+        if best and best > 0:
+            self.link_bytes_per_s = n * s.element_size() / (best / 1e3)
+
+
+class _Streams:
+    """The side streams of one CUDA device and the stream operations of the pipeline."""
+
+    def __init__(self, dev):
+        self.side, self.cast = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def current(self):
+        return torch.cuda.current_stream()
+
+    def event(self, timed=False):
+        return torch.cuda.Event(enable_timing=timed)
+
+    def elapsed(self, a, b) -> float:
+        return a.elapsed_time(b) / 1e3
+
+    def on(self, stream):
+        return torch.cuda.stream(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def record(self, event, stream):
+        event.record(stream)
+
+    def host_wait(self, event):
+        event.synchronize()
+
+    def stage(self, src, desc, ring, dst):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst)
+
+    def finish(self):
+        cur = self.current()
+        for st in (self.side, self.cast):
+            done = torch.cuda.Event()
+            done.record(st)
+            cur.wait_event(done)
+        cur.synchronize()
+
+
+class _Ordered:
+    """The same operations where every copy completes before the next starts (CPU targets)."""
+
+    side = cast = None
+
+    def current(self):
+        return None
+
+    def event(self, timed=False):
+        return None
+
+    def elapsed(self, a, b) -> float:
+        return 0.0
+
+    def on(self, stream):
+        return contextlib.nullcontext()
+
+    def wait(self, stream, event):
+        pass
+
+    def record(self, event, stream):
+        pass
+
+    def host_wait(self, event):
+        pass
+
+    def stage(self, src, desc, ring, dst):
+        torch.ops.reshard.copy_runs(src, desc, dst)
+
+    def finish(self):
+        pass
+
+
+def _bytes(t: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Elements [first, first + n) of a 1-D tensor as bytes (copies of any dtype stay exact)."""
+    isz = t.element_size()
+    return t.view(torch.uint8)[first * isz : (first + n) * isz]

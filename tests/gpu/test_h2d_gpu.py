@@ -1,0 +1,229 @@
+"""The batched CPU -> CUDA path (reshard.h2d) on a GPU: many tables (one storage per tensor, as
+FSDP2 offloads), sources pageable, pinned or registered in place, targets fp32 / bf16 / fp16.
+Every target equals the host cast bit for bit (the C core's CPU copy_runs: casts.h, the code
+both sides share; and torch's .to() wherever the value is not NaN): normal numbers, subnormals,
+infinities, NaN payloads, rounding ties, odd sizes and offsets; with the host/device split
+forced to every share, and the staging bound kept (device memory measured by the allocator).
+Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+POISON = -7.0  # exact in every target dtype
+TABLES_SLACK = 64 << 10  # device copies of the ops' cached descriptor tables
+SPECIAL = [0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-45, 1.1754942e-38, 3.4e38, -65519.0]
+# sizes: odd, tiny, one element, and larger than a ring slot of the small budgets below
+SIZES = [1, 7, 33, 1023, 4097, 65_537, 300_001, 2_000_003]
+
+
+def _values(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(n, generator=g) * 1000
+    bits = v.view(torch.int32)
+    bits[1::5] = (bits[1::5] & ~0xFFFF) | 0x8000  # bf16 rounding ties, odd and even kept bits
+    bits[2::5] = (bits[2::5] & ~0x1FFF) | 0x1000  # fp16 rounding ties
+    bits[3::11] &= 0x807FFFFF  # fp32 subnormals (exponent 0)
+    k = min(n, len(SPECIAL))
+    v[:k] = torch.tensor(SPECIAL[:k])
+    if n > k + 1:
+        nan = torch.tensor([0x7FC00001, -0x7FFF0001], dtype=torch.int32).view(torch.float32)
+        v[k : k + 2] = nan  # NaN payloads, both signs
+    return v
+
+
+def _host_cast(src, dtype):
+    """The host cast: the C core's CPU copy_runs (casts.h), independent of the GPU path."""
+    out = torch.empty(src.numel(), dtype=dtype)
+    torch.ops.reshard.copy_runs(src, torch.tensor([[0, 0, 0, 0, src.numel(), 1]]), out)
+    not_nan = ~torch.isnan(src)
+    assert torch.equal(out[not_nan], src[not_nan].to(dtype))  # and torch agrees off NaN
+    return out
+
+
+def _bits(t):
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _layouts(dst_dtype, offset=3):
+    """One source storage per tensor (values at `offset`, a gap after), one target storage per
+    tensor (values at offset 1)."""
+    import reshard as rs
+
+    src_t, dst_t, src_s, dst_s = {}, {}, {}, {}
+    for i, n in enumerate(SIZES):
+        src_t[f"t{i}"] = rs.flat((n,), [(i, 0, n, offset)])
+        dst_t[f"t{i}"] = rs.flat((n,), [(1000 + i, 0, n, 1)])
+        src_s[i] = rs.Storage(0, torch.float32, n + offset + 2)
+        dst_s[1000 + i] = rs.Storage(0, dst_dtype, n + 1)
+    return rs.Layout(src_t, src_s), rs.Layout(dst_t, dst_s)
+
+
+def _sources(kind, offset=3):
+    out = {}
+    for i, n in enumerate(SIZES):
+        t = torch.full((n + offset + 2,), 5.0)
+        t[offset : offset + n] = _values(n, i)
+        out[i] = t.pin_memory() if kind == "pinned" else t
+    return out
+
+
+def _check(src, dst, dst_dtype, offset=3):
+    for i, n in enumerate(SIZES):
+        got = dst[1000 + i].cpu()
+        want = _host_cast(src[i][offset : offset + n], dst_dtype)
+        assert torch.equal(_bits(got[1:]), _bits(want)), f"tensor {i} ({n} elements)"
+        assert got[0].item() == POISON  # the target element before the range stays
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["pageable", "pinned", "registered"])
+def test_transfer_many_tables_bitwise(dst_dtype, kind):
+    import reshard as rs
+
+    src_l, dst_l = _layouts(dst_dtype)
+    src = _sources(kind)
+    dst = {
+        k: torch.full((s.numel,), POISON, dtype=dst_dtype, device="cuda")
+        for k, s in dst_l.storages.items()
+    }
+    budget = 1 << 20  # a 1 MiB ring: the largest tensors span several slots
+    with rs.Transfer(
+        src_l, dst_l, budget_bytes_per_peer=budget, register_host_sources=kind == "registered"
+    ) as sync:
+        for call in range(4):  # the split policy moves after the first calls
+            if call == 1 and kind == "registered":
+                sync.wait_host_registration()
+                assert all(t.is_pinned() for t in src.values())
+            for v in dst.values():
+                v.fill_(POISON)
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            rep = sync(src, dst)
+            extra = torch.cuda.max_memory_allocated() - base
+            # the staging, plus the device copies of the ops' descriptor tables (cached, KiBs)
+            assert extra <= rep.staging_bound["device"] + TABLES_SLACK, (extra, rep.staging_bound)
+            for side, held in rep.peak_staging_bytes.items():
+                assert held <= rep.staging_bound[side]
+            _check(src, dst, dst_dtype)
+        path, rest = sync._engine.local_paths(src, dst)
+        assert path is not None and not rest  # every table took the batched path
+        if kind != "pageable" and dst_dtype == torch.float32:
+            assert path.last["direct_elements"] == sum(SIZES)  # straight from the sources
+        if kind == "pageable":
+            assert path.last["host_elements"] == sum(SIZES)
+        # (casts from page-locked sources: the split is the policy's; forced below)
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("share", [0.0, 0.3, 1.0])
+def test_device_cast_split_forced(dst_dtype, share):
+    """Every share of the host/device split gives the host cast's bits (the share is the
+    policy's to choose; here it is forced)."""
+    import reshard as rs
+    from reshard import h2d
+    from reshard.rounds import local_tables
+
+    src_l, dst_l = _layouts(dst_dtype)
+    src = _sources("pinned")
+    dst = {
+        k: torch.full((s.numel,), POISON, dtype=dst_dtype, device="cuda")
+        for k, s in dst_l.storages.items()
+    }
+    plan = rs.plan(src_l, dst_l, budget_bytes_per_peer=1 << 20)
+    tables = [(t, h2d.contiguous_spans(t.desc.numpy())) for t in local_tables(plan.schedule(0))]
+    path = h2d.HostToDevice(tables)
+    ring = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    path.host_share = share
+    path.link_bytes_per_s = 1.0  # known: no probe, and the forced share is kept for one call
+    device_bytes = 1 << 20
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    path.host_s_per_elem = None
+    path.run(src, dst, ring, device_bytes)
+    assert torch.cuda.max_memory_allocated() - base <= device_bytes + TABLES_SLACK
+    _check(src, dst, dst_dtype)
+    total = sum(SIZES)
+    if share == 0.0:
+        assert path.last["device_cast_elements"] >= total - max(SIZES)  # all but a partial
+    if share == 1.0:
+        assert path.last["device_cast_elements"] == 0
+
+
+def test_strided_tables_fall_back_to_the_stage_op():
+    """A row split of a matrix seen column-wise (thousands of short strided runs) keeps the
+    stage op; mixed with a contiguous table, each goes its way and both are right."""
+    import reshard as rs
+
+    rows, cols = 513, 301
+    src_l = rs.Layout(
+        {
+            "w": rs.flat((rows, cols), [(0, 0, rows * cols, 0)]),
+            "v": rs.flat((999,), [(1, 0, 999, 0)]),
+        },
+        {0: rs.Storage(0, torch.float32, rows * cols), 1: rs.Storage(0, torch.float32, 999)},
+    )
+    dst_l = rs.Layout(
+        {
+            "w": rs.split((rows, cols), 1, [150, 151], [10, 11]),
+            "v": rs.flat((999,), [(12, 0, 999, 0)]),
+        },
+        {
+            10: rs.Storage(0, torch.bfloat16, rows * 150),
+            11: rs.Storage(0, torch.bfloat16, rows * 151),
+            12: rs.Storage(0, torch.bfloat16, 999),
+        },
+    )
+    w, v = _values(rows * cols, 1), _values(999, 2)
+    dst = {
+        k: torch.full((s.numel,), POISON, dtype=torch.bfloat16, device="cuda")
+        for k, s in dst_l.storages.items()
+    }
+    with rs.Transfer(src_l, dst_l) as sync:
+        sync({0: w, 1: v}, dst)
+        path, rest = sync._engine.local_paths({0: w, 1: v}, dst)
+    assert path is not None and len(path.tables) == 1 and len(rest) == 2
+    wc = _host_cast(w, torch.bfloat16).view(rows, cols)
+    assert torch.equal(_bits(dst[10].cpu()), _bits(wc[:, :150].reshape(-1)))
+    assert torch.equal(_bits(dst[11].cpu()), _bits(wc[:, 150:].reshape(-1)))
+    assert torch.equal(_bits(dst[12].cpu()), _bits(_host_cast(v, torch.bfloat16)))
+
+
+def test_sources_untouched_and_current_stream_ordered():
+    """The path reads sources only, and it is ordered on the caller's stream: work queued
+    before the call (a slow fill of the targets) comes first, and work queued right after it
+    sees every target byte."""
+    import reshard as rs
+
+    src_l, dst_l = _layouts(torch.bfloat16)
+    src = _sources("pinned")
+    before = {k: v.clone() for k, v in src.items()}
+    dst = {
+        k: torch.empty(s.numel, dtype=torch.bfloat16, device="cuda")
+        for k, s in dst_l.storages.items()
+    }
+    want = [
+        _bits(_host_cast(src[i][3 : 3 + n], torch.bfloat16)).to(torch.int64).sum().item()
+        for i, n in enumerate(SIZES)
+    ]
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), rs.Transfer(src_l, dst_l, budget_bytes_per_peer=1 << 20) as sync:
+        for _ in range(3):
+            torch.cuda._sleep(50_000_000)  # the fills below wait for this, the sync for them
+            for v in dst.values():
+                v.fill_(POISON)
+            sync(src, dst)
+            sums = [_bits(dst[1000 + i][1:]).to(torch.int64).sum() for i in range(len(SIZES))]
+            got = [x.item() for x in sums]  # .item() syncs stream s
+            assert got == want
+    _check(src, dst, torch.bfloat16)
+    for k, v in before.items():
+        assert torch.equal(_bits(src[k]), _bits(v))
