@@ -380,9 +380,9 @@ def _device_faults(t, transport) -> list[str]:
     dev = t.device
     if transport == "gloo":
         return [f"is on {dev}, but the gloo transport needs CPU buffers"]
-    if transport != "gloo" and dev.type not in ("cpu", "cuda"):
+    if dev.type != "cuda":
         return [f"is on {dev}; reshard copies CPU and CUDA buffers only"]
-    if transport == "nccl" and dev.type == "cuda" and dev.index != torch.cuda.current_device():
+    if transport == "nccl" and dev.index != torch.cuda.current_device():
         return [f"is on {dev}, not this rank's current device cuda:{torch.cuda.current_device()}"]
     return []
 
