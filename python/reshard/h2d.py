@@ -161,6 +161,58 @@ def _dense_desc(n: int) -> torch.Tensor:
     return torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64)
 
 
+def _classify(tables, src, dst, pinned):
+    """Each span of each table: copied directly (page-locked source, same dtype), a cast
+    candidate for the device (page-locked source, narrower target) or packed by the host.
+    Returns (direct [(table, span)], cast_spans [(table, span)], host [(table, span, first, n)])."""
+    pinned = dict(pinned)
+    direct, cast_spans, host = [], [], []
+    for ti, t in enumerate(tables):
+        s, d = src[t.src_location], dst[t.dst_location]
+        if t.src_location not in pinned:
+            pinned[t.src_location] = s.device.type == "cpu" and bool(s.is_pinned())
+        same = s.dtype == d.dtype
+        for j in range(t.spans.shape[0]):
+            if pinned[t.src_location] and same:
+                direct.append((ti, j))
+            elif pinned[t.src_location] and s.element_size() > d.element_size():
+                cast_spans.append((ti, j))
+            else:
+                host.append((ti, j, 0, int(t.spans[j, 2])))
+    return direct, cast_spans, host
+
+
+def _device_cast_chunks(tables, cast_spans, src, device_bytes, host_share, host):
+    """The device-side share of the cast spans: whole chunks (half the scratch each) taken
+    from the spans' ends; what is left of each span is appended to `host`.
+    Returns (chunks [((table, span), first, n)], chunk elements, source item size)."""
+    dev_chunks, chunk, src_isz = [], 0, 4
+    if not cast_spans:
+        return dev_chunks, chunk, src_isz
+    src_isz = max(src[tables[ti].src_location].element_size() for ti, _ in cast_spans)
+    chunk = device_bytes // 2 // src_isz  # two scratch halves
+    lengths = [int(tables[ti].spans[j, 2]) for ti, j in cast_spans]
+    want = 0 if chunk <= 0 else round((1.0 - host_share) * sum(lengths))
+    taken = {}
+    for i, first, n in device_cast_chunks(lengths, want, max(chunk, 1)):
+        dev_chunks.append((cast_spans[i], first, n))
+        taken[i] = min(taken.get(i, lengths[i]), first)
+    for i, (ti, j) in enumerate(cast_spans):
+        if taken.get(i, lengths[i]) > 0:
+            host.append((ti, j, 0, taken.get(i, lengths[i])))
+    return dev_chunks, chunk, src_isz
+
+
+def _by_size(tables, dst, host, slot_bytes):
+    """Host pieces of several ring slots go through stage_h2d (its own pipeline); the rest
+    share the slots of one ring. Returns (big, small)."""
+    big, small = [], []
+    for ti, j, first, n in host:
+        wsz = dst[tables[ti].dst_location].element_size()
+        (big if n * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append((ti, j, first, n))
+    return big, small
+
+
 class HostToDevice:
     """The batched CPU -> CUDA path for the local tables it was given (see the module doc).
     Built once per plan and buffer set; `run` once per call."""
@@ -202,42 +254,14 @@ class HostToDevice:
 
     def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
         side, cast_stream, cur = q.side, q.cast, q.current()
-        pinned = dict(pinned)
-        direct, cast_spans, host = [], [], []  # (table, span row) / pieces (table, span, first, n)
-        for ti, t in enumerate(self.tables):
-            s, d = src[t.src_location], dst[t.dst_location]
-            if t.src_location not in pinned:
-                pinned[t.src_location] = s.device.type == "cpu" and bool(s.is_pinned())
-            same = s.dtype == d.dtype
-            for j in range(t.spans.shape[0]):
-                if pinned[t.src_location] and same:
-                    direct.append((ti, j))
-                elif pinned[t.src_location] and s.element_size() > d.element_size():
-                    cast_spans.append((ti, j))
-                else:
-                    host.append((ti, j, 0, int(t.spans[j, 2])))
+        direct, cast_spans, host = _classify(self.tables, src, dst, pinned)
         if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
-            self._probe_link(cast_spans, src, q, dev, device_bytes)
-        # the device-side cast: whole chunks from the ends of the page-locked cast spans
-        dev_chunks, chunk, src_isz = [], 0, 4
-        if cast_spans:
-            src_isz = max(src[self.tables[ti].src_location].element_size() for ti, _ in cast_spans)
-            chunk = device_bytes // 2 // src_isz  # two scratch halves
-            lengths = [int(self.tables[ti].spans[j, 2]) for ti, j in cast_spans]
-            want = 0 if chunk <= 0 else round((1.0 - self.host_share) * sum(lengths))
-            taken = {}
-            for i, first, n in device_cast_chunks(lengths, want, max(chunk, 1)):
-                dev_chunks.append((cast_spans[i], first, n))
-                taken[i] = min(taken.get(i, lengths[i]), first)
-            for i, (ti, j) in enumerate(cast_spans):
-                if taken.get(i, lengths[i]) > 0:
-                    host.append((ti, j, 0, taken.get(i, lengths[i])))
+            self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
+        dev_chunks, chunk, src_isz = _device_cast_chunks(
+            self.tables, cast_spans, src, device_bytes, self.host_share, host
+        )
         n_slots, slot_bytes = ring_slots(ring.numel())
-        # pieces of several slots go through stage_h2d (its own pipeline); the rest share one
-        big, small = [], []
-        for ti, j, first, n in host:
-            wsz = dst[self.tables[ti].dst_location].element_size()
-            (big if n * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append((ti, j, first, n))
+        big, small = _by_size(self.tables, dst, host, slot_bytes)
         t_start = time.perf_counter()
         timed = dev.type == "cuda" and bool(dev_chunks)
         side_start, side_end = q.event(timed), q.event(timed)
@@ -247,22 +271,10 @@ class HostToDevice:
         scratch = None
         if dev_chunks:
             scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
-        for ti, j in direct:
-            t = self.tables[ti]
-            so, do, n = (int(v) for v in t.spans[j])
-            with q.on(side):
-                _bytes(dst[t.dst_location], do, n).copy_(
-                    _bytes(src[t.src_location], so, n), non_blocking=True
-                )
+        self._direct_copies(q, src, dst, direct)
         self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
         q.record(side_end, cast_stream)
-        for ti, j, first, n in big:
-            t = self.tables[ti]
-            so, do, _ = (int(v) for v in t.spans[j])
-            a, b = so + first, do + first
-            q.stage(
-                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
-            )
+        self._staged_pieces(q, src, dst, ring, big)
         pack_s = self._ring_pieces(q, src, dst, ring, small, n_slots, slot_bytes)
         host_s = time.perf_counter() - t_start
         q.finish()  # every source byte read, every target byte written
@@ -283,6 +295,26 @@ class HostToDevice:
             "total_s": total_s,
             "split": self.split,
         }
+
+    def _direct_copies(self, q, src, dst, direct):
+        """Same-dtype spans in page-locked memory: the copy engine reads the source itself."""
+        for ti, j in direct:
+            t = self.tables[ti]
+            so, do, n = (int(v) for v in t.spans[j])
+            with q.on(q.side):
+                _bytes(dst[t.dst_location], do, n).copy_(
+                    _bytes(src[t.src_location], so, n), non_blocking=True
+                )
+
+    def _staged_pieces(self, q, src, dst, ring, big):
+        """Pieces of several ring slots: stage_h2d's own pipeline, one call each."""
+        for ti, j, first, n in big:
+            t = self.tables[ti]
+            so, do, _ = (int(v) for v in t.spans[j])
+            a, b = so + first, do + first
+            q.stage(
+                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
+            )
 
     def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
         """Each chunk: its source elements to a scratch half (side stream), then the cast into
@@ -379,30 +411,30 @@ class HostToDevice:
             if self.host_share >= 1.0 and self.split == "trial":
                 self.split = "rejected"  # the model sees no gain: nothing to try
 
-    def _probe_link(self, cast_spans, src, q, dev, device_bytes):
-        """The H2D rate of page-locked memory, once: a copy of up to 64 MiB (within the
-        scratch's bound, before the scratch exists) of the first cast span's source, best of
-        three, timed on the device."""
-        ti, j = cast_spans[0]
-        t = self.tables[ti]
-        s = src[t.src_location]
-        so, _, n = (int(v) for v in t.spans[j])
-        n = min(n, min(64 << 20, device_bytes) // s.element_size())
-        if n <= 0:
-            return
-        buf = torch.empty(n, dtype=s.dtype, device=dev)
-        best = None
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(q.side)
-            with q.on(q.side):
-                buf.copy_(s[so : so + n], non_blocking=True)
-            b.record(q.side)
-            b.synchronize()
-            ms = a.elapsed_time(b)
-            best = ms if best is None else min(best, ms)
-        if best and best > 0:
-            self.link_bytes_per_s = n * s.element_size() / (best / 1e3)
+
+def _probe_link(tables, cast_spans, src, q, dev, device_bytes):
+    """The H2D rate of page-locked memory, once: a copy of up to 64 MiB (within the
+    scratch's bound, before the scratch exists) of the first cast span's source, best of
+    three, timed on the device (bytes per second; None if nothing to time)."""
+    ti, j = cast_spans[0]
+    t = tables[ti]
+    s = src[t.src_location]
+    so, _, n = (int(v) for v in t.spans[j])
+    n = min(n, min(64 << 20, device_bytes) // s.element_size())
+    if n <= 0:
+        return None
+    buf = torch.empty(n, dtype=s.dtype, device=dev)
+    best = None
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(q.side)
+        with q.on(q.side):
+            buf.copy_(s[so : so + n], non_blocking=True)
+        b.record(q.side)
+        b.synchronize()
+        ms = a.elapsed_time(b)
+        best = ms if best is None else min(best, ms)
+    return n * s.element_size() / (best / 1e3) if best and best > 0 else None
 
 
 class _Streams:
