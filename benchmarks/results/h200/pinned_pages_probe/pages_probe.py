@@ -76,10 +76,16 @@ def main():
         z = np.zeros(n, np.int64)
         d = np.stack([starts, z, np.arange(n, dtype=np.int64) * re_, z, np.full(n, re_), z + 1], 1)
         desc = torch.from_numpy(d)
-        for name, src in (("cudaHostAlloc", pinned), ("pageable", pageable), ("thp_registered", huge)):
-            cases[f"{run_bytes >> 10}KiB {name}"] = (lambda s=src, dd=desc: ops.stage_h2d(s, dd, ring, out))
+        for name, src in (
+            ("cudaHostAlloc", pinned),
+            ("pageable", pageable),
+            ("thp_registered", huge),
+        ):
+            cases[f"{run_bytes >> 10}KiB {name}"] = lambda s=src, dd=desc: ops.stage_h2d(
+                s, dd, ring, out
+            )
     for name, src in (("cudaHostAlloc", pinned), ("thp_registered", huge)):
-        cases[f"contiguous {name}"] = (lambda s=src: out.copy_(s[: total // 4], non_blocking=True))
+        cases[f"contiguous {name}"] = lambda s=src: out.copy_(s[: total // 4], non_blocking=True)
     times = {k: [] for k in cases}
     for f in cases.values():
         f()
@@ -94,9 +100,15 @@ def main():
     floor = total / statistics.median(times["contiguous cudaHostAlloc"]) / GB
     for k, v in times.items():
         gbps = total / statistics.median(v) / GB
-        res["cases"][k] = {"GBps": round(gbps, 2), "of_pinned_contiguous": round(gbps / floor, 3),
-                           "spread": round((max(v) - min(v)) / statistics.median(v), 3)}
-        print(f"{k:32s} {gbps:7.2f} GB/s  {gbps / floor:.3f} of the contiguous cudaHostAlloc copy", flush=True)
+        res["cases"][k] = {
+            "GBps": round(gbps, 2),
+            "of_pinned_contiguous": round(gbps / floor, 3),
+            "spread": round((max(v) - min(v)) / statistics.median(v), 3),
+        }
+        print(
+            f"{k:32s} {gbps:7.2f} GB/s  {gbps / floor:.3f} of the contiguous cudaHostAlloc copy",
+            flush=True,
+        )
     json.dump(res, open(sys.argv[1], "w"), indent=1)
 
 
