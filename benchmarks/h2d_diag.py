@@ -54,7 +54,7 @@ def per_table(model, ring):
     dst = [torch.empty(n, device="cuda") for n in sizes]
     descs = [torch.tensor([[0, 0, 0, 0, n, 1]]) for n in sizes]
     tables = [
-        (LocalTable(i, 1000 + i, descs[i], n), h2d.contiguous_spans(descs[i].numpy()))
+        h2d.LocalSpans(LocalTable(i, 1000 + i, descs[i], n), h2d.contiguous_spans(descs[i].numpy()))
         for i, n in enumerate(sizes)
     ]
     dev_bytes = int(torch.ops.reshard.stage_device_bytes(ring.numel()))

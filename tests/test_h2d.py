@@ -139,7 +139,7 @@ def _case(seed, n_tables, dst_dtype):
         expect[torch.from_numpy(pairs[:, 1])] = src[i][torch.from_numpy(pairs[:, 0])].to(dst_dtype)
         ref[1000 + i] = expect
         t = LocalTable(i, 1000 + i, torch.from_numpy(desc), len(pairs))
-        tables.append((t, h2d.contiguous_spans(desc)))
+        tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc)))
     return tables, src, dst, ref
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import _ops, staging
 from . import preflight as pf
 from .errors import TransferError
-from .h2d import HostToDevice, contiguous_spans
+from .h2d import HostToDevice, LocalSpans, contiguous_spans
 from .report import STAGING_KINDS, Report
 from .rounds import RECV, SEND, build_rounds, local_tables
 
@@ -192,7 +192,7 @@ class _Engine:
                 and d.device.index == here
                 and d.element_size() <= s.element_size()
             )
-            (batched if ok else rest).append((t, spans) if ok else t)
+            (batched if ok else rest).append(LocalSpans(t, spans) if ok else t)
         paths = (HostToDevice(batched) if batched else None, tuple(rest))
         self._local_paths = (key, paths)
         return paths

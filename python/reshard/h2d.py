@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -150,6 +151,14 @@ def slot_pieces(pieces, itemsizes, slot_bytes: int):
     return slots
 
 
+class LocalSpans(NamedTuple):
+    """What the executor hands this path per local table: the schedule's table and its
+    contiguous spans (`contiguous_spans`)."""
+
+    table: object  # a schedule's LocalTable (src_location, dst_location, desc)
+    spans: np.ndarray  # [m, 3] (src_offset, dst_offset, length)
+
+
 @dataclass(frozen=True)
 class _Table:
     src_location: int
@@ -218,7 +227,7 @@ class HostToDevice:
     Built once per plan and buffer set; `run` once per call."""
 
     def __init__(self, tables):
-        """tables: [(LocalTable, spans)] whose source is a CPU buffer and target a CUDA one."""
+        """tables: [LocalSpans] whose source is a CPU buffer and target a CUDA one."""
         self.tables = [_Table(t.src_location, t.dst_location, s) for t, s in tables]
         self.host_s_per_elem = None  # host-side cast time per element, measured
         self.link_bytes_per_s = None  # H2D copy rate of page-locked memory, measured once

@@ -139,7 +139,10 @@ def test_device_cast_split_forced(dst_dtype, share):
         for k, s in dst_l.storages.items()
     }
     plan = rs.plan(src_l, dst_l, budget_bytes_per_peer=1 << 20)
-    tables = [(t, h2d.contiguous_spans(t.desc.numpy())) for t in local_tables(plan.schedule(0))]
+    tables = [
+        h2d.LocalSpans(t, h2d.contiguous_spans(t.desc.numpy()))
+        for t in local_tables(plan.schedule(0))
+    ]
     path = h2d.HostToDevice(tables)
     ring = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     path.host_share = share
