@@ -4,10 +4,12 @@
 `break_inputs` makes one rank's call wrong in one way; the test then checks that every rank
 raises the same PreflightError naming that rank and that no target byte changed.
 `die_in_rounds` makes a rank die (or stall) in the middle of the rounds, after a few copies.
+`arrive_late` runs a call with the last rank arriving only after its peers gave up.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -86,3 +88,36 @@ def die_in_rounds(mode, timeout, after_copies=5):
         return real(s, d, o)
 
     ex._copy_runs_op = lambda: dying
+
+
+def arrive_late(rank, world, marker_dir, call):
+    """Run `call()` with the last rank entering only after every other rank's call returned
+    (they give up waiting for it); the others stay in the group until the late rank is done.
+    Returns ("ok", "") or (exception type name, message)."""
+    late = world - 1
+    gave_up = [os.path.join(marker_dir, f"gave_up{r}") for r in range(late)]
+    done = os.path.join(marker_dir, "late_done")
+    if rank == late:
+        while not all(os.path.exists(f) for f in gave_up):
+            time.sleep(0.05)
+    try:
+        call()
+        outcome = ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - the parent judges the type
+        outcome = (type(exc).__name__, str(exc))
+    if rank != late:
+        open(gave_up[rank], "w").close()
+        while not os.path.exists(done):
+            time.sleep(0.05)
+    else:
+        open(done, "w").close()
+    return outcome
+
+
+def assert_late_rank_wrote_nothing(results):
+    """results[rank] = (outcome, touched targets, the late rank has local copies)."""
+    assert results[-1][2], "the late rank has no local copies: it would not write at once"
+    for rank, (outcome, touched, _) in enumerate(results):
+        assert outcome[0] == "PreflightError", (rank, outcome)
+        assert "nothing was written" in outcome[1], (rank, outcome)
+        assert not touched, (rank, touched[:5])

@@ -676,21 +676,13 @@ def w_late_rank(rank, world, marker_dir, timeout):
     has_local = bool(plan.schedule(late).local)
     db = dst.empty(rank)
     before = {k: v.clone() for k, v in db.items()}
-    gave_up = [os.path.join(marker_dir, f"gave_up{r}") for r in range(world - 1)]
-    done = os.path.join(marker_dir, "late_done")
-    if rank == late:
-        while not all(os.path.exists(f) for f in gave_up):
-            time.sleep(0.05)
-    out = _outcome(
-        lambda: rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+    out = F.arrive_late(
+        rank,
+        world,
+        marker_dir,
+        lambda: rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout),
     )
-    if rank != late:
-        open(gave_up[rank], "w").close()
-        while not os.path.exists(done):  # stay in the group until the late rank is done
-            time.sleep(0.05)
-    else:
-        open(done, "w").close()
-    return out[:2], S.mismatches(db, before), has_local
+    return out, S.mismatches(db, before), has_local
 
 
 def w_padded_target(rank, world):

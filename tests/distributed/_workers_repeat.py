@@ -6,9 +6,7 @@ Module level and light imports: spawned ranks re-import this module.
 
 from __future__ import annotations
 
-import os
-import time
-
+import _faults as F
 import _scenarios as S
 import torch
 
@@ -138,21 +136,5 @@ def w_late_rank_on_a_repeated_call(rank, world, marker_dir, timeout):
     for v in db.values():
         v.fill_(S.POISON)
     before = {k: v.clone() for k, v in db.items()}
-    late = world - 1
-    gave_up = [os.path.join(marker_dir, f"gave_up{r}") for r in range(world - 1)]
-    done = os.path.join(marker_dir, "late_done")
-    if rank == late:
-        while not all(os.path.exists(f) for f in gave_up):
-            time.sleep(0.05)
-    try:
-        t(sb, db)
-        outcome = ("ok", "")
-    except Exception as exc:  # noqa: BLE001 - the parent judges the type
-        outcome = (type(exc).__name__, str(exc))
-    if rank != late:
-        open(gave_up[rank], "w").close()
-        while not os.path.exists(done):  # stay in the group until the late rank is done
-            time.sleep(0.05)
-    else:
-        open(done, "w").close()
+    outcome = F.arrive_late(rank, world, marker_dir, lambda: t(sb, db))
     return outcome, S.mismatches(db, before), first.local_bytes > 0

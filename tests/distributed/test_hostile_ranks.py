@@ -16,6 +16,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _faults as F  # noqa: E402
 import _scenarios as S  # noqa: E402
 import _workers as W  # noqa: E402
 
@@ -79,11 +80,7 @@ def test_a_rank_arriving_after_its_peers_gave_up_writes_nothing(tmp_path):
         timeout=180,
         group_timeout=60,
     )
-    assert res[-1][2], "the late rank has no local copies: it would not write at once"
-    for rank, (outcome, touched, _) in enumerate(res):
-        assert outcome[0] == "PreflightError", (rank, outcome)
-        assert "nothing was written" in outcome[1], (rank, outcome)
-        assert not touched, (rank, touched[:5])
+    F.assert_late_rank_wrote_nothing(res)
 
 
 def test_multi_segment_message_into_a_padded_target(tmp_path):
