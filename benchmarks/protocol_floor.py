@@ -12,6 +12,8 @@ sync (ranks aligned by a barrier, each rank's own call, the slowest rank's):
 - `all_gather+p2p`: both in sequence: one small collective to agree, then one exchange
   holding every byte that must cross: the least a sync that agrees before writing can cost
   over this transport, local copies not counted;
+- `all_gather+p2p+local`: the same with the rank's local bytes copied (one memcpy of that many
+  bytes) while the exchange is in flight: the least a whole sync of the case can cost here;
 - `reshard`: one sync of the case's reshard.Transfer (the sync_latency budget rule).
 The physical floor (sync_latency.py's definition, link rates measured here) is printed with
 them: a goal of N x floor that lies below `all_gather+p2p` cannot be met by any protocol
@@ -32,7 +34,7 @@ import _scenarios as S  # noqa: E402
 import sync_latency as SL  # noqa: E402
 
 CASES = ("rl_weight_sync/gpt-micro", "rl_weight_sync/gpt-mini")
-VARIANTS = ("barrier", "all_gather", "p2p", "all_gather+p2p", "reshard")
+VARIANTS = ("barrier", "all_gather", "p2p", "all_gather+p2p", "all_gather+p2p+local", "reshard")
 progress = C.progress_logger("protocol_floor")
 
 
@@ -65,9 +67,14 @@ def _time_case(key, rank, world, cfg) -> dict:
     b = torch.empty(nbytes, dtype=torch.uint8)
     row = torch.zeros(3, dtype=torch.int64)
     rows = torch.zeros(3 * world, dtype=torch.int64)
+    local_src = torch.ones(max(1, rep.local_bytes), dtype=torch.uint8)
+    local_dst = torch.empty_like(local_src)
 
-    def p2p():
-        for w in [pg.recv([b], peer, 0), pg.send([a], peer, 0)]:
+    def p2p(during=None):
+        works = [pg.recv([b], peer, 0), pg.send([a], peer, 0)]
+        if during is not None:
+            during()
+        for w in works:
             w.wait()
 
     def all_gather():
@@ -77,11 +84,16 @@ def _time_case(key, rank, world, cfg) -> dict:
         all_gather()
         p2p()
 
+    def whole():
+        all_gather()
+        p2p(lambda: local_dst.copy_(local_src))
+
     steps = {
         "barrier": dist.barrier,
         "all_gather": all_gather,
         "p2p": p2p,
         "all_gather+p2p": both,
+        "all_gather+p2p+local": whole,
         "reshard": lambda: sync(case.src_buffers, bufs),
     }
     for _ in range(cfg["warmup"]):
@@ -143,7 +155,8 @@ def markdown(record) -> str:
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
         "processes (rotating order); each call timed per rank after a barrier, the slowest "
         "rank's. `p2p`: one message each way of the bytes reshard sends per rank; "
-        "`all_gather+p2p`: one small all-gather, then that exchange. `floor`: sync_latency's "
+        "`all_gather+p2p`: one small all-gather, then that exchange; `+local`: with the rank's "
+        "local bytes copied while the exchange is in flight. `floor`: sync_latency's "
         "physical floor (wire bytes / link, local bytes / copy bandwidth; links measured in "
         "this run).",
         "",
