@@ -271,15 +271,15 @@ class _RoundLoop:
                 self._copy(self.src[t.src_location], t.desc, self.dst[t.dst_location], "local")
         self.sec["local"] += time.perf_counter() - t0
 
-    def post(self, rnd):
-        """Post every wire of `rnd`, receives first (gloo moves a message only once its
-        receive is posted, so the peer's sends find theirs waiting); returns the works and
-        the tensors they use. Under gloo straight on the process group (no per-op checks);
-        under NCCL as one batch (its grouped launch keeps opposite sends from deadlocking)."""
+    def post(self, rnd, wires, works, bufs):
+        """Post `wires` of `rnd`, appending each work and the tensor it uses to `works` /
+        `bufs` as it is posted (already in flight when a later post fails). Under gloo
+        straight on the process group (no per-op checks); under NCCL as one batch (its grouped
+        launch keeps opposite sends from deadlocking)."""
         t0 = time.perf_counter()
         e = self.e
-        bufs = []
-        for w in rnd.wires:
+        start = len(bufs)
+        for w in wires:
             if w.direct is not None:  # straight from the source / into the target
                 r = w.direct
                 buf = (self.src if w.send else self.dst)[r.location].view(torch.uint8)
@@ -289,20 +289,30 @@ class _RoundLoop:
                 bufs.append(arena[w.arena_offset : w.arena_offset + w.nbytes])
         if e.transport == "gloo":
             pg = e.group
-            works = [
-                pg.send([b], w.peer, 0) if w.send else pg.recv([b], w.peer, 0)
-                for w, b in zip(rnd.wires, bufs, strict=True)
-            ]
-        elif bufs:
+            for w, b in zip(wires, bufs[start:], strict=True):
+                works.append(pg.send([b], w.peer, 0) if w.send else pg.recv([b], w.peer, 0))
+        elif wires:
             ops = [
                 dist.P2POp(dist.isend if w.send else dist.irecv, b, e.global_peer[w.peer], e.group)
-                for w, b in zip(rnd.wires, bufs, strict=True)
+                for w, b in zip(wires, bufs[start:], strict=True)
             ]
-            works = dist.batch_isend_irecv(ops)
-        else:
-            works = []
+            works += dist.batch_isend_irecv(ops)
         self.sec["transport"] += time.perf_counter() - t0
-        return works, bufs
+
+    def start(self, rnd, flight):
+        """Pack and post `rnd`, in flight from its first post. Under gloo its receives are
+        posted before the packing (a message moves only once its receive is posted: the
+        peer's sends then find theirs waiting and go out at once); under NCCL one batch after
+        the packing."""
+        works, bufs = [], []
+        flight.append((rnd, works, bufs))
+        if self.e.transport == "gloo":
+            self.post(rnd, rnd.wires[: rnd.first_send], works, bufs)
+            self.pack(rnd)
+            self.post(rnd, rnd.wires[rnd.first_send :], works, bufs)
+        else:
+            self.pack(rnd)
+            self.post(rnd, rnd.wires, works, bufs)
 
     def wait(self, works):
         t0 = time.perf_counter()
@@ -328,8 +338,7 @@ class _RoundLoop:
         def fill():
             nonlocal nxt
             while nxt < len(rounds) and _arenas_free(rounds[nxt], flight):
-                self.pack(rounds[nxt])
-                flight.append((rounds[nxt], *self.post(rounds[nxt])))
+                self.start(rounds[nxt], flight)
                 nxt += 1
 
         fill()
