@@ -211,6 +211,23 @@ def section_stage(n):
         }
         print(f"stage ring {ring_mib} MiB: {row}", flush=True)
         out.append(row)
+    # per-call cost: a quarter of the table per call, back to back and 2 ms apart (the host
+    # threads idle between calls, as between a stream's buckets)
+    m = n // 4
+    d = _desc(m)
+    for gap in (0.0, 0.002):
+        ts = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            time.sleep(gap)
+            t0 = time.perf_counter()
+            torch.ops.reshard.stage_h2d(src[:m], d, ring, dst[:m])
+            ts.append(time.perf_counter() - t0)
+        row = {"ring_bytes": ring.numel(), "elements": m, "gap_s": gap}
+        row |= {"median_s": statistics.median(ts[1:]), "min_s": min(ts[1:])}
+        row["g_elem_per_s"] = m / row["median_s"] / 1e9
+        print(f"stage quarter gap {gap}: {row}", flush=True)
+        out.append(row)
     return out
 
 

@@ -302,7 +302,9 @@ struct CacheEntry {
 // A schedule's local tables (one per FSDP2 storage: hundreds) stay cached across syncs.
 constexpr size_t kCacheEntries = 1024;
 std::mutex g_cache_mutex;
-std::list<std::shared_ptr<CacheEntry>> g_cache;  // most recently used first
+// Most recently used first. Never destroyed: at process exit the CUDA driver may be gone
+// before static destructors run, and freeing the entries' device tensors then aborts.
+std::list<std::shared_ptr<CacheEntry>>& g_cache = *new std::list<std::shared_ptr<CacheEntry>>();
 
 void upload(DeviceTable& t, int device) {
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
