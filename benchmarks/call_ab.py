@@ -1,21 +1,28 @@
 """A repeated sync's per-call cost, before vs after a change of the call path, in one run.
 
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
+    python benchmarks/call_ab.py REV --world 1 --json benchmarks/results/cpu/call_ab_world1.json
 
-Loads `preflight.py` and `executor.py` of git revision REV next to the current ones (as
-`reshard._rev_preflight` / `reshard._rev_executor`, sharing the current rounds, staging and
-ops), then on 2 gloo ranks builds, per case, one `Transfer` of REV's executor and one of the
-current executor over the same layouts (the sync_latency budget rule), and times their syncs
-call by call, in rotating order, in the same processes, so load bursts on a shared machine hit
-every variant alike. A third variant, `commit`, is the current code with the commit step
-forced on every call (`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the
-commit all-gather costs. Each sync is timed as in sync_latency.py (barriers on both sides,
-the slowest rank); the phases come from each rank's `Report` (for REV, the time in its
-`preflight.agree` stands in for `exchange`).
+Loads `preflight.py`, `executor.py` and `integrations/dtensor.py` of git revision REV next to
+the current ones (as `reshard._rev_preflight`, `reshard._rev_executor`,
+`reshard.integrations._rev_dtensor`, sharing the current rounds, staging and ops), then on
+`--world` gloo ranks builds, per case, one `Transfer` of REV's executor and one of the current
+executor over the same layouts (the sync_latency budget rule), and times their syncs call by
+call, in rotating order, in the same processes, so load bursts on a shared machine hit every
+variant alike. The FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every
+preflight): REV's variant passes one described by REV's dtensor module. With 2 or more ranks a
+third variant, `commit`, is the current code with the commit step forced on every call
+(`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the commit all-gather
+costs. Each sync is timed as in sync_latency.py (barriers on both sides, the slowest rank); the
+phases come from each rank's `Report` (for REV, the time in its `preflight.agree` stands in for
+`exchange`).
 
-Cases: rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini, lora_sync gpt-125m (or
---cases). Only for call paths whose executor still fits the current rounds and staging
-modules (REV close to the current code). Not part of the suite: run by hand.
+Cases (or --cases): with 2 ranks rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini,
+lora_sync gpt-125m and fsdp_offload gpt-125m-thin; with 1 rank fsdp_offload gpt-125m-thin and
+gpt-350m-thin (the storage counts of gpt-125m and gpt-350m, 294 and 582 per side, at tiny widths:
+the per-call cost of that many buffers without the copies). Only for call paths whose executor
+still fits the current rounds and staging modules (REV close to the current code). Not part of
+the suite: run by hand.
 """
 
 from __future__ import annotations
@@ -34,33 +41,47 @@ import _common as C  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = (
-    "rl_weight_sync/gpt-micro",
-    "rl_weight_sync/gpt-mini",
-    "fsdp_resize/gpt-mini",
-    "lora_sync/gpt-125m",
+CASES = {
+    1: ("fsdp_offload/gpt-125m-thin", "fsdp_offload/gpt-350m-thin"),
+    2: (
+        "rl_weight_sync/gpt-micro",
+        "rl_weight_sync/gpt-mini",
+        "fsdp_resize/gpt-mini",
+        "lora_sync/gpt-125m",
+        "fsdp_offload/gpt-125m-thin",
+    ),
+}
+# the modules whose REV is loaded next to the current one: (path under python/reshard, name)
+REV_MODULES = (
+    ("preflight.py", "reshard._rev_preflight"),
+    ("executor.py", "reshard._rev_executor"),
+    ("integrations/dtensor.py", "reshard.integrations._rev_dtensor"),
 )
-VARIANTS = ("rev", "current", "commit")
 PHASES = ("preflight", "exchange", "pack", "transport", "unpack", "local", "total")
 progress = C.progress_logger("call_ab")
 
 
+def variants(world) -> tuple:
+    return ("rev", "current", "commit") if world > 1 else ("rev", "current")
+
+
 def load_rev(sources: dict) -> dict:
-    """REV's preflight and executor as modules of the current package."""
+    """REV's modules (REV_MODULES) as modules of the current package, by path."""
     import reshard
 
     mods = {}
-    for name in ("preflight", "executor"):
-        text = sources[name].replace(
+    for path, full in REV_MODULES:
+        text = sources[path].replace(
             "from . import preflight as pf", "from . import _rev_preflight as pf"
         )
-        full = f"reshard._rev_{name}"
+        package, name = full.rsplit(".", 1)
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(full, loader=None))
-        mod.__package__ = "reshard"
+        mod.__package__ = package
         sys.modules[full] = mod
-        exec(compile(text, f"<rev {name}.py>", "exec"), mod.__dict__)
-        setattr(reshard, f"_rev_{name}", mod)
-        mods[name] = mod
+        exec(compile(text, f"<rev {path}>", "exec"), mod.__dict__)
+        setattr(importlib.import_module(package), name, mod)
+        mods[path] = mod
+    assert reshard._rev_preflight is mods["preflight.py"]
     return mods
 
 
@@ -70,7 +91,7 @@ def _rank(rank, world, cfg):
     torch.set_num_threads(1)
     rev = load_rev(cfg["sources"])
     agree_s = [0.0]  # seconds of the rev's last preflight.agree: its exchange
-    rev_agree = rev["preflight"].agree
+    rev_agree = rev["preflight.py"].agree
 
     def timed_agree(*a, **k):
         t0 = time.perf_counter()
@@ -79,14 +100,14 @@ def _rank(rank, world, cfg):
         finally:
             agree_s[0] = time.perf_counter() - t0
 
-    rev["preflight"].agree = timed_agree
+    rev["preflight.py"].agree = timed_agree
     out = {}
     for key in cfg["cases"]:
-        out[key] = _time_case(key, rank, world, cfg, rev["executor"].Transfer, agree_s)
+        out[key] = _time_case(key, rank, world, cfg, rev, agree_s)
     return out
 
 
-def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
+def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
     """{variant: [[sync s, phase s...] per call], "correct": bool, "params": int}."""
     import torch.distributed as dist
 
@@ -98,15 +119,20 @@ def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
     budget = B.cpu_budget(case)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
-        for m, cls in (("rev", rev_transfer), ("current", rs.Transfer))
+        for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
     }
-    bufs = {v: case.targets() for v in VARIANTS}
+    sources = dict.fromkeys(("rev", "current"), case.src_buffers)
+    if getattr(case, "src_dtensors", None) is not None:  # REV's own LiveDTensors and check()
+        sources["rev"] = rev["integrations/dtensor.py"].describe(case.src_dtensors)
+    names = variants(world)
+    bufs = {v: case.targets() for v in names}
     default_spread = pf.COMMIT_SPREAD
 
     def call(v):
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
-        t = transfers["rev" if v == "rev" else "current"]
-        sec, rep = C.timed_sync(lambda b: t(case.src_buffers, b), bufs[v], world, False)
+        m = "rev" if v == "rev" else "current"
+        t, src = transfers[m], sources[m]
+        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, False)
         phases = dict(rep.seconds)
         if v == "rev":
             phases["exchange"] = agree_s[0]
@@ -114,24 +140,25 @@ def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
 
     try:
         for _ in range(cfg["warmup"]):
-            for v in VARIANTS:
+            for v in names:
                 call(v)
-        rec = {v: [] for v in VARIANTS}
+        rec = {v: [] for v in names}
         for i in range(cfg["iters"]):
-            k = i % len(VARIANTS)
-            for v in VARIANTS[k:] + VARIANTS[:k]:
+            k = i % len(names)
+            for v in names[k:] + names[:k]:
                 rec[v].append(call(v))
     finally:
         pf.COMMIT_SPREAD = default_spread
-    rec["correct"] = all(B.targets_correct(case, bufs[v]) for v in VARIANTS)
+    rec["correct"] = all(B.targets_correct(case, bufs[v]) for v in names)
     rec["params"] = case.params
+    rec["buffers"] = [len(getattr(case.src_buffers, "buffers", case.src_buffers)), len(bufs["rev"])]
     return rec
 
 
-def summarize(per_rank, cases) -> list:
+def summarize(per_rank, cases, world) -> list:
     rows = []
     for key in cases:
-        for v in VARIANTS:
+        for v in variants(world):
             n = min(len(x[key][v]) for x in per_rank)
             # per call: the slowest rank's sync and, per phase, the largest rank's seconds
             calls = [
@@ -145,6 +172,7 @@ def summarize(per_rank, cases) -> list:
                     "case": key,
                     "variant": v,
                     "params": per_rank[0][key]["params"],
+                    "buffers_per_rank": per_rank[0][key]["buffers"],
                     "calls": n,
                     "median_s": C.quantile(sync, 0.5),
                     "p10_s": C.quantile(sync, 0.1),
@@ -161,28 +189,31 @@ def summarize(per_rank, cases) -> list:
 def markdown(record) -> str:
     meta, rows = record["meta"], record["results"]
     out = [
-        f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, 2 gloo ranks",
+        f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, "
+        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}",
         "",
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: preflight.py + executor.py of the revision; "
-        "`current`: this checkout; `commit`: this checkout with the commit all-gather on every "
-        "call. Sync = barrier-fenced, slowest rank (as sync_latency.py); phases: median over "
+        "processes (rotating order). `rev`: preflight.py, executor.py and "
+        "integrations/dtensor.py of the revision; `current`: this checkout; `commit` (2+ ranks): "
+        "this checkout with the commit all-gather on every call. Buffers: source / target "
+        "storages per rank. Sync = barrier-fenced, slowest rank (as sync_latency.py); phases: median over "
         "calls of the largest rank's Report seconds (rev's `exchange` = its time in "
         "preflight.agree, the agreement and the commit).",
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| case | variant | median ms | p10 ms | p90 ms | x current | preflight ms | exchange ms "
-        "| local checks ms | pack | transport | unpack | local | ok |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| case | buffers | variant | median ms | p10 ms | p90 ms | x current | preflight ms "
+        "| exchange ms | local checks ms | pack | transport | unpack | local | ok |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     cur = {r["case"]: r for r in rows if r["variant"] == "current"}
     for r in rows:
         ph = {k: v * 1e3 for k, v in r["phases_median_s"].items()}
         out.append(
-            f"| {r['case']} | {r['variant']} | {r['median_s'] * 1e3:.2f} | {r['p10_s'] * 1e3:.2f} "
+            f"| {r['case']} | {'/'.join(map(str, r['buffers_per_rank']))} | {r['variant']} "
+            f"| {r['median_s'] * 1e3:.2f} | {r['p10_s'] * 1e3:.2f} "
             f"| {r['p90_s'] * 1e3:.2f} | {r['median_s'] / cur[r['case']]['median_s']:.2f} "
             f"| {ph['preflight']:.2f} | {ph['exchange']:.2f} "
             f"| {max(0.0, ph['preflight'] - ph['exchange']):.2f} | {ph['pack']:.2f} "
@@ -195,7 +226,8 @@ def markdown(record) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("rev", help="git revision whose preflight.py and executor.py are the 'rev'")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4))
+    ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -203,14 +235,14 @@ def main(argv=None) -> int:
     from reshard._launch import RanksFailed, launch
 
     sources = {
-        name: subprocess.run(
-            ["git", "show", f"{args.rev}:python/reshard/{name}.py"],
+        path: subprocess.run(
+            ["git", "show", f"{args.rev}:python/reshard/{path}"],
             cwd=ROOT,
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        for name in ("preflight", "executor")
+        for path, _ in REV_MODULES
     }
     rev = subprocess.run(
         ["git", "rev-parse", "--short", args.rev],
@@ -219,24 +251,26 @@ def main(argv=None) -> int:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    cases = args.cases.split(",")
+    cases = args.cases.split(",") if args.cases else list(CASES.get(args.world, CASES[2]))
     env = C.environment()
     cfg = {"sources": sources, "cases": cases, "iters": args.iters, "warmup": args.warmup}
-    progress(f"{len(cases)} cases x {len(VARIANTS)} variants, {args.iters} syncs each")
+    names = variants(args.world)
+    progress(f"{len(cases)} cases x {len(names)} variants, {args.iters} syncs each")
     try:
-        per_rank = launch(_rank, 2, args=(cfg,), prefix="reshard-call-ab-")
+        per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
     except RanksFailed as exc:
         print(exc, file=sys.stderr)
         return 1
     meta = {
         **env,
         "rev": rev,
+        "world": args.world,
         "iters": args.iters,
         "warmup": args.warmup,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "command": C.command_line("call_ab.py", argv),
     }
-    record = {"meta": meta, "results": summarize(per_rank, cases)}
+    record = {"meta": meta, "results": summarize(per_rank, cases, args.world)}
     if args.json:
         C.write_results(args.json, record, markdown)
     print(markdown(record))
