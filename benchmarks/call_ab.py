@@ -18,11 +18,14 @@ phases come from each rank's `Report` (for REV, the time in its `preflight.agree
 `exchange`).
 
 Cases (or --cases): with 2 ranks rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini,
-lora_sync gpt-125m and fsdp_offload gpt-125m-thin; with 1 rank fsdp_offload gpt-125m-thin and
-gpt-350m-thin (the storage counts of gpt-125m and gpt-350m, 294 and 582 per side, at tiny widths:
-the per-call cost of that many buffers without the copies). Only for call paths whose executor
-still fits the current rounds and staging modules (REV close to the current code). Not part of
-the suite: run by hand.
+lora_sync gpt-125m, fsdp_offload and fsdp2_exp_avg gpt-125m-thin and `agree/-` (the agreement
+alone, `preflight.agree` after a barrier, 10x the iterations: the collective's own cost); with
+1 rank fsdp_offload gpt-125m-thin and gpt-350m-thin (the storage counts of gpt-125m and
+gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many buffers without
+the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
+CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
+Only for call paths whose executor still fits the current rounds and staging modules (REV close
+to the current code). Not part of the suite: run by hand.
 """
 
 from __future__ import annotations
@@ -41,14 +44,23 @@ import _common as C  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the agreement alone (`preflight.agree`), 10x the iterations: the collective's own cost
+AGREE = "agree/-"
 CASES = {
-    1: ("fsdp_offload/gpt-125m-thin", "fsdp_offload/gpt-350m-thin"),
+    1: (
+        "fsdp_offload/gpt-125m-thin",
+        "fsdp_offload/gpt-350m-thin",
+        "fsdp2_param/gpt-125m-thin",
+        "fsdp2_exp_avg/gpt-125m-thin",
+    ),
     2: (
         "rl_weight_sync/gpt-micro",
         "rl_weight_sync/gpt-mini",
         "fsdp_resize/gpt-mini",
         "lora_sync/gpt-125m",
         "fsdp_offload/gpt-125m-thin",
+        "fsdp2_exp_avg/gpt-125m-thin",
+        AGREE,
     ),
 }
 # the modules whose REV is loaded next to the current one: (path under python/reshard, name)
@@ -56,7 +68,10 @@ REV_MODULES = (
     ("preflight.py", "reshard._rev_preflight"),
     ("executor.py", "reshard._rev_executor"),
     ("integrations/dtensor.py", "reshard.integrations._rev_dtensor"),
+    ("integrations/fsdp.py", "reshard.integrations._rev_fsdp"),
 )
+# real FSDP2 cases: "<kind>" of rsfsdp.describe as source (see _fsdp2_case)
+FSDP2 = {"fsdp2_param": "param", "fsdp2_exp_avg": "exp_avg"}
 PHASES = ("preflight", "exchange", "pack", "transport", "unpack", "local", "total")
 progress = C.progress_logger("call_ab")
 
@@ -71,8 +86,10 @@ def load_rev(sources: dict) -> dict:
 
     mods = {}
     for path, full in REV_MODULES:
-        text = sources[path].replace(
-            "from . import preflight as pf", "from . import _rev_preflight as pf"
+        text = (
+            sources[path]
+            .replace("from . import preflight as pf", "from . import _rev_preflight as pf")
+            .replace("from .dtensor import", "from ._rev_dtensor import")
         )
         package, name = full.rsplit(".", 1)
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(full, loader=None))
@@ -103,8 +120,51 @@ def _rank(rank, world, cfg):
     rev["preflight.py"].agree = timed_agree
     out = {}
     for key in cfg["cases"]:
-        out[key] = _time_case(key, rank, world, cfg, rev, agree_s)
+        if key == AGREE:
+            out[key] = _time_agree(rank, world, cfg, rev_agree)
+        else:
+            out[key] = _time_case(key, rank, world, cfg, rev, agree_s)
     return out
+
+
+def _time_agree(rank, world, cfg, rev_agree) -> dict:
+    """The agreement alone (`preflight.agree` of a passing rank), after a barrier, on each
+    rank: REV's against the current one with its kept `GatherRows` (and the commit forced)."""
+    import torch
+    import torch.distributed as dist
+
+    from reshard import preflight as pf
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    gather = pf.GatherRows(group, world)
+    default_spread = pf.COMMIT_SPREAD
+    agree = {
+        "rev": lambda: rev_agree([], "fp", group, rank, world, cpu, 300.0),
+        "current": lambda: pf.agree([], "fp", group, rank, world, cpu, 300.0, gather),
+    }
+    agree["commit"] = agree["current"]
+    names = variants(world)
+
+    def call(v):
+        pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
+        dist.barrier()
+        t0 = time.perf_counter()
+        agree[v]()
+        sec = time.perf_counter() - t0
+        return [sec] + [sec if p in ("preflight", "exchange") else 0.0 for p in PHASES]
+
+    rec = {v: [] for v in names}
+    try:
+        for i in range(cfg["warmup"] + 10 * cfg["iters"]):
+            k = i % len(names)
+            for v in names[k:] + names[:k]:
+                sample = call(v)
+                if i >= cfg["warmup"]:
+                    rec[v].append(sample)
+    finally:
+        pf.COMMIT_SPREAD = default_spread
+    rec.update(correct=True, params=0, buffers=[0, 0])
+    return rec
 
 
 def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
@@ -115,14 +175,20 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
     from reshard import preflight as pf
 
     scen, model = key.split("/")
-    case = S.SCENARIOS[scen](model, rank, world, "cpu")
-    budget = B.cpu_budget(case)
+    if scen in FSDP2:
+        case = _fsdp2_case(FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"])
+        budget = 64 << 20
+    else:
+        case = S.SCENARIOS[scen](model, rank, world, "cpu")
+        budget = B.cpu_budget(case)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
         for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
     }
     sources = dict.fromkeys(("rev", "current"), case.src_buffers)
-    if getattr(case, "src_dtensors", None) is not None:  # REV's own LiveDTensors and check()
+    if getattr(case, "rev_src_buffers", None) is not None:
+        sources["rev"] = case.rev_src_buffers
+    elif getattr(case, "src_dtensors", None) is not None:  # REV's own LiveDTensors and check()
         sources["rev"] = rev["integrations/dtensor.py"].describe(case.src_dtensors)
     names = variants(world)
     bufs = {v: case.targets() for v in names}
@@ -149,10 +215,87 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
                 rec[v].append(call(v))
     finally:
         pf.COMMIT_SPREAD = default_spread
-    rec["correct"] = all(B.targets_correct(case, bufs[v]) for v in names)
+    rec["correct"] = all(_correct(case, bufs[v]) for v in names)
     rec["params"] = case.params
     rec["buffers"] = [len(getattr(case.src_buffers, "buffers", case.src_buffers)), len(bufs["rev"])]
     return rec
+
+
+class _Fsdp2Case:
+    """A real FSDP2 model: one submodule per layer of `model`'s parameter shapes
+    (reshard.scenarios), `fully_shard` on each and on the root with CPUOffloadPolicy, AdamW
+    state from `init_adam_state`. Source: `rsfsdp.describe(net, kind)` (REV's describe for
+    the rev variant); targets: fresh buffers of the same geometry on the same ranks, each
+    location's copy of its source (local copies only)."""
+
+    def __init__(self, kind, model, rank, world, rev_fsdp):
+        import dataclasses
+
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        import reshard as rs
+        from reshard import scenarios as sc
+        from reshard.integrations import fsdp as rsfsdp
+
+        root, layers = torch.nn.Module(), {}
+        for i, (name, shape) in enumerate(sc.named_shapes(model).items()):
+            prefix, _, leaf = name.rpartition(".")
+            owner = root
+            if prefix:
+                if prefix not in layers:
+                    layers[prefix] = torch.nn.Module()
+                    root.add_module(prefix, layers[prefix])
+                owner = layers[prefix]
+            owner.register_parameter(leaf, torch.nn.Parameter(sc.value(i, shape)))
+        self.params = sum(p.numel() for p in root.parameters())
+        kw = {
+            "mesh": init_device_mesh("cpu", (world,)),
+            "offload_policy": CPUOffloadPolicy(pin_memory=False),
+        }
+        for layer in layers.values():
+            fully_shard(layer, **kw)
+        fully_shard(root, **kw)
+        opt = torch.optim.AdamW(root.parameters())
+        rsfsdp.init_adam_state(opt, 1)
+        self.net, self.opt = root, opt  # kept alive: the described state is theirs
+
+        def describe(mod):
+            return mod.describe(root, kind) if kind == "param" else mod.describe(root, kind, opt)
+
+        self.src_buffers, self.rev_src_buffers = describe(rsfsdp), describe(rev_fsdp)
+        src = self.src_layout = self.src_buffers.layout
+        shift = 1 + max(src.storages)
+        self.dst_layout = rs.Layout(
+            {
+                name: rs.TensorLayout(
+                    tl.shape,
+                    [dataclasses.replace(p, location=p.location + shift) for p in tl.pieces],
+                )
+                for name, tl in src.tensors.items()
+            },
+            {loc + shift: st for loc, st in src.storages.items()},
+        )
+        self.reference = {loc + shift: t.clone() for loc, t in self.src_buffers.buffers.items()}
+
+    def targets(self):
+        import torch
+
+        return {loc: torch.full_like(t, float("nan")) for loc, t in self.reference.items()}
+
+
+def _fsdp2_case(kind, model, rank, world, rev_fsdp):
+    return _Fsdp2Case(kind, model, rank, world, rev_fsdp)
+
+
+def _correct(case, bufs) -> bool:
+    import torch
+
+    if isinstance(case, _Fsdp2Case):
+        ref = case.reference
+        return set(bufs) == set(ref) and all(torch.equal(bufs[k], v) for k, v in ref.items())
+    return B.targets_correct(case, bufs)
 
 
 def summarize(per_rank, cases, world) -> list:
