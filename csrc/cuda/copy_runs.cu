@@ -12,6 +12,7 @@
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "../casts.h"
 #include "cuda_check.h"
@@ -189,29 +190,40 @@ __device__ __noinline__ void copy_scalar(const Params &p, int64_t r, int64_t k, 
  * two short tiles in flight: the next tile's rows and loads are issued before the previous
  * tile is stored. */
 constexpr int kStageWords = 2 * kUnroll * 32; /* 16-byte words of one tile's staging, per warp */
+/* A row whose work is one contiguous range on each side (count 1, or strides equal to the
+ * length): work element k of it sits at k + sdel in src and k + ddel in dst, up to lim. */
+struct Affine {
+  int64_t sdel, ddel, lim; /* lim < 0: not affine (locate from the full row) */
+};
 struct WarpSmem {
   uint4 *stage;   /* kStageWords */
   rs_run *rows;   /* 32 */
   int64_t *start; /* 32 */
+  Affine *aff;    /* 32 */
 };
-__host__ __device__ constexpr int warp_smem_bytes(int bufs) {
-  return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8);
+__host__ __device__ constexpr int warp_smem_bytes(int var, int bufs) {
+  return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8 +
+                 (var >= 2 ? 32 * (int)sizeof(Affine) : 0));
 }
 /* Two tiles in flight per warp hide a tile's descriptor and load latency behind the other's
  * stores. The fp32 -> 16-bit casts hold two 16-byte loads per group and spill with a second
  * tile's state, so they keep one. */
-__host__ __device__ constexpr bool two_tiles(int src_size, int dst_size) {
-  return !(src_size == 4 && dst_size == 2);
+__host__ __device__ constexpr bool two_tiles(int var, int src_size, int dst_size) {
+  return var == 3 ? true : var == 4 ? false : !(src_size == 4 && dst_size == 2);
 }
-__host__ __device__ constexpr int smem_bufs(int src_size, int dst_size) {
-  return two_tiles(src_size, dst_size) ? 2 : 1;
+__host__ __device__ constexpr int smem_bufs(int var, int src_size, int dst_size) {
+  return two_tiles(var, src_size, dst_size) ? 2 : 1;
 }
+__host__ __device__ constexpr int min_blocks(int var) { return var == 4 ? 3 : 2; }
+template <int VAR>
 __device__ __forceinline__ WarpSmem warp_smem(unsigned char *base, int bufs, int buf) {
-  unsigned char *w = base + (threadIdx.x >> 5) * warp_smem_bytes(bufs) + buf * warp_smem_bytes(1);
+  unsigned char *w =
+      base + (threadIdx.x >> 5) * warp_smem_bytes(VAR, bufs) + buf * warp_smem_bytes(VAR, 1);
   WarpSmem m;
   m.stage = reinterpret_cast<uint4 *>(w);
   m.rows = reinterpret_cast<rs_run *>(w + kStageWords * 16);
   m.start = reinterpret_cast<int64_t *>(w + kStageWords * 16 + 32 * sizeof(rs_run));
+  m.aff = reinterpret_cast<Affine *>(w + kStageWords * 16 + 32 * sizeof(rs_run) + 32 * 8);
   return m;
 }
 extern __shared__ __align__(16) unsigned char rs_dyn_smem[];
@@ -223,10 +235,28 @@ struct ShortTile {
   unsigned scalar; /* groups copied element by element */
 };
 
-template <int SK, int DK>
+/* Source and destination index of work element k in row c of a short tile, and the elements
+ * left from k in one contiguous range of both sides. */
+template <int VAR>
+__device__ __forceinline__ void tile_locate(const Params &p, const WarpSmem &m, int c, int64_t k,
+                                            int64_t &si, int64_t &di, int64_t &left) {
+  if (VAR >= 2) {
+    const Affine a = m.aff[c];
+    if (a.lim >= 0) {
+      si = k + a.sdel;
+      di = k + a.ddel;
+      left = a.lim - k;
+      return;
+    }
+  }
+  locate(p, m.rows[c], m.start[c], k, si, di, left);
+}
+
+template <int SK, int DK, int VAR>
 __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, int64_t rhi,
-                                                 int64_t pre, int64_t t0, int64_t t1,
-                                                 const rs_run &my_row, const WarpSmem &m) {
+                                                 int64_t pre, int64_t start0, int64_t t0,
+                                                 int64_t t1, const rs_run &my_row,
+                                                 const WarpSmem &m) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int V = group_elems(sizeof(S), sizeof(D));
@@ -236,16 +266,26 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
   const int nrows = (int)(rhi - rlo) + 1; /* <= 32 */
-  /* prefix[rlo + lane]: lane 0 reads it, the others take their left neighbour's entry */
+  /* prefix[rlo + lane]: lane 0 has it (start0), the others take their left neighbour's entry */
   int64_t start = __shfl_up_sync(0xFFFFFFFFu, pre, 1);
-  if (lane == 0) start = __ldg(p.prefix + rlo);
+  if (lane == 0) start = VAR >= 1 ? start0 : __ldg(p.prefix + rlo);
   /* row ends relative to the tile (they all lie past t0); INT_MAX from t1 on */
   const int pre_rel = pre >= t1 ? 0x7FFFFFFF : (int)(pre - t0);
   __syncwarp(); /* every lane is done with this buffer's previous tile */
   if (lane < nrows) {
     /* one row (a tile inside one strided row): the prefix entries were not loaded */
-    m.rows[lane] = nrows == 1 ? load_row(p.runs, rlo) : my_row;
+    const rs_run row = nrows == 1 ? load_row(p.runs, rlo) : my_row;
+    m.rows[lane] = row;
     m.start[lane] = start;
+    if (VAR >= 2) {
+      Affine a;
+      const bool affine =
+          row.count == 1 || (row.src_stride == row.length && row.dst_stride == row.length);
+      a.sdel = p.mode == RS_MODE_UNPACK ? -p.begin : row.src_offset - start;
+      a.ddel = p.mode == RS_MODE_PACK ? -p.begin : row.dst_offset - start;
+      a.lim = affine ? start + row.length * row.count : -1;
+      m.aff[lane] = a;
+    }
   }
   __syncwarp();
 
@@ -268,7 +308,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     }
     if (k >= t1) continue;
     int64_t si, di, left;
-    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    tile_locate<VAR>(p, m, c, k, si, di, left);
     const S *sp = src + si;
     if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)(dst + di)) & 15) == 0) {
 #pragma unroll
@@ -289,7 +329,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
 
 /* The store half: cast and store what short_issue staged (each lane reads back only what it
  * staged itself; its cp.async group must be complete), then the element-wise groups. */
-template <int SK, int DK>
+template <int SK, int DK, int VAR>
 __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &st,
                                              const WarpSmem &m) {
   typedef typename Store<SK>::T S;
@@ -307,7 +347,7 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
     const int c = (int)(cv & 31u);
     const int64_t k = st.t0 + (u * 32 + lane) * V;
     int64_t si, di, left;
-    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    tile_locate<VAR>(p, m, c, k, si, di, left);
     uint4 in[kSrcVec], out[kDstVec];
 #pragma unroll
     for (int w = 0; w < kSrcVec; ++w) in[w] = m.stage[(u * kSrcVec + w) * 32 + lane];
@@ -334,9 +374,12 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
  *  - the tile spans at most 32 rows (short runs): short_issue / short_finish, each lane
  *    holding one prefix entry and finding its groups' rows by a binary search over
  *    registers (shuffles);
- *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows. */
-template <int SK, int DK>
-__global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
+ *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows.
+ * After a short tile (VAR >= 1) the next tile's first row follows from the prefix entries the
+ * lanes hold, and its rows and prefix entries are loaded before this tile's data is stored,
+ * so no descriptor load is waited for at the start of a tile. */
+template <int SK, int DK, int VAR>
+__global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int V = group_elems(sizeof(S), sizeof(D));
@@ -346,8 +389,8 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
   static_assert(kSpan == 32 * U * V, "a tile is 32 lanes x U groups x V elements");
 
-  constexpr bool kTwoTiles = two_tiles(sizeof(S), sizeof(D));
-  constexpr int kBufs = smem_bufs(sizeof(S), sizeof(D));
+  constexpr bool kTwoTiles = two_tiles(VAR, sizeof(S), sizeof(D));
+  constexpr int kBufs = smem_bufs(VAR, sizeof(S), sizeof(D));
   int buf = 0;          /* kTwoTiles: the buffer the next short tile uses */
   bool pending = false; /* kTwoTiles: a short tile issued but not stored yet */
   ShortTile pend;
@@ -362,30 +405,53 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   const int64_t tile_end = min(tiles, tile_begin + per_warp);
 
   int64_t rlo = -1;
+  /* VAR >= 1: the next tile's rows, loaded one tile ahead (have_next): its first row rlo,
+   * prefix[rlo] (next_start), lane i's prefix[rlo + 1 + i] and row rlo + i */
+  bool have_next = false;
+  int64_t next_start = 0, next_pre = INT64_MAX;
+  rs_run next_row;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = p.begin + tile * kSpan;
     const int64_t t1 = min(t0 + kSpan, p.end);
     /* warp-uniform row range [rlo, rhi] of the tile */
-    if (rlo < 0) {
-      rlo = find_row(p.prefix, 0, p.n, t0);
+    int64_t pre = INT64_MAX; /* lane i: prefix[rlo + 1 + i] (INT64_MAX past the table) */
+    bool have_pre = false;
+    rs_run my_row;
+    int64_t rlo_start, rlo_end;
+    if (VAR >= 1 && have_next) {
+      have_next = false;
+      pre = next_pre;
+      if (VAR == 5) {
+        if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
+      } else {
+        my_row = next_row;
+      }
+      have_pre = true;
+      rlo_start = next_start;
+      rlo_end = __shfl_sync(0xFFFFFFFFu, pre, 0);
     } else {
-      while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
+      if (rlo < 0) {
+        rlo = find_row(p.prefix, 0, p.n, t0);
+      } else {
+        while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
+      }
+      rlo_end = __ldg(p.prefix + rlo + 1);
+      rlo_start = VAR >= 1 ? __ldg(p.prefix + rlo) : 0;
+      if (rlo_end < t1) {
+        pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
+        if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
+        have_pre = true;
+      }
     }
     int64_t rhi = rlo;
-    /* lane i holds prefix[rlo + 1 + i] (INT64_MAX past the table) */
-    int64_t pre = INT64_MAX;
-    rs_run my_row;
-    const int64_t rlo_end = __ldg(p.prefix + rlo + 1);
     if (rlo_end < t1) {
-      pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
-      if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
       const unsigned below = __ballot_sync(0xFFFFFFFFu, pre <= t1 - 1);
       rhi = below == 0xFFFFFFFFu ? find_row(p.prefix, rlo, p.n, t1 - 1) : rlo + __popc(below);
     }
 
     if (rhi == rlo) {
       const rs_run row = load_row(p.runs, rlo);
-      const int64_t rs = __ldg(p.prefix + rlo);
+      const int64_t rs = VAR >= 1 ? rlo_start : __ldg(p.prefix + rlo);
       int64_t si0, di0, left0;
       locate(p, row, rs, t0, si0, di0, left0);
       if (left0 >= t1 - t0) { /* one run covers the tile: affine addresses */
@@ -438,21 +504,33 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
     }
 
     if (rhi - rlo < 32) {
-      const WarpSmem m = warp_smem(rs_dyn_smem, kBufs, buf);
-      const ShortTile st = short_issue<SK, DK>(p, rlo, rhi, pre, t0, t1, my_row, m);
+      const WarpSmem m = warp_smem<VAR>(rs_dyn_smem, kBufs, buf);
+      const ShortTile st = short_issue<SK, DK, VAR>(p, rlo, rhi, pre, rlo_start, t0, t1, my_row, m);
+      if (VAR >= 1 && have_pre && tile + 1 < tile_end) {
+        /* the next tile starts at t1 in the last row starting at or before it */
+        const unsigned upto = __ballot_sync(0xFFFFFFFFu, pre <= t1);
+        if (upto != 0xFFFFFFFFu) {
+          const int d = __popc(upto);
+          next_start = d > 0 ? __shfl_sync(0xFFFFFFFFu, pre, d - 1) : rlo_start;
+          rlo += d;
+          next_pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
+          if (VAR != 5 && rlo + lane < p.n) next_row = load_row(p.runs, rlo + lane);
+          have_next = true;
+        }
+      }
       if (kTwoTiles) {
         if (pending) {
           asm volatile("cp.async.wait_group 1;" ::: "memory");
-          short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
+          short_finish<SK, DK, VAR>(p, pend, warp_smem<VAR>(rs_dyn_smem, kBufs, buf ^ 1));
         }
         pend = st;
         pending = true;
         buf ^= 1;
       } else {
         asm volatile("cp.async.wait_all;" ::: "memory");
-        short_finish<SK, DK>(p, st, m);
+        short_finish<SK, DK, VAR>(p, st, m);
       }
-      rlo = rhi;
+      if (!have_next) rlo = rhi;
       continue;
     }
 
@@ -499,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   }
   if (kTwoTiles && pending) { /* the other paths use no shared memory: it could wait */
     asm volatile("cp.async.wait_all;" ::: "memory");
-    short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
+    short_finish<SK, DK, VAR>(p, pend, warp_smem<VAR>(rs_dyn_smem, kBufs, buf ^ 1));
   }
 }
 
@@ -532,24 +610,52 @@ int raw_kind(rs_dtype d) {
 
 typedef void (*kernel_fn)(Params);
 
-kernel_fn pick_kernel(rs_dtype s, rs_dtype d) {
+kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
   if (s == d) {
     switch (raw_kind(s)) {
-      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1>;
-      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2>;
-      case K_RAW4: return copy_kernel<K_RAW4, K_RAW4>;
-      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8>;
+      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1, 0>;
+      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2, 0>;
+      case K_RAW4:
+        switch (var) {
+          case 1: return copy_kernel<K_RAW4, K_RAW4, 1>;
+          case 2: return copy_kernel<K_RAW4, K_RAW4, 2>;
+          case 3: return copy_kernel<K_RAW4, K_RAW4, 3>;
+          case 4: return copy_kernel<K_RAW4, K_RAW4, 4>;
+          case 5: return copy_kernel<K_RAW4, K_RAW4, 5>;
+          default: return copy_kernel<K_RAW4, K_RAW4, 0>;
+        }
+      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8, 0>;
       default: return nullptr;
     }
   }
   const int a = kind_of(s), b = kind_of(d);
-  if (a == K_F32 && b == K_BF16) return copy_kernel<K_F32, K_BF16>;
-  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16>;
-  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32>;
-  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32>;
-  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16>;
-  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16>;
+  if (a == K_F32 && b == K_BF16) {
+    switch (var) {
+      case 1: return copy_kernel<K_F32, K_BF16, 1>;
+      case 2: return copy_kernel<K_F32, K_BF16, 2>;
+      case 3: return copy_kernel<K_F32, K_BF16, 3>;
+      case 4: return copy_kernel<K_F32, K_BF16, 4>;
+      case 5: return copy_kernel<K_F32, K_BF16, 5>;
+      default: return copy_kernel<K_F32, K_BF16, 0>;
+    }
+  }
+  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16, 0>;
+  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32, 0>;
+  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32, 0>;
+  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16, 0>;
+  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16, 0>;
   return nullptr;
+}
+
+/* Experiment switch: RESHARD_CR_VARIANT selects the kernel variant (raw 4-byte and
+ * fp32 -> bf16 only). */
+int variant_of(rs_dtype s, rs_dtype d) {
+  const char *v = getenv("RESHARD_CR_VARIANT");
+  if (!v) return 0;
+  const int x = atoi(v);
+  if (x < 0 || x > 5) return 0;
+  if (s == d) return raw_kind(s) == K_RAW4 ? x : 0;
+  return kind_of(s) == K_F32 && kind_of(d) == K_BF16 ? x : 0;
 }
 
 /* Multiprocessor count per device, read once (a benign race: every writer stores the same). */
@@ -605,7 +711,8 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad mode");
   if (begin < 0 || end < begin)
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad work range");
-  kernel_fn fn = pick_kernel(src_dtype, dst_dtype);
+  const int var = variant_of(src_dtype, dst_dtype);
+  kernel_fn fn = pick_kernel(src_dtype, dst_dtype, var);
   if (!fn)
     return rs_fail(err, RS_EDTYPE, -1, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
                    rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
@@ -618,7 +725,7 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
   const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
   const int64_t span = tile_elems(ss, ds); /* = kernel's */
   /* warp-private shared memory of the short-run tiles (the kernel's own layout) */
-  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(smem_bufs(ss, ds));
+  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(var, smem_bufs(var, ss, ds));
   const int64_t tiles = (end - begin + span - 1) / span;
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
