@@ -4,6 +4,7 @@ RESHARD_CR_VARIANT is read by the CUDA launch (raw 4-byte and fp32 -> bf16 only)
 python benchmarks/cuda_ab.py OUT.json [variants, default 0,1,2,3,4,5]
 """
 
+import ctypes
 import json
 import os
 import statistics
@@ -50,7 +51,8 @@ def strided_table(n_rows, run_elems, count, src_elems, rng):
 
 def main():
     out_path = sys.argv[1]
-    variants = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "0,1,2,3,4,5").split(",")]
+    variants = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "0").split(",")]
+    ceil = ctypes.CDLL(sys.argv[3]) if len(sys.argv) > 3 else None
     rng = np.random.default_rng(0)
     total = 256 << 20
     src = torch.randn(2 * total // 4, device=DEV)
@@ -70,6 +72,33 @@ def main():
         for ddt in (torch.float32, torch.bfloat16)
     }
     res = {}
+    ceil_calls = {}
+    if ceil is not None:
+        for (name, elems), desc in cases.items():
+            if "strided" in name:
+                continue
+            rows = desc.to(DEV)
+            lens = desc[:, 4] * desc[:, 5]
+            prefix = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(DEV)
+            run_el = int(desc[0, 4])
+            n_runs = desc.shape[0]
+            off = (desc[:, 0] // 4).to(DEV)
+            for ddt, dst in dsts.items():
+                words = run_el * (2 if ddt == torch.bfloat16 else 4) // 16
+                lw = words.bit_length() - 1
+                for full in (0, 1):
+
+                    def call(ddt=ddt, dst=dst, full=full, off=off, rows=rows, prefix=prefix,
+                             n_runs=n_runs, lw=lw):  # fmt: skip
+                        rc = ceil.ceiling_gather(
+                            int(ddt == torch.bfloat16), full, ctypes.c_void_p(src.data_ptr()),
+                            ctypes.c_void_p(off.data_ptr()), ctypes.c_void_p(rows.data_ptr()),
+                            ctypes.c_void_p(prefix.data_ptr()), ctypes.c_void_p(dst.data_ptr()),
+                            ctypes.c_longlong(n_runs), ctypes.c_int(lw),
+                        )  # fmt: skip
+                        assert rc == 0, rc
+
+                    ceil_calls[(name, elems, ddt, "desc56" if full else "desc8")] = call
     # correctness of every variant on every case against variant 0 (bitwise)
     checks = {}
     for (name, elems), desc in cases.items():
@@ -84,6 +113,11 @@ def main():
                     ref = got
                 else:
                     checks[f"{name}/{str(ddt)[6:]}/v{v}"] = bool(torch.equal(got.view(-1), ref))
+            for (cn, _, cd, kind), call in ceil_calls.items():
+                if cn == name and cd == ddt:
+                    dst.fill_(float("nan"))
+                    call()
+                    checks[f"{name}/{str(ddt)[6:]}/{kind}"] = bool(torch.equal(dst[:elems], ref))
     print("checks", json.dumps(checks), flush=True)
     for rnd in range(3):
         d2d = 2 * a.nbytes / time_events(lambda: b.copy_(a)) / GB
@@ -100,6 +134,10 @@ def main():
                     moved = elems * (4 + d.element_size())
                     key = f"{name}/{str(ddt)[6:]}/v{v}"
                     res.setdefault(key, []).append(moved / s / GB / d2d)
+        for (name, elems, ddt, kind), call in ceil_calls.items():
+            s = time_events(call)
+            moved = elems * (4 + ddt.itemsize)
+            res.setdefault(f"{name}/{str(ddt)[6:]}/{kind}", []).append(moved / s / GB / d2d)
         print("round", rnd, "d2d", round(d2d), flush=True)
     os.environ.pop("RESHARD_CR_VARIANT", None)
     summary = {k: {"median": statistics.median(v), "samples": v} for k, v in res.items()}

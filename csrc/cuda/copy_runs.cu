@@ -201,20 +201,24 @@ struct WarpSmem {
   int64_t *start; /* 32 */
   Affine *aff;    /* 32 */
 };
+/* EXPERIMENT: variant feature bits */
+constexpr int F_WIN = 1, F_WINPRE = 2, F_AFF = 4, F_DED = 8, F_TWO = 16, F_ONE = 32, F_MB3 = 64,
+              F_LEAN = 128;
+__host__ __device__ constexpr bool has(int var, int f) { return (var & f) != 0; }
 __host__ __device__ constexpr int warp_smem_bytes(int var, int bufs) {
   return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8 +
-                 (var >= 2 ? 32 * (int)sizeof(Affine) : 0));
+                 (has(var, F_AFF) ? 32 * (int)sizeof(Affine) : 0));
 }
 /* Two tiles in flight per warp hide a tile's descriptor and load latency behind the other's
  * stores. The fp32 -> 16-bit casts hold two 16-byte loads per group and spill with a second
  * tile's state, so they keep one. */
 __host__ __device__ constexpr bool two_tiles(int var, int src_size, int dst_size) {
-  return var == 3 ? true : var == 4 ? false : !(src_size == 4 && dst_size == 2);
+  return has(var, F_TWO) ? true : has(var, F_ONE) ? false : !(src_size == 4 && dst_size == 2);
 }
 __host__ __device__ constexpr int smem_bufs(int var, int src_size, int dst_size) {
   return two_tiles(var, src_size, dst_size) ? 2 : 1;
 }
-__host__ __device__ constexpr int min_blocks(int var) { return var == 4 ? 3 : 2; }
+__host__ __device__ constexpr int min_blocks(int var) { return has(var, F_MB3) ? 3 : 2; }
 template <int VAR>
 __device__ __forceinline__ WarpSmem warp_smem(unsigned char *base, int bufs, int buf) {
   unsigned char *w =
@@ -240,7 +244,7 @@ struct ShortTile {
 template <int VAR>
 __device__ __forceinline__ void tile_locate(const Params &p, const WarpSmem &m, int c, int64_t k,
                                             int64_t &si, int64_t &di, int64_t &left) {
-  if (VAR >= 2) {
+  if (has(VAR, F_AFF)) {
     const Affine a = m.aff[c];
     if (a.lim >= 0) {
       si = k + a.sdel;
@@ -268,7 +272,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   const int nrows = (int)(rhi - rlo) + 1; /* <= 32 */
   /* prefix[rlo + lane]: lane 0 has it (start0), the others take their left neighbour's entry */
   int64_t start = __shfl_up_sync(0xFFFFFFFFu, pre, 1);
-  if (lane == 0) start = VAR >= 1 ? start0 : __ldg(p.prefix + rlo);
+  if (lane == 0) start = has(VAR, F_WIN | F_WINPRE) ? start0 : __ldg(p.prefix + rlo);
   /* row ends relative to the tile (they all lie past t0); INT_MAX from t1 on */
   const int pre_rel = pre >= t1 ? 0x7FFFFFFF : (int)(pre - t0);
   __syncwarp(); /* every lane is done with this buffer's previous tile */
@@ -277,7 +281,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     const rs_run row = nrows == 1 ? load_row(p.runs, rlo) : my_row;
     m.rows[lane] = row;
     m.start[lane] = start;
-    if (VAR >= 2) {
+    if (has(VAR, F_AFF)) {
       Affine a;
       const bool affine =
           row.count == 1 || (row.src_stride == row.length && row.dst_stride == row.length);
@@ -296,8 +300,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   st.rhi = rhi;
   st.vec = 0;
   st.scalar = 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
+  auto group = [&](int u) {
     const int k_rel = (u * 32 + lane) * V;
     const int64_t k = t0 + k_rel;
     int c = 0; /* rows of the tile starting at or before k, past rlo */
@@ -306,7 +309,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
       const int v = __shfl_sync(0xFFFFFFFFu, pre_rel, c + step - 1);
       if (v <= k_rel) c += step;
     }
-    if (k >= t1) continue;
+    if (k >= t1) return;
     int64_t si, di, left;
     tile_locate<VAR>(p, m, c, k, si, di, left);
     const S *sp = src + si;
@@ -322,6 +325,13 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     } else {
       st.scalar |= 1u << u;
     }
+  };
+  if (has(VAR, F_LEAN)) {
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) group(u);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) group(u);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
   return st;
@@ -340,10 +350,9 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
   constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
+  auto group = [&](int u) {
     const unsigned cv = (unsigned)(st.vec >> (6 * u)) & 63u;
-    if (!(cv & 32u)) continue;
+    if (!(cv & 32u)) return;
     const int c = (int)(cv & 31u);
     const int64_t k = st.t0 + (u * 32 + lane) * V;
     int64_t si, di, left;
@@ -357,6 +366,13 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
     for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
 #pragma unroll
     for (int w = 0; w < kDstVec; ++w) reinterpret_cast<uint4 *>(dst + di)[w] = out[w];
+  };
+  if (has(VAR, F_LEAN)) {
+#pragma unroll 1
+    for (int u = 0; u < U; ++u) group(u);
+  } else {
+#pragma unroll
+    for (int u = 0; u < U; ++u) group(u);
   }
   unsigned scalar = st.scalar;
   while (scalar) {
@@ -367,6 +383,135 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
   }
 }
 
+/* Tile [t0, t1) in row rlo (row start rs): when one run covers it, copies it with addresses
+ * affine in the lane and returns true; otherwise copies nothing and returns false. */
+template <int SK, int DK>
+__device__ __forceinline__ bool long_tile(const Params &p, int64_t rlo, int64_t rs, int64_t t0,
+                                          int64_t t1) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
+  constexpr int kSrcVec = V * sizeof(S) / 16;
+  constexpr int kDstVec = V * sizeof(D) / 16;
+  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
+  constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int lane = threadIdx.x & 31;
+  const rs_run row = load_row(p.runs, rlo);
+  int64_t si0, di0, left0;
+  locate(p, row, rs, t0, si0, di0, left0);
+  if (left0 < t1 - t0) return false;
+  { /* one run covers the tile: affine addresses */
+    const bool aligned = ((((uintptr_t)(src + si0)) | ((uintptr_t)(dst + di0))) & 15) == 0;
+    if (aligned) {
+      /* constant offsets from one base per side: no address registers per group */
+      const uint4 *sb = reinterpret_cast<const uint4 *>(src + si0) + lane * kSrcVec;
+      uint4 *db = reinterpret_cast<uint4 *>(dst + di0) + lane * kDstVec;
+      if (t1 - t0 == kSpan) {
+        uint4 val[U][kSrcVec];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int w = 0; w < kSrcVec; ++w) val[u][w] = sb[u * 32 * kSrcVec + w];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const S *sv = reinterpret_cast<const S *>(val[u]);
+          uint4 out[kDstVec];
+          D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+          for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+          for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+        }
+      } else { /* the last, partial tile */
+        for (int u = 0; u < U; ++u) {
+          const int64_t off = ((int64_t)u * 32 + lane) * V;
+          if (t0 + off + V <= t1) {
+            uint4 in[kSrcVec], out[kDstVec];
+#pragma unroll
+            for (int w = 0; w < kSrcVec; ++w) in[w] = sb[u * 32 * kSrcVec + w];
+            const S *sv = reinterpret_cast<const S *>(in);
+            D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+            for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+            for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+          } else if (t0 + off < t1) {
+            for (int64_t e = off; e < t1 - t0; ++e) dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+          }
+        }
+      }
+    } else { /* misaligned run: coalesced elements, U * V per lane */
+      for (int64_t e = lane; e < t1 - t0; e += 32) dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+    }
+    return true;
+  }
+}
+template <int SK, int DK>
+__device__ __noinline__ bool long_tile_call(Params p, int64_t rlo, int64_t rs, int64_t t0,
+                                            int64_t t1) {
+  return long_tile<SK, DK>(p, rlo, rs, t0, t1);
+}
+
+template <int SK, int DK>
+__device__ __forceinline__ void many_rows_tile(const Params &p, int64_t rlo, int64_t rhi,
+                                               int64_t t0, int64_t t1) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
+  constexpr int kSrcVec = V * sizeof(S) / 16;
+  constexpr int kDstVec = V * sizeof(D) / 16;
+  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int lane = threadIdx.x & 31;
+  /* more than 32 rows in the tile (runs of a few elements): a per-lane binary search
+   * between the tile's rows, four groups at a time (registers) */
+#pragma unroll 1
+  for (int h = 0; h < U; h += 4) {
+    uint4 val[4][kSrcVec];
+    int64_t dvec[4];
+#pragma unroll
+    for (int uu = 0; uu < 4; ++uu) {
+      dvec[uu] = -1;
+      const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
+      if (k >= t1) continue;
+      const int64_t r = find_row(p.prefix, rlo, rhi + 1, k);
+      const rs_run row = load_row(p.runs, r);
+      const int64_t row_start = __ldg(p.prefix + r);
+      int64_t si, di, left;
+      locate(p, row, row_start, k, si, di, left);
+      const S *sp = src + si;
+      D *dp = dst + di;
+      if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+#pragma unroll
+        for (int w = 0; w < kSrcVec; ++w) val[uu][w] = reinterpret_cast<const uint4 *>(sp)[w];
+        dvec[uu] = di;
+        continue;
+      }
+      copy_scalar<SK, DK>(p, r, k, min(k + V, t1));
+    }
+#pragma unroll
+    for (int uu = 0; uu < 4; ++uu) {
+      if (dvec[uu] < 0) continue;
+      const S *sv = reinterpret_cast<const S *>(val[uu]);
+      uint4 out[kDstVec];
+      D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+      for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+      uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[uu]);
+#pragma unroll
+      for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
+    }
+  }
+}
+template <int SK, int DK>
+__device__ __noinline__ void many_rows_call(Params p, int64_t rlo, int64_t rhi, int64_t t0,
+                                            int64_t t1) {
+  many_rows_tile<SK, DK>(p, rlo, rhi, t0, t1);
+}
+
 /* Each warp owns a contiguous range of tiles, so the row of its next tile is found by
  * stepping forward from the last one instead of a search over the whole table. Per tile:
  *  - one run covers the tile (long runs): addresses are affine in the lane, no per-group
@@ -375,7 +520,7 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
  *    holding one prefix entry and finding its groups' rows by a binary search over
  *    registers (shuffles);
  *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows.
- * After a short tile (VAR >= 1) the next tile's first row follows from the prefix entries the
+ * After a short tile (F_WIN) the next tile's first row follows from the prefix entries the
  * lanes hold, and its rows and prefix entries are loaded before this tile's data is stored,
  * so no descriptor load is waited for at the start of a tile. */
 template <int SK, int DK, int VAR>
@@ -405,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
   const int64_t tile_end = min(tiles, tile_begin + per_warp);
 
   int64_t rlo = -1;
-  /* VAR >= 1: the next tile's rows, loaded one tile ahead (have_next): its first row rlo,
+  /* F_WIN: the next tile's rows, loaded one tile ahead (have_next): its first row rlo,
    * prefix[rlo] (next_start), lane i's prefix[rlo + 1 + i] and row rlo + i */
   bool have_next = false;
   int64_t next_start = 0, next_pre = INT64_MAX;
@@ -418,10 +563,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
     bool have_pre = false;
     rs_run my_row;
     int64_t rlo_start, rlo_end;
-    if (VAR >= 1 && have_next) {
+    if (has(VAR, F_WIN | F_WINPRE) && have_next) {
       have_next = false;
       pre = next_pre;
-      if (VAR == 5) {
+      if (has(VAR, F_WINPRE)) {
         if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
       } else {
         my_row = next_row;
@@ -436,7 +581,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
         while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
       }
       rlo_end = __ldg(p.prefix + rlo + 1);
-      rlo_start = VAR >= 1 ? __ldg(p.prefix + rlo) : 0;
+      rlo_start = has(VAR, F_WIN | F_WINPRE) ? __ldg(p.prefix + rlo) : 0;
       if (rlo_end < t1) {
         pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
         if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
@@ -450,63 +595,16 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
     }
 
     if (rhi == rlo) {
-      const rs_run row = load_row(p.runs, rlo);
-      const int64_t rs = VAR >= 1 ? rlo_start : __ldg(p.prefix + rlo);
-      int64_t si0, di0, left0;
-      locate(p, row, rs, t0, si0, di0, left0);
-      if (left0 >= t1 - t0) { /* one run covers the tile: affine addresses */
-        const bool aligned = ((((uintptr_t)(src + si0)) | ((uintptr_t)(dst + di0))) & 15) == 0;
-        if (aligned) {
-          /* constant offsets from one base per side: no address registers per group */
-          const uint4 *sb = reinterpret_cast<const uint4 *>(src + si0) + lane * kSrcVec;
-          uint4 *db = reinterpret_cast<uint4 *>(dst + di0) + lane * kDstVec;
-          if (t1 - t0 == kSpan) {
-            uint4 val[U][kSrcVec];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-#pragma unroll
-              for (int w = 0; w < kSrcVec; ++w) val[u][w] = sb[u * 32 * kSrcVec + w];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-              const S *sv = reinterpret_cast<const S *>(val[u]);
-              uint4 out[kDstVec];
-              D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-              for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-#pragma unroll
-              for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
-            }
-          } else { /* the last, partial tile */
-            for (int u = 0; u < U; ++u) {
-              const int64_t off = ((int64_t)u * 32 + lane) * V;
-              if (t0 + off + V <= t1) {
-                uint4 in[kSrcVec], out[kDstVec];
-#pragma unroll
-                for (int w = 0; w < kSrcVec; ++w) in[w] = sb[u * 32 * kSrcVec + w];
-                const S *sv = reinterpret_cast<const S *>(in);
-                D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-                for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-#pragma unroll
-                for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
-              } else if (t0 + off < t1) {
-                for (int64_t e = off; e < t1 - t0; ++e)
-                  dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
-              }
-            }
-          }
-        } else { /* misaligned run: coalesced elements, U * V per lane */
-          for (int64_t e = lane; e < t1 - t0; e += 32)
-            dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
-        }
+      const int64_t rs = has(VAR, F_WIN | F_WINPRE) ? rlo_start : __ldg(p.prefix + rlo);
+      if (has(VAR, F_DED) ? long_tile_call<SK, DK>(p, rlo, rs, t0, t1)
+                          : long_tile<SK, DK>(p, rlo, rs, t0, t1))
         continue;
-      }
     }
 
     if (rhi - rlo < 32) {
       const WarpSmem m = warp_smem<VAR>(rs_dyn_smem, kBufs, buf);
       const ShortTile st = short_issue<SK, DK, VAR>(p, rlo, rhi, pre, rlo_start, t0, t1, my_row, m);
-      if (VAR >= 1 && have_pre && tile + 1 < tile_end) {
+      if (has(VAR, F_WIN | F_WINPRE) && have_pre && tile + 1 < tile_end) {
         /* the next tile starts at t1 in the last row starting at or before it */
         const unsigned upto = __ballot_sync(0xFFFFFFFFu, pre <= t1);
         if (upto != 0xFFFFFFFFu) {
@@ -514,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
           next_start = d > 0 ? __shfl_sync(0xFFFFFFFFu, pre, d - 1) : rlo_start;
           rlo += d;
           next_pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
-          if (VAR != 5 && rlo + lane < p.n) next_row = load_row(p.runs, rlo + lane);
+          if (!has(VAR, F_WINPRE) && rlo + lane < p.n) next_row = load_row(p.runs, rlo + lane);
           have_next = true;
         }
       }
@@ -534,45 +632,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
       continue;
     }
 
-    /* more than 32 rows in the tile (runs of a few elements): a per-lane binary search
-     * between the tile's rows, four groups at a time (registers) */
-#pragma unroll 1
-    for (int h = 0; h < U; h += 4) {
-      uint4 val[4][kSrcVec];
-      int64_t dvec[4];
-#pragma unroll
-      for (int uu = 0; uu < 4; ++uu) {
-        dvec[uu] = -1;
-        const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
-        if (k >= t1) continue;
-        const int64_t r = find_row(p.prefix, rlo, rhi + 1, k);
-        const rs_run row = load_row(p.runs, r);
-        const int64_t row_start = __ldg(p.prefix + r);
-        int64_t si, di, left;
-        locate(p, row, row_start, k, si, di, left);
-        const S *sp = src + si;
-        D *dp = dst + di;
-        if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
-#pragma unroll
-          for (int w = 0; w < kSrcVec; ++w) val[uu][w] = reinterpret_cast<const uint4 *>(sp)[w];
-          dvec[uu] = di;
-          continue;
-        }
-        copy_scalar<SK, DK>(p, r, k, min(k + V, t1));
-      }
-#pragma unroll
-      for (int uu = 0; uu < 4; ++uu) {
-        if (dvec[uu] < 0) continue;
-        const S *sv = reinterpret_cast<const S *>(val[uu]);
-        uint4 out[kDstVec];
-        D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-        for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-        uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[uu]);
-#pragma unroll
-        for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
-      }
-    }
+    if (has(VAR, F_DED))
+      many_rows_call<SK, DK>(p, rlo, rhi, t0, t1);
+    else
+      many_rows_tile<SK, DK>(p, rlo, rhi, t0, t1);
     rlo = rhi; /* the next tile starts in rhi or later */
   }
   if (kTwoTiles && pending) { /* the other paths use no shared memory: it could wait */
@@ -610,6 +673,11 @@ int raw_kind(rs_dtype d) {
 
 typedef void (*kernel_fn)(Params);
 
+#define RS_VARIANTS(X) X(4) X(12) X(14) X(28) X(44) X(132) X(140) X(142) X(156) X(172) X(236) X(238)
+#define RS_CASE_RAW4(v) \
+  case v: return copy_kernel<K_RAW4, K_RAW4, v>;
+#define RS_CASE_BF16(v) \
+  case v: return copy_kernel<K_F32, K_BF16, v>;
 kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
   if (s == d) {
     switch (raw_kind(s)) {
@@ -617,11 +685,7 @@ kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
       case K_RAW2: return copy_kernel<K_RAW2, K_RAW2, 0>;
       case K_RAW4:
         switch (var) {
-          case 1: return copy_kernel<K_RAW4, K_RAW4, 1>;
-          case 2: return copy_kernel<K_RAW4, K_RAW4, 2>;
-          case 3: return copy_kernel<K_RAW4, K_RAW4, 3>;
-          case 4: return copy_kernel<K_RAW4, K_RAW4, 4>;
-          case 5: return copy_kernel<K_RAW4, K_RAW4, 5>;
+          RS_VARIANTS(RS_CASE_RAW4)
           default: return copy_kernel<K_RAW4, K_RAW4, 0>;
         }
       case K_RAW8: return copy_kernel<K_RAW8, K_RAW8, 0>;
@@ -631,11 +695,7 @@ kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
   const int a = kind_of(s), b = kind_of(d);
   if (a == K_F32 && b == K_BF16) {
     switch (var) {
-      case 1: return copy_kernel<K_F32, K_BF16, 1>;
-      case 2: return copy_kernel<K_F32, K_BF16, 2>;
-      case 3: return copy_kernel<K_F32, K_BF16, 3>;
-      case 4: return copy_kernel<K_F32, K_BF16, 4>;
-      case 5: return copy_kernel<K_F32, K_BF16, 5>;
+      RS_VARIANTS(RS_CASE_BF16)
       default: return copy_kernel<K_F32, K_BF16, 0>;
     }
   }
@@ -648,12 +708,15 @@ kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
 }
 
 /* Experiment switch: RESHARD_CR_VARIANT selects the kernel variant (raw 4-byte and
- * fp32 -> bf16 only). */
+ * fp32 -> bf16 only); unknown values run variant 0. */
 int variant_of(rs_dtype s, rs_dtype d) {
   const char *v = getenv("RESHARD_CR_VARIANT");
   if (!v) return 0;
   const int x = atoi(v);
-  if (x < 0 || x > 5) return 0;
+#define RS_KNOWN(v) ok |= x == v;
+  bool ok = false;
+  RS_VARIANTS(RS_KNOWN)
+  if (!ok) return 0;
   if (s == d) return raw_kind(s) == K_RAW4 ? x : 0;
   return kind_of(s) == K_F32 && kind_of(d) == K_BF16 ? x : 0;
 }

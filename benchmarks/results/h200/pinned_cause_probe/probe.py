@@ -281,7 +281,8 @@ def main():
     torch.set_num_threads(16)
     e2e_out = {}
     for k, v in times.items():
-        floor = TOTAL / statistics.median(times["contiguous " + k[:3]]) / GB
+        direction = k.split()[-1] if k.startswith("contiguous") else k[:3]
+        floor = TOTAL / statistics.median(times["contiguous " + direction]) / GB
         gbps = TOTAL / statistics.median(v) / GB
         e2e_out[k] = {"GBps": gbps, "of_contiguous_pinned": gbps / floor}
     out["stage_e2e"] = e2e_out
