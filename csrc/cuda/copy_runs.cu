@@ -12,7 +12,6 @@
  */
 #include <cuda_runtime.h>
 #include <stdint.h>
-#include <stdlib.h>
 
 #include "../casts.h"
 #include "cuda_check.h"
@@ -88,6 +87,8 @@ struct Params {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+/* Tables averaging at most this many source bytes per row take the short-run kernel. */
+constexpr int64_t kShortRowBytes = 2048;
 
 /* Tile geometry of a dtype pair (element sizes in bytes), for the kernel's loop and the
  * launch's grid alike. A group is V elements, one 16-byte access on the narrower side (two on
@@ -190,8 +191,10 @@ __device__ __noinline__ void copy_scalar(const Params &p, int64_t r, int64_t k, 
  * two short tiles in flight: the next tile's rows and loads are issued before the previous
  * tile is stored. */
 constexpr int kStageWords = 2 * kUnroll * 32; /* 16-byte words of one tile's staging, per warp */
-/* A row whose work is one contiguous range on each side (count 1, or strides equal to the
- * length): work element k of it sits at k + sdel in src and k + ddel in dst, up to lim. */
+/* A row whose work is one contiguous range on each side (count 1, or both strides equal to the
+ * length): work element k of it sits at k + sdel in src and k + ddel in dst, up to lim. The
+ * short-run kernel keeps this form next to each staged row, so a group's addresses are two
+ * additions instead of the division and products of locate(). */
 struct Affine {
   int64_t sdel, ddel, lim; /* lim < 0: not affine (locate from the full row) */
 };
@@ -199,30 +202,25 @@ struct WarpSmem {
   uint4 *stage;   /* kStageWords */
   rs_run *rows;   /* 32 */
   int64_t *start; /* 32 */
-  Affine *aff;    /* 32 */
+  Affine *aff;    /* 32, short-run kernel only */
 };
-/* EXPERIMENT: variant feature bits */
-constexpr int F_WIN = 1, F_WINPRE = 2, F_AFF = 4, F_DED = 8, F_TWO = 16, F_ONE = 32, F_MB3 = 64,
-              F_LEAN = 128;
-__host__ __device__ constexpr bool has(int var, int f) { return (var & f) != 0; }
-__host__ __device__ constexpr int warp_smem_bytes(int var, int bufs) {
+__host__ __device__ constexpr int warp_smem_bytes(bool short_runs, int bufs) {
   return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8 +
-                 (has(var, F_AFF) ? 32 * (int)sizeof(Affine) : 0));
+                 (short_runs ? 32 * (int)sizeof(Affine) : 0));
 }
 /* Two tiles in flight per warp hide a tile's descriptor and load latency behind the other's
  * stores. The fp32 -> 16-bit casts hold two 16-byte loads per group and spill with a second
  * tile's state, so they keep one. */
-__host__ __device__ constexpr bool two_tiles(int var, int src_size, int dst_size) {
-  return has(var, F_TWO) ? true : has(var, F_ONE) ? false : !(src_size == 4 && dst_size == 2);
+__host__ __device__ constexpr bool two_tiles(int src_size, int dst_size) {
+  return !(src_size == 4 && dst_size == 2);
 }
-__host__ __device__ constexpr int smem_bufs(int var, int src_size, int dst_size) {
-  return two_tiles(var, src_size, dst_size) ? 2 : 1;
+__host__ __device__ constexpr int smem_bufs(int src_size, int dst_size) {
+  return two_tiles(src_size, dst_size) ? 2 : 1;
 }
-__host__ __device__ constexpr int min_blocks(int var) { return has(var, F_MB3) ? 3 : 2; }
-template <int VAR>
+template <bool SHORT>
 __device__ __forceinline__ WarpSmem warp_smem(unsigned char *base, int bufs, int buf) {
   unsigned char *w =
-      base + (threadIdx.x >> 5) * warp_smem_bytes(VAR, bufs) + buf * warp_smem_bytes(VAR, 1);
+      base + (threadIdx.x >> 5) * warp_smem_bytes(SHORT, bufs) + buf * warp_smem_bytes(SHORT, 1);
   WarpSmem m;
   m.stage = reinterpret_cast<uint4 *>(w);
   m.rows = reinterpret_cast<rs_run *>(w + kStageWords * 16);
@@ -240,11 +238,11 @@ struct ShortTile {
 };
 
 /* Source and destination index of work element k in row c of a short tile, and the elements
- * left from k in one contiguous range of both sides. */
-template <int VAR>
+ * from k on that are contiguous on both sides. */
+template <bool SHORT>
 __device__ __forceinline__ void tile_locate(const Params &p, const WarpSmem &m, int c, int64_t k,
                                             int64_t &si, int64_t &di, int64_t &left) {
-  if (has(VAR, F_AFF)) {
+  if (SHORT) {
     const Affine a = m.aff[c];
     if (a.lim >= 0) {
       si = k + a.sdel;
@@ -256,11 +254,10 @@ __device__ __forceinline__ void tile_locate(const Params &p, const WarpSmem &m, 
   locate(p, m.rows[c], m.start[c], k, si, di, left);
 }
 
-template <int SK, int DK, int VAR>
+template <int SK, int DK, bool SHORT>
 __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, int64_t rhi,
-                                                 int64_t pre, int64_t start0, int64_t t0,
-                                                 int64_t t1, const rs_run &my_row,
-                                                 const WarpSmem &m) {
+                                                 int64_t pre, int64_t t0, int64_t t1,
+                                                 const rs_run &my_row, const WarpSmem &m) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int V = group_elems(sizeof(S), sizeof(D));
@@ -270,9 +267,9 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
   const int nrows = (int)(rhi - rlo) + 1; /* <= 32 */
-  /* prefix[rlo + lane]: lane 0 has it (start0), the others take their left neighbour's entry */
+  /* prefix[rlo + lane]: lane 0 reads it, the others take their left neighbour's entry */
   int64_t start = __shfl_up_sync(0xFFFFFFFFu, pre, 1);
-  if (lane == 0) start = has(VAR, F_WIN | F_WINPRE) ? start0 : __ldg(p.prefix + rlo);
+  if (lane == 0) start = __ldg(p.prefix + rlo);
   /* row ends relative to the tile (they all lie past t0); INT_MAX from t1 on */
   const int pre_rel = pre >= t1 ? 0x7FFFFFFF : (int)(pre - t0);
   __syncwarp(); /* every lane is done with this buffer's previous tile */
@@ -281,7 +278,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     const rs_run row = nrows == 1 ? load_row(p.runs, rlo) : my_row;
     m.rows[lane] = row;
     m.start[lane] = start;
-    if (has(VAR, F_AFF)) {
+    if (SHORT) {
       Affine a;
       const bool affine =
           row.count == 1 || (row.src_stride == row.length && row.dst_stride == row.length);
@@ -300,7 +297,8 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   st.rhi = rhi;
   st.vec = 0;
   st.scalar = 0;
-  auto group = [&](int u) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
     const int k_rel = (u * 32 + lane) * V;
     const int64_t k = t0 + k_rel;
     int c = 0; /* rows of the tile starting at or before k, past rlo */
@@ -309,9 +307,9 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
       const int v = __shfl_sync(0xFFFFFFFFu, pre_rel, c + step - 1);
       if (v <= k_rel) c += step;
     }
-    if (k >= t1) return;
+    if (k >= t1) continue;
     int64_t si, di, left;
-    tile_locate<VAR>(p, m, c, k, si, di, left);
+    tile_locate<SHORT>(p, m, c, k, si, di, left);
     const S *sp = src + si;
     if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)(dst + di)) & 15) == 0) {
 #pragma unroll
@@ -325,13 +323,6 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     } else {
       st.scalar |= 1u << u;
     }
-  };
-  if (has(VAR, F_LEAN)) {
-#pragma unroll 1
-    for (int u = 0; u < U; ++u) group(u);
-  } else {
-#pragma unroll
-    for (int u = 0; u < U; ++u) group(u);
   }
   asm volatile("cp.async.commit_group;" ::: "memory");
   return st;
@@ -339,7 +330,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
 
 /* The store half: cast and store what short_issue staged (each lane reads back only what it
  * staged itself; its cp.async group must be complete), then the element-wise groups. */
-template <int SK, int DK, int VAR>
+template <int SK, int DK, bool SHORT>
 __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &st,
                                              const WarpSmem &m) {
   typedef typename Store<SK>::T S;
@@ -350,13 +341,14 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
   constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
   D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
   const int lane = threadIdx.x & 31;
-  auto group = [&](int u) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
     const unsigned cv = (unsigned)(st.vec >> (6 * u)) & 63u;
-    if (!(cv & 32u)) return;
+    if (!(cv & 32u)) continue;
     const int c = (int)(cv & 31u);
     const int64_t k = st.t0 + (u * 32 + lane) * V;
     int64_t si, di, left;
-    tile_locate<VAR>(p, m, c, k, si, di, left);
+    tile_locate<SHORT>(p, m, c, k, si, di, left);
     uint4 in[kSrcVec], out[kDstVec];
 #pragma unroll
     for (int w = 0; w < kSrcVec; ++w) in[w] = m.stage[(u * kSrcVec + w) * 32 + lane];
@@ -366,13 +358,6 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
     for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
 #pragma unroll
     for (int w = 0; w < kDstVec; ++w) reinterpret_cast<uint4 *>(dst + di)[w] = out[w];
-  };
-  if (has(VAR, F_LEAN)) {
-#pragma unroll 1
-    for (int u = 0; u < U; ++u) group(u);
-  } else {
-#pragma unroll
-    for (int u = 0; u < U; ++u) group(u);
   }
   unsigned scalar = st.scalar;
   while (scalar) {
@@ -383,135 +368,6 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
   }
 }
 
-/* Tile [t0, t1) in row rlo (row start rs): when one run covers it, copies it with addresses
- * affine in the lane and returns true; otherwise copies nothing and returns false. */
-template <int SK, int DK>
-__device__ __forceinline__ bool long_tile(const Params &p, int64_t rlo, int64_t rs, int64_t t0,
-                                          int64_t t1) {
-  typedef typename Store<SK>::T S;
-  typedef typename Store<DK>::T D;
-  constexpr int V = group_elems(sizeof(S), sizeof(D));
-  constexpr int kSrcVec = V * sizeof(S) / 16;
-  constexpr int kDstVec = V * sizeof(D) / 16;
-  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
-  constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
-  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
-  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
-  const int lane = threadIdx.x & 31;
-  const rs_run row = load_row(p.runs, rlo);
-  int64_t si0, di0, left0;
-  locate(p, row, rs, t0, si0, di0, left0);
-  if (left0 < t1 - t0) return false;
-  { /* one run covers the tile: affine addresses */
-    const bool aligned = ((((uintptr_t)(src + si0)) | ((uintptr_t)(dst + di0))) & 15) == 0;
-    if (aligned) {
-      /* constant offsets from one base per side: no address registers per group */
-      const uint4 *sb = reinterpret_cast<const uint4 *>(src + si0) + lane * kSrcVec;
-      uint4 *db = reinterpret_cast<uint4 *>(dst + di0) + lane * kDstVec;
-      if (t1 - t0 == kSpan) {
-        uint4 val[U][kSrcVec];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int w = 0; w < kSrcVec; ++w) val[u][w] = sb[u * 32 * kSrcVec + w];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const S *sv = reinterpret_cast<const S *>(val[u]);
-          uint4 out[kDstVec];
-          D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-          for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-#pragma unroll
-          for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
-        }
-      } else { /* the last, partial tile */
-        for (int u = 0; u < U; ++u) {
-          const int64_t off = ((int64_t)u * 32 + lane) * V;
-          if (t0 + off + V <= t1) {
-            uint4 in[kSrcVec], out[kDstVec];
-#pragma unroll
-            for (int w = 0; w < kSrcVec; ++w) in[w] = sb[u * 32 * kSrcVec + w];
-            const S *sv = reinterpret_cast<const S *>(in);
-            D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-            for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-#pragma unroll
-            for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
-          } else if (t0 + off < t1) {
-            for (int64_t e = off; e < t1 - t0; ++e) dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
-          }
-        }
-      }
-    } else { /* misaligned run: coalesced elements, U * V per lane */
-      for (int64_t e = lane; e < t1 - t0; e += 32) dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
-    }
-    return true;
-  }
-}
-template <int SK, int DK>
-__device__ __noinline__ bool long_tile_call(Params p, int64_t rlo, int64_t rs, int64_t t0,
-                                            int64_t t1) {
-  return long_tile<SK, DK>(p, rlo, rs, t0, t1);
-}
-
-template <int SK, int DK>
-__device__ __forceinline__ void many_rows_tile(const Params &p, int64_t rlo, int64_t rhi,
-                                               int64_t t0, int64_t t1) {
-  typedef typename Store<SK>::T S;
-  typedef typename Store<DK>::T D;
-  constexpr int V = group_elems(sizeof(S), sizeof(D));
-  constexpr int kSrcVec = V * sizeof(S) / 16;
-  constexpr int kDstVec = V * sizeof(D) / 16;
-  constexpr int U = groups_per_lane(sizeof(S), sizeof(D));
-  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
-  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
-  const int lane = threadIdx.x & 31;
-  /* more than 32 rows in the tile (runs of a few elements): a per-lane binary search
-   * between the tile's rows, four groups at a time (registers) */
-#pragma unroll 1
-  for (int h = 0; h < U; h += 4) {
-    uint4 val[4][kSrcVec];
-    int64_t dvec[4];
-#pragma unroll
-    for (int uu = 0; uu < 4; ++uu) {
-      dvec[uu] = -1;
-      const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
-      if (k >= t1) continue;
-      const int64_t r = find_row(p.prefix, rlo, rhi + 1, k);
-      const rs_run row = load_row(p.runs, r);
-      const int64_t row_start = __ldg(p.prefix + r);
-      int64_t si, di, left;
-      locate(p, row, row_start, k, si, di, left);
-      const S *sp = src + si;
-      D *dp = dst + di;
-      if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
-#pragma unroll
-        for (int w = 0; w < kSrcVec; ++w) val[uu][w] = reinterpret_cast<const uint4 *>(sp)[w];
-        dvec[uu] = di;
-        continue;
-      }
-      copy_scalar<SK, DK>(p, r, k, min(k + V, t1));
-    }
-#pragma unroll
-    for (int uu = 0; uu < 4; ++uu) {
-      if (dvec[uu] < 0) continue;
-      const S *sv = reinterpret_cast<const S *>(val[uu]);
-      uint4 out[kDstVec];
-      D *dv = reinterpret_cast<D *>(out);
-#pragma unroll
-      for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
-      uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[uu]);
-#pragma unroll
-      for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
-    }
-  }
-}
-template <int SK, int DK>
-__device__ __noinline__ void many_rows_call(Params p, int64_t rlo, int64_t rhi, int64_t t0,
-                                            int64_t t1) {
-  many_rows_tile<SK, DK>(p, rlo, rhi, t0, t1);
-}
-
 /* Each warp owns a contiguous range of tiles, so the row of its next tile is found by
  * stepping forward from the last one instead of a search over the whole table. Per tile:
  *  - one run covers the tile (long runs): addresses are affine in the lane, no per-group
@@ -519,12 +375,9 @@ __device__ __noinline__ void many_rows_call(Params p, int64_t rlo, int64_t rhi, 
  *  - the tile spans at most 32 rows (short runs): short_issue / short_finish, each lane
  *    holding one prefix entry and finding its groups' rows by a binary search over
  *    registers (shuffles);
- *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows.
- * After a short tile (F_WIN) the next tile's first row follows from the prefix entries the
- * lanes hold, and its rows and prefix entries are loaded before this tile's data is stored,
- * so no descriptor load is waited for at the start of a tile. */
-template <int SK, int DK, int VAR>
-__global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params p) {
+ *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows. */
+template <int SK, int DK, bool SHORT>
+__global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
   constexpr int V = group_elems(sizeof(S), sizeof(D));
@@ -534,8 +387,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
   constexpr int64_t kSpan = tile_elems(sizeof(S), sizeof(D));
   static_assert(kSpan == 32 * U * V, "a tile is 32 lanes x U groups x V elements");
 
-  constexpr bool kTwoTiles = two_tiles(VAR, sizeof(S), sizeof(D));
-  constexpr int kBufs = smem_bufs(VAR, sizeof(S), sizeof(D));
+  constexpr bool kTwoTiles = two_tiles(sizeof(S), sizeof(D));
+  constexpr int kBufs = smem_bufs(sizeof(S), sizeof(D));
   int buf = 0;          /* kTwoTiles: the buffer the next short tile uses */
   bool pending = false; /* kTwoTiles: a short tile issued but not stored yet */
   ShortTile pend;
@@ -550,97 +403,144 @@ __global__ void __launch_bounds__(kThreads, min_blocks(VAR)) copy_kernel(Params 
   const int64_t tile_end = min(tiles, tile_begin + per_warp);
 
   int64_t rlo = -1;
-  /* F_WIN: the next tile's rows, loaded one tile ahead (have_next): its first row rlo,
-   * prefix[rlo] (next_start), lane i's prefix[rlo + 1 + i] and row rlo + i */
-  bool have_next = false;
-  int64_t next_start = 0, next_pre = INT64_MAX;
-  rs_run next_row;
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int64_t t0 = p.begin + tile * kSpan;
     const int64_t t1 = min(t0 + kSpan, p.end);
     /* warp-uniform row range [rlo, rhi] of the tile */
-    int64_t pre = INT64_MAX; /* lane i: prefix[rlo + 1 + i] (INT64_MAX past the table) */
-    bool have_pre = false;
-    rs_run my_row;
-    int64_t rlo_start, rlo_end;
-    if (has(VAR, F_WIN | F_WINPRE) && have_next) {
-      have_next = false;
-      pre = next_pre;
-      if (has(VAR, F_WINPRE)) {
-        if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
-      } else {
-        my_row = next_row;
-      }
-      have_pre = true;
-      rlo_start = next_start;
-      rlo_end = __shfl_sync(0xFFFFFFFFu, pre, 0);
+    if (rlo < 0) {
+      rlo = find_row(p.prefix, 0, p.n, t0);
     } else {
-      if (rlo < 0) {
-        rlo = find_row(p.prefix, 0, p.n, t0);
-      } else {
-        while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
-      }
-      rlo_end = __ldg(p.prefix + rlo + 1);
-      rlo_start = has(VAR, F_WIN | F_WINPRE) ? __ldg(p.prefix + rlo) : 0;
-      if (rlo_end < t1) {
-        pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
-        if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
-        have_pre = true;
-      }
+      while (__ldg(p.prefix + rlo + 1) <= t0) ++rlo; /* next tile: a step or two forward */
     }
     int64_t rhi = rlo;
+    /* lane i holds prefix[rlo + 1 + i] (INT64_MAX past the table) */
+    int64_t pre = INT64_MAX;
+    rs_run my_row;
+    const int64_t rlo_end = __ldg(p.prefix + rlo + 1);
     if (rlo_end < t1) {
+      pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
+      if (rlo + lane < p.n) my_row = load_row(p.runs, rlo + lane);
       const unsigned below = __ballot_sync(0xFFFFFFFFu, pre <= t1 - 1);
       rhi = below == 0xFFFFFFFFu ? find_row(p.prefix, rlo, p.n, t1 - 1) : rlo + __popc(below);
     }
 
     if (rhi == rlo) {
-      const int64_t rs = has(VAR, F_WIN | F_WINPRE) ? rlo_start : __ldg(p.prefix + rlo);
-      if (has(VAR, F_DED) ? long_tile_call<SK, DK>(p, rlo, rs, t0, t1)
-                          : long_tile<SK, DK>(p, rlo, rs, t0, t1))
+      const rs_run row = load_row(p.runs, rlo);
+      const int64_t rs = __ldg(p.prefix + rlo);
+      int64_t si0, di0, left0;
+      locate(p, row, rs, t0, si0, di0, left0);
+      if (left0 >= t1 - t0) { /* one run covers the tile: affine addresses */
+        const bool aligned = ((((uintptr_t)(src + si0)) | ((uintptr_t)(dst + di0))) & 15) == 0;
+        if (aligned) {
+          /* constant offsets from one base per side: no address registers per group */
+          const uint4 *sb = reinterpret_cast<const uint4 *>(src + si0) + lane * kSrcVec;
+          uint4 *db = reinterpret_cast<uint4 *>(dst + di0) + lane * kDstVec;
+          if (t1 - t0 == kSpan) {
+            uint4 val[U][kSrcVec];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+              for (int w = 0; w < kSrcVec; ++w) val[u][w] = sb[u * 32 * kSrcVec + w];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+              const S *sv = reinterpret_cast<const S *>(val[u]);
+              uint4 out[kDstVec];
+              D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+              for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+              for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+            }
+          } else { /* the last, partial tile */
+            for (int u = 0; u < U; ++u) {
+              const int64_t off = ((int64_t)u * 32 + lane) * V;
+              if (t0 + off + V <= t1) {
+                uint4 in[kSrcVec], out[kDstVec];
+#pragma unroll
+                for (int w = 0; w < kSrcVec; ++w) in[w] = sb[u * 32 * kSrcVec + w];
+                const S *sv = reinterpret_cast<const S *>(in);
+                D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+                for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+#pragma unroll
+                for (int w = 0; w < kDstVec; ++w) db[u * 32 * kDstVec + w] = out[w];
+              } else if (t0 + off < t1) {
+                for (int64_t e = off; e < t1 - t0; ++e)
+                  dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+              }
+            }
+          }
+        } else { /* misaligned run: coalesced elements, U * V per lane */
+          for (int64_t e = lane; e < t1 - t0; e += 32)
+            dst[di0 + e] = Cast<SK, DK>::run(src[si0 + e]);
+        }
         continue;
+      }
     }
 
     if (rhi - rlo < 32) {
-      const WarpSmem m = warp_smem<VAR>(rs_dyn_smem, kBufs, buf);
-      const ShortTile st = short_issue<SK, DK, VAR>(p, rlo, rhi, pre, rlo_start, t0, t1, my_row, m);
-      if (has(VAR, F_WIN | F_WINPRE) && have_pre && tile + 1 < tile_end) {
-        /* the next tile starts at t1 in the last row starting at or before it */
-        const unsigned upto = __ballot_sync(0xFFFFFFFFu, pre <= t1);
-        if (upto != 0xFFFFFFFFu) {
-          const int d = __popc(upto);
-          next_start = d > 0 ? __shfl_sync(0xFFFFFFFFu, pre, d - 1) : rlo_start;
-          rlo += d;
-          next_pre = rlo + 1 + lane <= p.n ? __ldg(p.prefix + rlo + 1 + lane) : INT64_MAX;
-          if (!has(VAR, F_WINPRE) && rlo + lane < p.n) next_row = load_row(p.runs, rlo + lane);
-          have_next = true;
-        }
-      }
+      const WarpSmem m = warp_smem<SHORT>(rs_dyn_smem, kBufs, buf);
+      const ShortTile st = short_issue<SK, DK, SHORT>(p, rlo, rhi, pre, t0, t1, my_row, m);
       if (kTwoTiles) {
         if (pending) {
           asm volatile("cp.async.wait_group 1;" ::: "memory");
-          short_finish<SK, DK, VAR>(p, pend, warp_smem<VAR>(rs_dyn_smem, kBufs, buf ^ 1));
+          short_finish<SK, DK, SHORT>(p, pend, warp_smem<SHORT>(rs_dyn_smem, kBufs, buf ^ 1));
         }
         pend = st;
         pending = true;
         buf ^= 1;
       } else {
         asm volatile("cp.async.wait_all;" ::: "memory");
-        short_finish<SK, DK, VAR>(p, st, m);
+        short_finish<SK, DK, SHORT>(p, st, m);
       }
-      if (!have_next) rlo = rhi;
+      rlo = rhi;
       continue;
     }
 
-    if (has(VAR, F_DED))
-      many_rows_call<SK, DK>(p, rlo, rhi, t0, t1);
-    else
-      many_rows_tile<SK, DK>(p, rlo, rhi, t0, t1);
+    /* more than 32 rows in the tile (runs of a few elements): a per-lane binary search
+     * between the tile's rows, four groups at a time (registers) */
+#pragma unroll 1
+    for (int h = 0; h < U; h += 4) {
+      uint4 val[4][kSrcVec];
+      int64_t dvec[4];
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        dvec[uu] = -1;
+        const int64_t k = t0 + ((int64_t)(h + uu) * 32 + lane) * V;
+        if (k >= t1) continue;
+        const int64_t r = find_row(p.prefix, rlo, rhi + 1, k);
+        const rs_run row = load_row(p.runs, r);
+        const int64_t row_start = __ldg(p.prefix + r);
+        int64_t si, di, left;
+        locate(p, row, row_start, k, si, di, left);
+        const S *sp = src + si;
+        D *dp = dst + di;
+        if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+#pragma unroll
+          for (int w = 0; w < kSrcVec; ++w) val[uu][w] = reinterpret_cast<const uint4 *>(sp)[w];
+          dvec[uu] = di;
+          continue;
+        }
+        copy_scalar<SK, DK>(p, r, k, min(k + V, t1));
+      }
+#pragma unroll
+      for (int uu = 0; uu < 4; ++uu) {
+        if (dvec[uu] < 0) continue;
+        const S *sv = reinterpret_cast<const S *>(val[uu]);
+        uint4 out[kDstVec];
+        D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+        for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+        uint4 *dp = reinterpret_cast<uint4 *>(dst + dvec[uu]);
+#pragma unroll
+        for (int w = 0; w < kDstVec; ++w) dp[w] = out[w];
+      }
+    }
     rlo = rhi; /* the next tile starts in rhi or later */
   }
   if (kTwoTiles && pending) { /* the other paths use no shared memory: it could wait */
     asm volatile("cp.async.wait_all;" ::: "memory");
-    short_finish<SK, DK, VAR>(p, pend, warp_smem<VAR>(rs_dyn_smem, kBufs, buf ^ 1));
+    short_finish<SK, DK, SHORT>(p, pend, warp_smem<SHORT>(rs_dyn_smem, kBufs, buf ^ 1));
   }
 }
 
@@ -673,52 +573,25 @@ int raw_kind(rs_dtype d) {
 
 typedef void (*kernel_fn)(Params);
 
-#define RS_VARIANTS(X) X(4) X(12) X(14) X(28) X(44) X(132) X(140) X(142) X(156) X(172) X(236) X(238)
-#define RS_CASE_RAW4(v) \
-  case v: return copy_kernel<K_RAW4, K_RAW4, v>;
-#define RS_CASE_BF16(v) \
-  case v: return copy_kernel<K_F32, K_BF16, v>;
-kernel_fn pick_kernel(rs_dtype s, rs_dtype d, int var) {
+template <bool SHORT>
+kernel_fn pick_kernel(rs_dtype s, rs_dtype d) {
   if (s == d) {
     switch (raw_kind(s)) {
-      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1, 0>;
-      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2, 0>;
-      case K_RAW4:
-        switch (var) {
-          RS_VARIANTS(RS_CASE_RAW4)
-          default: return copy_kernel<K_RAW4, K_RAW4, 0>;
-        }
-      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8, 0>;
+      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1, SHORT>;
+      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2, SHORT>;
+      case K_RAW4: return copy_kernel<K_RAW4, K_RAW4, SHORT>;
+      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8, SHORT>;
       default: return nullptr;
     }
   }
   const int a = kind_of(s), b = kind_of(d);
-  if (a == K_F32 && b == K_BF16) {
-    switch (var) {
-      RS_VARIANTS(RS_CASE_BF16)
-      default: return copy_kernel<K_F32, K_BF16, 0>;
-    }
-  }
-  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16, 0>;
-  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32, 0>;
-  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32, 0>;
-  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16, 0>;
-  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16, 0>;
+  if (a == K_F32 && b == K_BF16) return copy_kernel<K_F32, K_BF16, SHORT>;
+  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16, SHORT>;
+  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32, SHORT>;
+  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32, SHORT>;
+  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16, SHORT>;
+  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16, SHORT>;
   return nullptr;
-}
-
-/* Experiment switch: RESHARD_CR_VARIANT selects the kernel variant (raw 4-byte and
- * fp32 -> bf16 only); unknown values run variant 0. */
-int variant_of(rs_dtype s, rs_dtype d) {
-  const char *v = getenv("RESHARD_CR_VARIANT");
-  if (!v) return 0;
-  const int x = atoi(v);
-#define RS_KNOWN(v) ok |= x == v;
-  bool ok = false;
-  RS_VARIANTS(RS_KNOWN)
-  if (!ok) return 0;
-  if (s == d) return raw_kind(s) == K_RAW4 ? x : 0;
-  return kind_of(s) == K_F32 && kind_of(d) == K_BF16 ? x : 0;
 }
 
 /* Multiprocessor count per device, read once (a benign race: every writer stores the same). */
@@ -774,8 +647,13 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad mode");
   if (begin < 0 || end < begin)
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad work range");
-  const int var = variant_of(src_dtype, dst_dtype);
-  kernel_fn fn = pick_kernel(src_dtype, dst_dtype, var);
+  const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
+  /* The short-run kernel when the range averages at most kShortRowBytes of source per row of
+   * the table (n counts every row, so a slice of a table errs towards it; it is correct for
+   * any table, only slower on long or strided runs). */
+  const bool short_runs = (end - begin) * ss <= kShortRowBytes * n;
+  kernel_fn fn = short_runs ? pick_kernel<true>(src_dtype, dst_dtype)
+                            : pick_kernel<false>(src_dtype, dst_dtype);
   if (!fn)
     return rs_fail(err, RS_EDTYPE, -1, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
                    rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
@@ -785,10 +663,9 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
 
   int device = 0;
   RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
-  const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
   const int64_t span = tile_elems(ss, ds); /* = kernel's */
   /* warp-private shared memory of the short-run tiles (the kernel's own layout) */
-  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(var, smem_bufs(var, ss, ds));
+  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(short_runs, smem_bufs(ss, ds));
   const int64_t tiles = (end - begin + span - 1) / span;
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
