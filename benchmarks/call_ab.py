@@ -2,15 +2,15 @@
 
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
 
-Loads `preflight.py` and `executor.py` of git revision REV next to the current ones (as
-`reshard._rev_preflight` / `reshard._rev_executor`, sharing the current rounds, staging and
-ops), then on 2 gloo ranks builds, per case, one `Transfer` of REV's executor and one of the
+Loads `preflight.py`, `rounds.py` and `executor.py` of git revision REV next to the current
+ones (as `reshard._rev_preflight` / `_rev_rounds` / `_rev_executor`, sharing the current
+planning, staging and ops), then on 2 gloo ranks builds, per case, one `Transfer` of REV's executor and one of the
 current executor over the same layouts (the sync_latency budget rule), and times their syncs
 call by call, in rotating order, in the same processes, so load bursts on a shared machine hit
 every variant alike. A third variant, `commit`, is the current code with the commit step
 forced on every call (`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the
-commit all-gather costs. Each sync is timed as in sync_latency.py (barriers on both sides,
-the slowest rank); the phases come from each rank's `Report` (for REV, the time in its
+commit all-gather costs. Each sync is timed as in sync_latency.py (ranks aligned by a
+barrier, each rank's own call timed, the slowest rank's); the phases come from each rank's `Report` (for REV, the time in its
 `preflight.agree` stands in for `exchange`).
 
 Cases: rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini, lora_sync gpt-125m (or
@@ -45,14 +45,19 @@ PHASES = ("preflight", "exchange", "pack", "transport", "unpack", "local", "tota
 progress = C.progress_logger("call_ab")
 
 
+MODULES = ("preflight", "rounds", "executor")  # the call path, in import order
+
+
 def load_rev(sources: dict) -> dict:
-    """REV's preflight and executor as modules of the current package."""
+    """REV's call path (MODULES) as modules of the current package."""
     import reshard
 
     mods = {}
-    for name in ("preflight", "executor"):
-        text = sources[name].replace(
-            "from . import preflight as pf", "from . import _rev_preflight as pf"
+    for name in MODULES:
+        text = (
+            sources[name]
+            .replace("from . import preflight as pf", "from . import _rev_preflight as pf")
+            .replace("from .rounds import", "from ._rev_rounds import")
         )
         full = f"reshard._rev_{name}"
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(full, loader=None))
@@ -166,9 +171,9 @@ def markdown(record) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: preflight.py + executor.py of the revision; "
+        "processes (rotating order). `rev`: preflight.py + rounds.py + executor.py of the revision; "
         "`current`: this checkout; `commit`: this checkout with the commit all-gather on every "
-        "call. Sync = barrier-fenced, slowest rank (as sync_latency.py); phases: median over "
+        "call. Sync = each rank's call after a barrier, slowest rank (as sync_latency.py); phases: median over "
         "calls of the largest rank's Report seconds (rev's `exchange` = its time in "
         "preflight.agree, the agreement and the commit).",
         "",
@@ -194,7 +199,7 @@ def markdown(record) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("rev", help="git revision whose preflight.py and executor.py are the 'rev'")
+    ap.add_argument("rev", help="git revision whose call path (MODULES) is the 'rev'")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
@@ -210,7 +215,7 @@ def main(argv=None) -> int:
             capture_output=True,
             text=True,
         ).stdout
-        for name in ("preflight", "executor")
+        for name in MODULES
     }
     rev = subprocess.run(
         ["git", "rev-parse", "--short", args.rev],
