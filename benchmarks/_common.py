@@ -91,12 +91,16 @@ def time_wall(fn, reps=5, warmup=1):
 
 
 def timed_sync(step, bufs, world, cuda):
-    """One sync across ranks, timed as the slowest rank sees it (device work and every rank
-    fenced on both sides). Returns (seconds, what the step returned)."""
+    """One sync, timed on this rank: every rank starts after a barrier, the time runs until
+    this rank's step returned and its device work is done. The sync's latency is the slowest
+    rank's (the caller takes the max over ranks per sync), so the benchmark's own barrier is
+    never inside the timed interval, for every method alike. Returns (seconds, what the step
+    returned)."""
     fence(world, cuda)
     t = time.perf_counter()
     out = step(bufs)
-    fence(world, cuda)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - t, out
 
 

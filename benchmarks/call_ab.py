@@ -3,19 +3,20 @@
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
     python benchmarks/call_ab.py REV --world 1 --json benchmarks/results/cpu/call_ab_world1.json
 
-Loads `preflight.py`, `executor.py` and `integrations/dtensor.py` of git revision REV next to
-the current ones (as `reshard._rev_preflight`, `reshard._rev_executor`,
-`reshard.integrations._rev_dtensor`, sharing the current rounds, staging and ops), then on
-`--world` gloo ranks builds, per case, one `Transfer` of REV's executor and one of the current
-executor over the same layouts (the sync_latency budget rule), and times their syncs call by
-call, in rotating order, in the same processes, so load bursts on a shared machine hit every
-variant alike. The FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every
-preflight): REV's variant passes one described by REV's dtensor module. With 2 or more ranks a
-third variant, `commit`, is the current code with the commit step forced on every call
+Loads the call path of git revision REV (`preflight.py`, `rounds.py`, `executor.py`,
+`integrations/dtensor.py`, `integrations/fsdp.py`) next to the current one (as
+`reshard._rev_preflight`, `_rev_rounds`, `_rev_executor`, `reshard.integrations._rev_dtensor`,
+`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks
+builds, per case, one `Transfer` of REV's executor and one of the current executor over the
+same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
+order, in the same processes, so load bursts on a shared machine hit every variant alike. The
+FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every preflight): REV's
+variant passes one described by REV's dtensor / fsdp module. With 2 or more ranks a third
+variant, `commit`, is the current code with the commit step forced on every call
 (`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the commit all-gather
-costs. Each sync is timed as in sync_latency.py (barriers on both sides, the slowest rank); the
-phases come from each rank's `Report` (for REV, the time in its `preflight.agree` stands in for
-`exchange`).
+costs. Each sync is timed as in sync_latency.py (ranks aligned by a barrier, each rank's own
+call timed, the slowest rank's); the phases come from each rank's `Report` (for REV, the time
+in its `preflight.agree` stands in for `exchange`).
 
 Cases (or --cases): with 2 ranks rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini,
 lora_sync gpt-125m, fsdp_offload and fsdp2_exp_avg gpt-125m-thin and `agree/-` (the agreement
@@ -66,6 +67,7 @@ CASES = {
 # the modules whose REV is loaded next to the current one: (path under python/reshard, name)
 REV_MODULES = (
     ("preflight.py", "reshard._rev_preflight"),
+    ("rounds.py", "reshard._rev_rounds"),
     ("executor.py", "reshard._rev_executor"),
     ("integrations/dtensor.py", "reshard.integrations._rev_dtensor"),
     ("integrations/fsdp.py", "reshard.integrations._rev_fsdp"),
@@ -89,6 +91,7 @@ def load_rev(sources: dict) -> dict:
         text = (
             sources[path]
             .replace("from . import preflight as pf", "from . import _rev_preflight as pf")
+            .replace("from .rounds import", "from ._rev_rounds import")
             .replace("from .dtensor import", "from ._rev_dtensor import")
         )
         package, name = full.rsplit(".", 1)
@@ -338,10 +341,10 @@ def markdown(record) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: preflight.py, executor.py and "
-        "integrations/dtensor.py of the revision; `current`: this checkout; `commit` (2+ ranks): "
-        "this checkout with the commit all-gather on every call. Buffers: source / target "
-        "storages per rank. Sync = barrier-fenced, slowest rank (as sync_latency.py); phases: median over "
+        "processes (rotating order). `rev`: the call path (REV_MODULES) of the revision; "
+        "`current`: this checkout; `commit` (2+ ranks): this checkout with the commit all-gather "
+        "on every call. Buffers: source / target storages per rank. Sync = each rank's call "
+        "after a barrier, slowest rank (as sync_latency.py); phases: median over "
         "calls of the largest rank's Report seconds (rev's `exchange` = its time in "
         "preflight.agree, the agreement and the commit).",
         "",
@@ -368,7 +371,7 @@ def markdown(record) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("rev", help="git revision whose preflight.py and executor.py are the 'rev'")
+    ap.add_argument("rev", help="git revision whose call path (REV_MODULES) is the 'rev'")
     ap.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4))
     ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)

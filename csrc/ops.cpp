@@ -299,9 +299,12 @@ struct CacheEntry {
   std::vector<std::pair<int64_t, std::shared_ptr<DeviceTable>>> splits;
 };
 
-constexpr size_t kCacheEntries = 64;
+// A schedule's local tables (one per FSDP2 storage: hundreds) stay cached across syncs.
+constexpr size_t kCacheEntries = 1024;
 std::mutex g_cache_mutex;
-std::list<std::shared_ptr<CacheEntry>> g_cache;  // most recently used first
+// Most recently used first. Never destroyed: at process exit the CUDA driver may be gone
+// before static destructors run, and freeing the entries' device tensors then aborts.
+std::list<std::shared_ptr<CacheEntry>>& g_cache = *new std::list<std::shared_ptr<CacheEntry>>();
 
 void upload(DeviceTable& t, int device) {
   const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(device));
@@ -384,7 +387,13 @@ std::shared_ptr<DeviceTable> stage_table(const char* op, CacheEntry& e, int64_t 
   for (int64_t i = 0; i < e.n; ++i)
     (rs_stage_row_is_direct(&r[i], direct_es, RS_STAGE_DIRECT_MIN_BYTES) ? direct : ring)
         .push_back(r[i]);
-  if (direct.empty()) return e.full;
+  if (direct.empty()) {
+    // cached too: otherwise each call with a pinned host buffer scans and copies every row
+    // again before its first copy (262,144 rows for 1 GiB of 4 KiB runs)
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    e.splits.emplace_back(direct_es, e.full);
+    return e.full;
+  }
   const auto n_ring = static_cast<int64_t>(ring.size());
   auto t = make_table(op, nullptr, n_ring, std::move(ring), e.device);
   t->direct = std::move(direct);
@@ -450,6 +459,13 @@ rs_status host_copy_threaded(void* /*ctx*/, const void* src, rs_dtype sdt, void*
     if (r != RS_OK) status.store(r);
   });
   return static_cast<rs_status>(status.load());
+}
+
+// The queued H2D's workers on the torch thread pool: one index per thread.
+void run_workers(void* /*ctx*/, int64_t workers, rs_worker_fn body, void* arg) {
+  at::parallel_for(0, workers, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) body(arg, i);
+  });
 }
 
 void check_ring(const char* op, const at::Tensor& ring, const at::Tensor& host) {
@@ -534,7 +550,17 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.stream = stream.stream();
   rs_stage_stats stats{};
   rs_error err;
-  const rs_status st = rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
+  // H2D of ring rows only, more than one sub-chunk of them: the host's threads pack the
+  // ring's chunks as one queue (no join per chunk); everything else: one chunk at a time.
+  const int64_t workers = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t q_slots = 0, q_slot_bytes = 0;
+  const bool queued =
+      dir == RS_H2D && table.n_direct == 0 && workers > 1 &&
+      t->total * static_cast<int64_t>(rs_dtype_size(wire)) > 2 * RS_STAGE_QUEUE_SUB_BYTES &&
+      rs_stage_h2d_queued_slots(ring_bytes, &q_slots, &q_slot_bytes);
+  const rs_status st =
+      queued ? rs_cuda_stage_h2d_queued(&table, &buf, workers, run_workers, nullptr, &stats, &err)
+             : rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
   TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
   record_use(*t, stream);
   return stats_tensor(stats);

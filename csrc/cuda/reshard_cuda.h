@@ -123,6 +123,38 @@ int64_t rs_stage_device_bytes(int64_t ring_bytes);
 rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *table, const rs_stage_buffers *buf,
                         rs_host_copy_fn host_copy, void *ctx, rs_stage_stats *stats, rs_error *err);
 
+/* ---- H2D as one queue over the host's threads ------------------------------------------ */
+
+/* Runs body(arg, i) for every i in [0, workers), concurrently where it can, and returns once
+ * all have returned (csrc/ops.cpp: at::parallel_for). */
+typedef void (*rs_worker_fn)(void *arg, int64_t worker);
+typedef void (*rs_parallel_fn)(void *ctx, int64_t workers, rs_worker_fn body, void *arg);
+
+/* Queue slots: up to this many bytes each (DMAs of a few MiB run at the link's rate) ... */
+#define RS_STAGE_QUEUE_SLOT_BYTES ((int64_t)4 << 20)
+/* ... at most this many of them ... */
+#define RS_STAGE_QUEUE_MAX_SLOTS 16
+/* ... each packed in sub-chunks of this many bytes, one host thread per sub-chunk. */
+#define RS_STAGE_QUEUE_SUB_BYTES ((int64_t)256 << 10)
+
+/* How the queued H2D cuts a ring: *slots of *slot_bytes (a multiple of 64, at most
+ * RS_STAGE_QUEUE_SLOT_BYTES and half the ring; slots * slot_bytes <= ring_bytes, so
+ * rs_stage_device_bytes(ring_bytes) of device staging holds them). 0 when the ring is too
+ * small for two slots of at least one sub-chunk. */
+int rs_stage_h2d_queued_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes);
+
+/* The H2D staging loop of rs_cuda_stage for a table of ring rows only (no direct rows), with
+ * the host's packing spread over `workers` threads (run by `parallel`) that take the ring's
+ * chunks in sub-chunks of RS_STAGE_QUEUE_SUB_BYTES, in order: the thread that packs the last
+ * sub-chunk of chunk k queues its DMA (and scatter) and records the slot's event; a thread
+ * about to pack into a slot waits for the event of the slot's previous chunk. No thread waits
+ * for the others between chunks, so packing, copies and the link overlap without a barrier
+ * per slot. Same results, same stream order per slot and same return condition as
+ * rs_cuda_stage (every host byte read when it returns); stats as there, for its slots. */
+rs_status rs_cuda_stage_h2d_queued(const rs_stage_table *table, const rs_stage_buffers *buf,
+                                   int64_t workers, rs_parallel_fn parallel, void *ctx,
+                                   rs_stage_stats *stats, rs_error *err);
+
 /* ---- page-locking live host memory in place ------------------------------------------- */
 
 /* 1 if the device can DMA from/to [ptr, ptr + bytes) asynchronously: the first and the last

@@ -15,6 +15,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <thread>
+
 #include "cuda_check.h"
 #include "reshard_cuda.h"
 
@@ -263,6 +268,228 @@ extern "C" rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *t,
      * broken, and then the error above is what matters). */
     cudaStreamSynchronize(static_cast<cudaStream_t>(buf->stream));
   }
+  return s;
+}
+
+/* ---- H2D as one queue of sub-chunks over the host's threads ------------------------------ */
+
+namespace {
+
+/* One call's shared state. Chunk k (slot k mod slots) is packed in sub-chunks that any worker
+ * claims in order; the worker that finishes the last sub-chunk of chunk k issues its DMA (and
+ * scatter), records the slot's event and marks the chunk issued. A worker about to pack into
+ * a slot first waits until the slot's previous chunk was issued, then for its event. */
+struct Queue {
+  const rs_stage_table *t;
+  const rs_stage_buffers *buf;
+  rs_dtype wire;
+  int64_t wes, slots, slot_bytes, slot_elems, sub_elems, subs_per_chunk, chunks, subs;
+  int device;
+  cudaEvent_t ev[RS_STAGE_QUEUE_MAX_SLOTS + 1];
+  std::atomic<int64_t> next_sub{0};
+  std::unique_ptr<std::atomic<int64_t>[]> left; /* per chunk: sub-chunks not yet packed */
+  std::unique_ptr<std::atomic<int>[]> issued;   /* per chunk: its DMA is queued */
+  std::unique_ptr<std::atomic<int>[]> freed;    /* per chunk: its DMA completed */
+  std::atomic<int64_t> host_waits{0};
+  std::atomic<int> failed{0};
+  std::mutex err_mutex;
+  rs_error first_err;
+  rs_status first_status = RS_OK;
+};
+
+void queue_fail(Queue *q, rs_status s, const rs_error &e) {
+  std::lock_guard<std::mutex> lock(q->err_mutex);
+  if (q->first_status == RS_OK) {
+    q->first_status = s;
+    q->first_err = e;
+  }
+  q->failed.store(1, std::memory_order_release);
+}
+
+/* Queues chunk k: its DMA (straight into a dense target, else into device staging and one
+ * scatter kernel), then the slot's event. */
+rs_status queue_issue(Queue *q, int64_t k, rs_error *err) {
+  const rs_stage_table *t = q->t;
+  const int64_t sl = k % q->slots;
+  const int64_t b = k * q->slot_elems;
+  const int64_t e = (b + q->slot_elems < t->total) ? b + q->slot_elems : t->total;
+  const cudaStream_t stream = static_cast<cudaStream_t>(q->buf->stream);
+  char *ring_slot = static_cast<char *>(q->buf->ring) + sl * q->slot_bytes;
+  char *dev_slot =
+      q->buf->staging ? static_cast<char *>(q->buf->staging) + sl * q->slot_bytes : nullptr;
+  char *to = t->device_dense ? static_cast<char *>(q->buf->dst) + b * q->wes : dev_slot;
+  RS_CUDA_TRY(
+      "stage_h2d: cudaMemcpyAsync (ring -> device)",
+      cudaMemcpyAsync(to, ring_slot, (size_t)((e - b) * q->wes), cudaMemcpyHostToDevice, stream),
+      err);
+  if (!t->device_dense) {
+    rs_status s = rs_cuda_copy_slice(dev_slot, q->wire, q->buf->dst, q->buf->dst_dtype, t->d_runs,
+                                     t->n, t->d_prefix, b, e, RS_MODE_UNPACK, q->buf->stream, err);
+    if (s != RS_OK) return s;
+  }
+  RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(q->ev[sl], stream), err);
+  return RS_OK;
+}
+
+/* Before packing into the slot of chunk k: chunk k - slots, its previous user, was issued
+ * and its DMA (and scatter) completed. */
+rs_status queue_wait_slot(Queue *q, int64_t k, rs_error *err) {
+  if (k < q->slots) return RS_OK;
+  const int64_t prev = k - q->slots;
+  if (q->freed[prev].load(std::memory_order_acquire)) return RS_OK;
+  while (!q->issued[prev].load(std::memory_order_acquire)) {
+    if (q->failed.load(std::memory_order_acquire)) return RS_EDEVICE;
+    std::this_thread::yield();
+  }
+  RS_CUDA_TRY("stage_h2d: cudaEventSynchronize (ring slot)",
+              cudaEventSynchronize(q->ev[prev % q->slots]), err);
+  int expected = 0;
+  if (q->freed[prev].compare_exchange_strong(expected, 1, std::memory_order_acq_rel))
+    q->host_waits.fetch_add(1, std::memory_order_relaxed);
+  return RS_OK;
+}
+
+void queue_worker(void *arg, int64_t /*worker*/) {
+  Queue *q = static_cast<Queue *>(arg);
+  const rs_stage_table *t = q->t;
+  int prev_device = -1;
+  rs_error err;
+  if (cudaGetDevice(&prev_device) != cudaSuccess || prev_device != q->device) {
+    cudaError_t e = cudaSetDevice(q->device);
+    if (e != cudaSuccess) {
+      rs_cuda_fail(&err, "stage_h2d: cudaSetDevice (worker)", e);
+      queue_fail(q, RS_EDEVICE, err);
+      return;
+    }
+  }
+  while (!q->failed.load(std::memory_order_acquire)) {
+    const int64_t j = q->next_sub.fetch_add(1, std::memory_order_relaxed);
+    if (j >= q->subs) break;
+    const int64_t k = j / q->subs_per_chunk;
+    const int64_t cb = k * q->slot_elems;
+    const int64_t ce = (cb + q->slot_elems < t->total) ? cb + q->slot_elems : t->total;
+    const int64_t b = cb + (j % q->subs_per_chunk) * q->sub_elems;
+    const int64_t e = (b + q->sub_elems < ce) ? b + q->sub_elems : ce;
+    rs_status s = queue_wait_slot(q, k, &err);
+    if (s != RS_OK) {
+      if (!q->failed.load(std::memory_order_acquire)) queue_fail(q, s, err);
+      break;
+    }
+    char *ring_slot = static_cast<char *>(q->buf->ring) + (k % q->slots) * q->slot_bytes;
+    s = rs_copy_slice(q->buf->src, q->buf->src_dtype, ring_slot + (b - cb) * q->wes, q->wire,
+                      t->runs, t->n, t->prefix, b, e, RS_MODE_PACK);
+    if (s != RS_OK) {
+      rs_fail(&err, s, -1, -1, "stage_h2d: host pack of a chunk failed (%s)", rs_status_name(s));
+      queue_fail(q, s, err);
+      break;
+    }
+    if (q->left[k].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      s = queue_issue(q, k, &err);
+      if (s != RS_OK) {
+        queue_fail(q, s, err);
+        break;
+      }
+      q->issued[k].store(1, std::memory_order_release);
+    }
+  }
+  if (prev_device >= 0 && prev_device != q->device) cudaSetDevice(prev_device);
+}
+
+rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stage_buffers *buf,
+                                int64_t workers, rs_parallel_fn parallel, void *ctx,
+                                rs_stage_stats *so, rs_error *err) {
+  q.t = t;
+  q.buf = buf;
+  q.wire = rs_stage_wire_dtype(RS_H2D, buf->src_dtype, buf->dst_dtype);
+  q.wes = (int64_t)rs_dtype_size(q.wire);
+  if (!q.wes || !rs_dtype_pair_ok(buf->src_dtype, buf->dst_dtype))
+    return rs_fail(err, RS_EDTYPE, -1, -1, "stage_h2d: unsupported dtype pair %s -> %s",
+                   rs_dtype_name(buf->src_dtype), rs_dtype_name(buf->dst_dtype));
+  if (t->n_direct > 0 || !rs_stage_h2d_queued_slots(buf->ring_bytes, &q.slots, &q.slot_bytes))
+    return rs_fail(err, RS_EINVAL, -1, -1,
+                   "stage_h2d: queued staging needs ring rows only and "
+                   "a ring of at least two queue slots");
+  if (!buf->ring || (!buf->staging && !t->device_dense))
+    return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: ring or device staging is null");
+  if ((((uintptr_t)buf->ring) | ((uintptr_t)buf->staging)) & 15)
+    return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: ring and staging must be 16-byte aligned");
+  RS_CUDA_TRY("stage_h2d: cudaGetDevice", cudaGetDevice(&q.device), err);
+  q.slot_elems = q.slot_bytes / q.wes;
+  q.sub_elems = RS_STAGE_QUEUE_SUB_BYTES / q.wes;
+  if (q.sub_elems > q.slot_elems) q.sub_elems = q.slot_elems;
+  q.subs_per_chunk = (q.slot_elems + q.sub_elems - 1) / q.sub_elems;
+  q.chunks = (t->total + q.slot_elems - 1) / q.slot_elems;
+  const int64_t last = t->total - (q.chunks - 1) * q.slot_elems;
+  q.subs = (q.chunks - 1) * q.subs_per_chunk + (last + q.sub_elems - 1) / q.sub_elems;
+  q.left.reset(new std::atomic<int64_t>[q.chunks]);
+  q.issued.reset(new std::atomic<int>[q.chunks]);
+  q.freed.reset(new std::atomic<int>[q.chunks]);
+  for (int64_t k = 0; k < q.chunks; ++k) {
+    const int64_t n = k + 1 < q.chunks ? q.slot_elems : last;
+    q.left[k].store((n + q.sub_elems - 1) / q.sub_elems, std::memory_order_relaxed);
+    q.issued[k].store(0, std::memory_order_relaxed);
+    q.freed[k].store(0, std::memory_order_relaxed);
+  }
+  so->slots = q.slots;
+  so->slot_bytes = q.slot_bytes;
+  const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
+  int64_t created = 0;
+  rs_status s = RS_OK;
+  for (; created < q.slots + 1; ++created) {
+    cudaError_t e = cudaEventCreateWithFlags(&q.ev[created], cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      s = rs_cuda_fail(err, "stage_h2d: cudaEventCreateWithFlags", e);
+      break;
+    }
+  }
+  if (s == RS_OK) {
+    /* any CUDA call of a worker, or a worker's own thread start, may fail: each failure is
+     * kept (the first one is returned) and stops the others at their next sub-chunk */
+    parallel(ctx, workers, queue_worker, &q);
+    if (q.first_status != RS_OK) {
+      *err = q.first_err;
+      s = q.first_status;
+    }
+  }
+  if (s == RS_OK) {
+    so->chunks = q.chunks;
+    so->ring_bytes = t->total * q.wes;
+    so->host_waits = q.host_waits.load() + 1;
+    /* every chunk was issued by the worker that packed its last sub-chunk; one wait covers
+     * them all: the ring and the source may be rewritten once this returns */
+    cudaError_t e = cudaEventRecord(q.ev[q.slots], stream);
+    if (e == cudaSuccess) e = cudaEventSynchronize(q.ev[q.slots]);
+    if (e != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: final event", e);
+  }
+  for (int64_t i = 0; i < created; ++i) cudaEventDestroy(q.ev[i]);
+  return s;
+}
+
+}  // namespace
+
+extern "C" int rs_stage_h2d_queued_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes) {
+  int64_t b = RS_STAGE_QUEUE_SLOT_BYTES;
+  if (ring_bytes / 2 < b) b = (ring_bytes / 2) & ~(int64_t)63;
+  if (b < RS_STAGE_QUEUE_SUB_BYTES) return 0;
+  int64_t s = ring_bytes / b;
+  if (s > RS_STAGE_QUEUE_MAX_SLOTS) s = RS_STAGE_QUEUE_MAX_SLOTS;
+  *slots = s;
+  *slot_bytes = b;
+  return 1;
+}
+
+extern "C" rs_status rs_cuda_stage_h2d_queued(const rs_stage_table *t, const rs_stage_buffers *buf,
+                                              int64_t workers, rs_parallel_fn parallel, void *ctx,
+                                              rs_stage_stats *stats, rs_error *err) {
+  rs_stage_stats st_local;
+  rs_stage_stats *so = stats ? stats : &st_local;
+  memset(so, 0, sizeof *so);
+  if (!t || !buf || !parallel || workers < 1)
+    return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: null argument or no workers");
+  if (t->total == 0) return RS_OK;
+  Queue q;
+  rs_status s = stage_h2d_queued_impl(q, t, buf, workers, parallel, ctx, so, err);
+  if (s != RS_OK) cudaStreamSynchronize(static_cast<cudaStream_t>(buf->stream));
   return s;
 }
 

@@ -7,12 +7,13 @@
 The flow of one call: `preflight.run` (this rank's schedule built and checked, buffers
 checked, staging allocated, then the collective agreement), then `_RoundLoop`
 over the typed rounds of `reshard.rounds`: per round k (global order, the same on every
-rank) pack this rank's messages of round k with `copy_runs` into a send arena, post all sends
-and receives of the round in one `batch_isend_irecv`, wait, unpack out of the receive arena.
-Two arenas per direction (`reshard.staging`): round k+1 is packed while round k is in flight.
-A message that is one contiguous range of one buffer in the wire dtype is sent straight from
-the source (or received straight into the target) instead: no copy, no arena bytes. Local
-runs skip transport and arenas.
+rank) pack this rank's messages of round k with `copy_runs` into a send arena, post the
+round's receives and sends, wait, unpack out of the receive arena. Two arenas per direction
+(`reshard.staging`): rounds are posted ahead as far as they allow, so the next round is packed
+and in flight while one is unpacked. A message (or a part of one that both ends cut alike)
+that is one contiguous range of one buffer in the wire dtype is sent straight from the source
+(or received straight into the target) instead: no copy, no arena bytes. Local runs skip
+transport and arenas.
 
 Transports: gloo (CPU buffers, host arenas), NCCL (arenas in device memory; CUDA buffers are
 packed on the device; CPU buffers are packed/scattered on the host and moved through one bounded
@@ -29,6 +30,7 @@ never a hang. Calls on one Transfer, and on one process group, run one at a time
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import logging
@@ -100,7 +102,7 @@ class _Engine:
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
-        self.inflight = ([], [])  # the round in flight: (its p2p works, the tensors they use)
+        self.inflight = ()  # the rounds in flight: (round, p2p works, the tensors they use)
         self.broken = False  # a call failed after the agreement: never reuse these arenas
         self._local_paths = (None, None)  # (key, (HostToDevice or None, other local tables))
         self._spans = None  # per local table: its contiguous spans, or None
@@ -270,19 +272,37 @@ class _RoundLoop:
         self.sec["local"] += time.perf_counter() - t0
 
     def post(self, rnd):
-        ops, bufs = [], []
+        """Post every wire of `rnd`, receives first (gloo moves a message only once its
+        receive is posted, so the peer's sends find theirs waiting); returns the works and
+        the tensors they use. Under gloo straight on the process group (no per-op checks);
+        under NCCL as one batch (its grouped launch keeps opposite sends from deadlocking)."""
+        t0 = time.perf_counter()
+        e = self.e
+        bufs = []
         for w in rnd.wires:
             if w.direct is not None:  # straight from the source / into the target
                 r = w.direct
                 buf = (self.src if w.send else self.dst)[r.location].view(torch.uint8)
-                buf = buf[r.first_byte : r.end_byte]
+                bufs.append(buf[r.first_byte : r.end_byte])
             else:
-                arena = self.e.staging.arena(SEND if w.send else RECV, rnd.index)
-                buf = arena[w.arena_offset : w.arena_offset + w.nbytes]
-            fn = dist.isend if w.send else dist.irecv
-            ops.append(dist.P2POp(fn, buf, self.e.global_peer[w.peer], self.e.group))
-            bufs.append(buf)
-        return (dist.batch_isend_irecv(ops) if ops else [], bufs)
+                arena = e.staging.arena(SEND if w.send else RECV, rnd.index)
+                bufs.append(arena[w.arena_offset : w.arena_offset + w.nbytes])
+        if e.transport == "gloo":
+            pg = e.group
+            works = [
+                pg.send([b], w.peer, 0) if w.send else pg.recv([b], w.peer, 0)
+                for w, b in zip(rnd.wires, bufs, strict=True)
+            ]
+        elif bufs:
+            ops = [
+                dist.P2POp(dist.isend if w.send else dist.irecv, b, e.global_peer[w.peer], e.group)
+                for w, b in zip(rnd.wires, bufs, strict=True)
+            ]
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = []
+        self.sec["transport"] += time.perf_counter() - t0
+        return works, bufs
 
     def wait(self, works):
         t0 = time.perf_counter()
@@ -294,36 +314,55 @@ class _RoundLoop:
         self.sec["transport"] += time.perf_counter() - t0
 
     def run(self):
-        # Arena k % 2 serves round k. Round k+1 is packed while round k is in flight and posted
-        # before round k is unpacked, so neither pack nor unpack sits between two transports;
-        # one round waits at a time.
+        # Arena k % 2 of a direction serves round k. Rounds are posted ahead, in global order,
+        # as far as the arenas allow: round j waits only for an earlier round of its parity
+        # that uses the same arena to be done with it (its sends waited, its receives
+        # unpacked), so with packed messages two rounds are in flight, and rounds whose
+        # messages all go straight between buffers are all posted before the first wait.
+        # Packing the next round and unpacking the last one overlap the rounds in flight, and
+        # the local copies overlap every round posted before them.
         e, rounds = self.e, self.e.rounds.rounds
-        if not rounds:
-            self.local()
-        else:
-            self.pack(rounds[0])
-            e.inflight = self.post(rounds[0])  # kept if we fail before they complete (_retire)
-        for k, rnd in enumerate(rounds):
-            nxt = rounds[k + 1] if k + 1 < len(rounds) else None
-            if k == 0:
-                self.local()  # overlaps round 0's transport
-            if nxt is not None:
-                self.pack(nxt)  # its send arena's last user, round k-1, completed before post(k)
-            self.wait(e.inflight[0])
-            # round k+1's receive arena was last unpacked by round k-1 (ordered before this)
-            e.inflight = self.post(nxt) if nxt is not None else ([], [])
+        flight = e.inflight = collections.deque()  # (round, works, tensors) posted, not unpacked
+        nxt = 0
+
+        def fill():
+            nonlocal nxt
+            while nxt < len(rounds) and _arenas_free(rounds[nxt], flight):
+                self.pack(rounds[nxt])
+                flight.append((rounds[nxt], *self.post(rounds[nxt])))
+                nxt += 1
+
+        fill()
+        self.local()
+        while flight:
+            rnd, works, _ = flight[0]
+            self.wait(works)
             self.unpack(rnd)
+            flight.popleft()
+            fill()
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "reshard rank %d round %d/%d: sent %d B, received %d B",
                     e.rank,
-                    k + 1,
+                    rnd.index + 1,
                     len(rounds),
                     rnd.bytes_sent,
                     rnd.bytes_received,
                 )
         if e.arena_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
+
+
+def _arenas_free(rnd, flight) -> bool:
+    """Whether `rnd` may be packed and posted now: no round in flight uses an arena of the
+    same index (round parity) in a direction `rnd` packs into."""
+    for other, _, _ in flight:
+        if (other.index - rnd.index) % 2 == 0 and (
+            (rnd.uses_send_arena and other.uses_send_arena)
+            or (rnd.uses_recv_arena and other.uses_recv_arena)
+        ):
+            return False
+    return True
 
 
 def _wire_view(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -340,7 +379,7 @@ _GRAVEYARD_MAX = 8
 
 def _retire(engine) -> None:
     engine.broken = True
-    if engine.inflight[0]:
+    if engine.inflight:
         _GRAVEYARD.append(engine)
         del _GRAVEYARD[:-_GRAVEYARD_MAX]
 

@@ -8,9 +8,11 @@ path moves every qualifying table in one pipeline instead:
 - source spans in page-locked memory (pinned, or registered in place: reshard.hostreg) with
   the target's dtype are copied straight from the source by the copy engine (no host work);
 - other spans are packed by the host (a cast to the target dtype on the way: the C core's
-  `copy_runs`): pieces of several ring slots through `stage_h2d`'s own pipeline, smaller ones
-  together through the slots of the same pinned ring, each slot copied to the device while the
-  host packs the next, its pieces landing straight in their targets (no device staging);
+  `copy_runs`): a table of several such spans and at least a ring slot of bytes in one
+  `stage_h2d` call with its own descriptor table, pieces of a ring slot or more through
+  `stage_h2d` too (its pipeline packs on all host threads as one queue), smaller ones together
+  through the slots of the same pinned ring, each slot copied to the device while the host
+  packs the next, its pieces landing straight in their targets (no device staging);
 - fp32 spans in page-locked memory bound for narrower targets are split between the host-side
   cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
@@ -20,10 +22,12 @@ path moves every qualifying table in one pipeline instead:
 
 Direct copies and device casts are queued first on two side streams (after the caller's queued
 work), so they share the link with the host's copies from the start. The call returns after
-every copy completed (the caller may rewrite sources at once). Device memory: the scratch, at
-most the stage ops' device staging for the same ring (`stage_device_bytes`), allocated per call
-from the caching allocator (the staged pieces land straight in their targets: no staging of
-their own); host: the ring. A table qualifies when its source is on the CPU, its target on the
+every copy completed (the caller may rewrite sources at once). Device memory: at most the stage
+ops' device staging for the same ring (`stage_device_bytes`), allocated per call from the
+caching allocator: the device casts' scratch, or a whole table's `stage_h2d` staging (whole
+tables are staged only in calls without device casts; staged pieces land straight in their
+targets); host: the ring. How each span moves is decided once per set of page-locked sources
+and host share, and reused while they stay. A table qualifies when its source is on the CPU, its target on the
 current CUDA device, the target dtype is no wider than the source's, and its runs are at most
 `MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
 """
@@ -45,7 +49,7 @@ ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed 
 EMA = 0.5  # weight of the newest measurement of the host's time per element
 TRIAL_CALLS = 2  # calls measured all on the host, then split, before the split is kept or not
 MIN_GAIN = 0.03
-STAGE_MIN_SLOTS = 4  # a piece of this many ring slots goes through stage_h2d's own pipeline
+STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
 
@@ -164,6 +168,7 @@ class _Table:
     src_location: int
     dst_location: int
     spans: np.ndarray  # [m, 3] (src_offset, dst_offset, length)
+    desc: torch.Tensor  # the schedule's table (a whole-table stage_h2d call)
 
 
 def _dense_desc(n: int) -> torch.Tensor:
@@ -212,14 +217,42 @@ def _device_cast_chunks(tables, cast_spans, src, device_bytes, host_share, host)
     return dev_chunks, chunk, src_isz
 
 
-def _by_size(tables, dst, host, slot_bytes):
-    """Host pieces of several ring slots go through stage_h2d (its own pipeline); the rest
-    share the slots of one ring. Returns (big, small)."""
+def _by_size(tables, dst, host, slot_bytes, whole_ok):
+    """Tables of several spans, every one packed by the host, with at least a ring slot of
+    bytes: one stage_h2d call each (entries (table, None, 0, elements); only where `whole_ok`:
+    its device staging must not meet the device casts' scratch). Host pieces of STAGE_MIN_SLOTS
+    ring slots: stage_h2d each. The rest share the slots of one ring. Returns (big, small)."""
     big, small = [], []
-    for ti, j, first, n in host:
-        wsz = dst[tables[ti].dst_location].element_size()
-        (big if n * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append((ti, j, first, n))
+    per_table: dict[int, list] = {}
+    for piece in host:
+        per_table.setdefault(piece[0], []).append(piece)
+    for ti, pieces in per_table.items():
+        t = tables[ti]
+        wsz = dst[t.dst_location].element_size()
+        n = sum(p[3] for p in pieces)
+        whole = len(pieces) == t.spans.shape[0] and all(p[2] == 0 for p in pieces)
+        if whole_ok and whole and len(pieces) > 1 and n * wsz >= slot_bytes:
+            big.append((ti, None, 0, n))
+            continue
+        for p in pieces:
+            (big if p[3] * wsz >= STAGE_MIN_SLOTS * slot_bytes else small).append(p)
     return big, small
+
+
+class _Route(NamedTuple):
+    """How one call moves every span (see `HostToDevice._route`)."""
+
+    direct: list
+    cast_spans: list
+    host: list
+    dev_chunks: list
+    chunk: int
+    src_isz: int
+    big: list
+    small: list
+    slots: list  # the small pieces cut into ring slots (slot_pieces)
+    n_slots: int
+    slot_bytes: int
 
 
 class HostToDevice:
@@ -228,7 +261,7 @@ class HostToDevice:
 
     def __init__(self, tables):
         """tables: [LocalSpans] whose source is a CPU buffer and target a CUDA one."""
-        self.tables = [_Table(t.src_location, t.dst_location, s) for t, s in tables]
+        self.tables = [_Table(t.src_location, t.dst_location, s, t.desc) for t, s in tables]
         self.host_s_per_elem = None  # host-side cast time per element, measured
         self.link_bytes_per_s = None  # H2D copy rate of page-locked memory, measured once
         self.host_share = 1.0  # of the cast elements in page-locked memory
@@ -236,6 +269,8 @@ class HostToDevice:
         self._trial = {"host_only": [], "split": []}  # seconds of whole calls
         self._streams = None
         self._descs: dict[int, torch.Tensor] = {}  # device-cast tables by length (kept alive)
+        self._pinned = {}  # source location -> data_ptr seen page-locked (stays so while alive)
+        self._routes: dict = {}  # (page-locked sources, share, ring, scratch) -> _Route
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
@@ -261,16 +296,70 @@ class HostToDevice:
                 self._streams = _Streams(dev)
             self._run(src, dst, ring, device_bytes, dev, self._streams, pinned or {})
 
-    def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
-        side, cast_stream, cur = q.side, q.cast, q.current()
+    def _page_locked(self, src, pinned) -> dict:
+        """{source location: page-locked?}: `pinned` where given, else asked of torch, except
+        for a buffer already seen page-locked (registration is not undone while a Transfer
+        uses it; were it, its copies would still be right, only synchronous)."""
+        out = {}
+        for t in self.tables:
+            loc = t.src_location
+            if loc in out:
+                continue
+            if loc in pinned:
+                out[loc] = bool(pinned[loc])
+                continue
+            s = src[loc]
+            if self._pinned.get(loc) == s.data_ptr():
+                out[loc] = True
+                continue
+            out[loc] = s.device.type == "cpu" and bool(s.is_pinned())
+            if out[loc]:
+                self._pinned[loc] = s.data_ptr()
+        return out
+
+    def _route(self, src, dst, ring, device_bytes, pinned) -> _Route:
+        """Which span goes which way (`_classify`, `_device_cast_chunks`, `_by_size`,
+        `slot_pieces`), computed once per set of page-locked sources, share, ring and scratch
+        size (the buffers' dtypes and devices are fixed for this object)."""
+        key = (tuple(sorted(pinned.items())), self.host_share, ring.numel(), device_bytes)
+        r = self._routes.get(key)
+        if r is not None:
+            return r
         direct, cast_spans, host = _classify(self.tables, src, dst, pinned)
-        if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
-            self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
         dev_chunks, chunk, src_isz = _device_cast_chunks(
             self.tables, cast_spans, src, device_bytes, self.host_share, host
         )
         n_slots, slot_bytes = ring_slots(ring.numel())
-        big, small = _by_size(self.tables, dst, host, slot_bytes)
+        big, small = _by_size(self.tables, dst, host, slot_bytes, whole_ok=not dev_chunks)
+        itemsizes = [dst[self.tables[ti].dst_location].element_size() for ti, _, _, _ in small]
+        slots = slot_pieces(
+            [(k, first, n) for k, (_, _, first, n) in enumerate(small)], itemsizes, slot_bytes
+        )
+        if len(self._routes) >= MAX_DESCS:
+            self._routes.clear()
+        r = self._routes[key] = _Route(
+            direct,
+            cast_spans,
+            host,
+            dev_chunks,
+            chunk,
+            src_isz,
+            big,
+            small,
+            slots,
+            n_slots,
+            slot_bytes,
+        )
+        return r
+
+    def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
+        side, cast_stream, cur = q.side, q.cast, q.current()
+        pinned = self._page_locked(src, pinned)
+        r = self._route(src, dst, ring, device_bytes, pinned)
+        direct, cast_spans, host, dev_chunks = r.direct, r.cast_spans, r.host, r.dev_chunks
+        chunk, src_isz, big, small = r.chunk, r.src_isz, r.big, r.small
+        if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
+            self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
         t_start = time.perf_counter()
         timed = dev.type == "cuda" and bool(dev_chunks)
         side_start, side_end = q.event(timed), q.event(timed)
@@ -284,7 +373,7 @@ class HostToDevice:
         self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
         q.record(side_end, cast_stream)
         self._staged_pieces(q, src, dst, ring, big)
-        pack_s = self._ring_pieces(q, src, dst, ring, small, n_slots, slot_bytes)
+        pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
         host_s = time.perf_counter() - t_start
         q.finish()  # every source byte read, every target byte written
         total_s = time.perf_counter() - t_start
@@ -295,7 +384,8 @@ class HostToDevice:
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
             "device_cast_elements": sum(n for _, _, n in dev_chunks),
             "host_elements": sum(n for _, _, _, n in host),
-            "staged_pieces": len(big),
+            "staged_pieces": sum(1 for _, j, _, _ in big if j is not None),
+            "staged_tables": sum(1 for _, j, _, _ in big if j is None),
             "ring_pieces": len(small),
             "host_share": share,  # this call's (self.host_share: the next call's)
             "host_s": host_s,
@@ -316,9 +406,13 @@ class HostToDevice:
                 )
 
     def _staged_pieces(self, q, src, dst, ring, big):
-        """Pieces of several ring slots: stage_h2d's own pipeline, one call each."""
+        """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
+        call each."""
         for ti, j, first, n in big:
             t = self.tables[ti]
+            if j is None:
+                q.stage(src[t.src_location], t.desc, ring, dst[t.dst_location])
+                continue
             so, do, _ = (int(v) for v in t.spans[j])
             a, b = so + first, do + first
             q.stage(
@@ -346,13 +440,10 @@ class HostToDevice:
                 torch.ops.reshard.copy_runs(buf, self._desc(n), d[do + first : do + first + n])
             q.record(cast_done, q.cast)
 
-    def _ring_pieces(self, q, src, dst, ring, pieces, n_slots, slot_bytes) -> float:
+    def _ring_pieces(self, q, src, dst, ring, pieces, slots, n_slots, slot_bytes) -> float:
         """Pieces packed by the host into ring slots (cast to the target dtype on the way),
-        each slot copied to the device while the next is packed; returns the packing time."""
-        itemsizes = [dst[self.tables[ti].dst_location].element_size() for ti, _, _, _ in pieces]
-        slots = slot_pieces(
-            [(k, first, n) for k, (_, _, first, n) in enumerate(pieces)], itemsizes, slot_bytes
-        )
+        each slot copied to the device while the next is packed; returns the packing time.
+        slots: the pieces cut into ring slots (slot_pieces)."""
         events = [q.event() for _ in range(n_slots)]
         pack_s = 0.0
         for k, slot in enumerate(slots):

@@ -1,8 +1,9 @@
 """A rank's schedule as typed rounds: a pure function, no tensors allocated but descriptor tables.
 
-`build_rounds(sched, direct, dtype_of)` decides, per round, which messages travel straight
-from a source / into a target buffer (`direct_range`: the message is a byte image of one
-contiguous range of one buffer in the wire dtype), where every other message sits in the
+`build_rounds(sched, direct, dtype_of)` cuts each message into the wires both of its ends
+agree on (`wire_parts`: its contiguous segments alone), decides, per wire, which travel
+straight from a source / into a target buffer (`direct_range`: the wire is a byte image of one
+contiguous range of one buffer in the wire dtype), where every other one sits in the
 round's compacted arena, and fuses the packed segments of a round that share a storage and
 a wire dtype into one descriptor table over the whole arena (one `copy_runs` call each). The
 staging module (`reshard.staging`) allocates arenas of the sizes this returns; the run loop
@@ -11,6 +12,7 @@ staging module (`reshard.staging`) allocates arenas of the sizes this returns; t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,6 +79,8 @@ class Round:
     wires: tuple[Wire, ...]
     bytes_sent: int
     bytes_received: int
+    uses_send_arena: bool  # some message of the round is packed into the send arena
+    uses_recv_arena: bool  # some message is received into the receive arena
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,10 +110,11 @@ def local_tables(sched) -> tuple[LocalTable, ...]:
 
 def direct_range(msg, side: str, storage_dtype) -> DirectRange | None:
     """The range of one buffer on this side (SEND: the source, RECV: the target) that `msg`
-    is a byte-exact image of in the wire dtype, else None. Such a message travels straight
-    from / into the buffer: no pack or unpack copy and no arena bytes. A cast (bf16 on the
-    wire from fp32), a gap or reordering, a second storage, or alignment padding between
-    segments all disqualify it."""
+    (anything with `segments` and `nbytes`, segment byte offsets relative to its start) is a
+    byte-exact image of in the wire dtype, else None. Such a message travels straight from /
+    into the buffer: no pack or unpack copy and no arena bytes. A cast (bf16 on the wire from
+    fp32), a gap or reordering, a second storage, or alignment padding between segments all
+    disqualify it."""
     segs = msg.segments
     nbytes = int(msg.nbytes)
     if not segs or nbytes == 0:
@@ -145,36 +150,96 @@ def direct_range(msg, side: str, storage_dtype) -> DirectRange | None:
     return DirectRange(int(loc), first * isz, (first + n) * isz)
 
 
+@dataclass(frozen=True)
+class _Part:
+    """A byte range [lo, lo + nbytes) of a message that travels as one wire, and its
+    segments with byte offsets relative to lo (what `direct_range` reads)."""
+
+    lo: int
+    nbytes: int
+    segments: tuple
+
+
+def wire_parts(msg) -> tuple[_Part, ...]:
+    """The wires one message travels as, the same on both of its ends: each `contiguous`
+    segment alone (it may go straight between the buffers on both sides), every run of other
+    segments together, alignment padding between them included. A message without a
+    contiguous segment is one wire, as a message with a single segment is."""
+    segs = sorted(msg.segments, key=lambda seg: int(seg.byte_offset))
+    if len(segs) < 2 or not any(seg.contiguous for seg in segs):
+        return (_Part(0, int(msg.nbytes), tuple(segs)),)
+    groups, pending = [], []
+    for seg in segs:
+        if seg.contiguous:
+            if pending:
+                groups.append(pending)
+                pending = []
+            groups.append([seg])
+        else:
+            pending.append(seg)
+    if pending:
+        groups.append(pending)
+    parts = []
+    for i, group in enumerate(groups):
+        lo = 0 if i == 0 else int(group[0].byte_offset)
+        if i + 1 < len(groups):
+            hi = int(groups[i + 1][0].byte_offset)
+            if group[-1].contiguous:  # its own bytes only: no padding rides along
+                hi = int(group[-1].byte_offset) + group[-1].numel * group[-1].wire_dtype.itemsize
+            if groups[i + 1][0].contiguous is False and group[-1].contiguous:
+                pass
+        else:
+            hi = int(msg.nbytes)
+        if group[0].contiguous:
+            lo = int(group[0].byte_offset)
+        if group[-1].contiguous:
+            hi = int(group[-1].byte_offset) + group[-1].numel * group[-1].wire_dtype.itemsize
+        shifted = tuple(
+            dataclasses.replace(seg, byte_offset=int(seg.byte_offset) - lo) for seg in group
+        )
+        parts.append(_Part(lo, hi - lo, shifted))
+    return tuple(p for p in parts if p.nbytes > 0)
+
+
 def _round(index, sched, direct, dtype_of):
     """One round's wires and fused tables, plus the arena bytes each direction needs."""
     tables = {SEND: {}, RECV: {}}  # (location, wire dtype) -> [desc rows shifted into the arena]
     wires, need = [], {SEND: 0, RECV: 0}
     nbytes = {SEND: 0, RECV: 0}
     zero_copy = 0
-    for side, msgs in ((SEND, sched.sends[index]), (RECV, sched.recvs[index])):
+    # receives first: the run loop posts wires in this order, and a peer's send moves only
+    # once its receive is posted
+    for side, msgs in ((RECV, sched.recvs[index]), (SEND, sched.sends[index])):
         attr = "src_location" if side == SEND else "dst_location"
         arena_col = 2 if side == SEND else 0  # pack writes the arena (dst), unpack reads it
         cursor = 0
         for m in msgs:
             nb = int(m.nbytes)
             nbytes[side] += nb
-            rng = None
-            if m.segments and (side, getattr(m.segments[0], attr)) in direct:
-                rng = direct_range(m, side, dtype_of[side])
-            if rng is not None:
-                wires.append(Wire(int(m.peer), side == SEND, nb, None, rng))
-                zero_copy += nb
-                continue
-            for seg in m.segments:
-                wire = seg.wire_dtype
-                off = cursor + int(seg.byte_offset)
-                d = np.array(desc_array(seg.desc), copy=True)
-                d[:, arena_col] += off // wire.itemsize
-                tables[side].setdefault((getattr(seg, attr), wire), []).append(d)
-            if nb:
-                wires.append(Wire(int(m.peer), side == SEND, nb, cursor, None))
-            need[side] = max(need[side], cursor + nb)
-            cursor = align(cursor + nb)  # packed messages start aligned, as the planner laid them
+            packed = False
+            for part in wire_parts(m):
+                rng = None
+                if part.segments and (side, getattr(part.segments[0], attr)) in direct:
+                    rng = direct_range(part, side, dtype_of[side])
+                if rng is not None:
+                    wires.append(Wire(int(m.peer), side == SEND, part.nbytes, None, rng))
+                    zero_copy += part.nbytes
+                    continue
+                packed = True
+                for seg in part.segments:
+                    wire = seg.wire_dtype
+                    off = cursor + part.lo + int(seg.byte_offset)
+                    d = np.array(desc_array(seg.desc), copy=True)
+                    d[:, arena_col] += off // wire.itemsize
+                    tables[side].setdefault((getattr(seg, attr), wire), []).append(d)
+                if part.nbytes:
+                    wires.append(
+                        Wire(int(m.peer), side == SEND, part.nbytes, cursor + part.lo, None)
+                    )
+            if packed:
+                need[side] = max(need[side], cursor + nb)
+                # packed messages start aligned, as the planner laid them
+                cursor = align(cursor + nb)
 
     def fused(side):
         return tuple(
@@ -182,7 +247,16 @@ def _round(index, sched, direct, dtype_of):
             for (loc, wire), parts in tables[side].items()
         )
 
-    rnd = Round(index, fused(SEND), fused(RECV), tuple(wires), nbytes[SEND], nbytes[RECV])
+    rnd = Round(
+        index,
+        fused(SEND),
+        fused(RECV),
+        tuple(wires),
+        nbytes[SEND],
+        nbytes[RECV],
+        uses_send_arena=any(w.send and w.direct is None for w in wires),
+        uses_recv_arena=any(not w.send and w.direct is None for w in wires),
+    )
     return rnd, need, zero_copy
 
 

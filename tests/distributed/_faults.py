@@ -90,6 +90,27 @@ def die_in_rounds(mode, timeout, after_copies=5):
     ex._copy_runs_op = lambda: dying
 
 
+def die_in_posts(mode, timeout, after_posts=3):
+    """From now on this rank dies (mode "die") or stalls for twice `timeout` (mode "stall")
+    when it is about to post its `after_posts`-th round, earlier rounds posted to its peers
+    (for transfers whose messages go straight between buffers: no packing copy to hook)."""
+    import reshard.executor as ex
+    from tests._spawn import die
+
+    real = ex._RoundLoop.post
+    calls = [0]
+
+    def dying(self, rnd):
+        calls[0] += 1
+        if calls[0] == after_posts:
+            if mode == "die":
+                die()
+            time.sleep(timeout * 2)
+        return real(self, rnd)
+
+    ex._RoundLoop.post = dying
+
+
 def arrive_late(rank, world, marker_dir, call):
     """Run `call()` with the last rank entering only after every other rank's call returned
     (they give up waiting for it); the others stay in the group until the late rank is done.

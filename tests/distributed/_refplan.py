@@ -32,6 +32,7 @@ class Segment:
     byte_offset: int
     numel: int
     desc: np.ndarray
+    contiguous: bool = False  # never claimed here: every message stays one wire
 
 
 @dataclass

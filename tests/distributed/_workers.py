@@ -160,17 +160,25 @@ def w_preflight(rank, world, planner, kinds):
 
 def w_killed(rank, world, planner, victim, mode, timeout):
     """`victim` dies (or stalls) in the middle of the rounds; the others must raise
-    TransferError within the timeout."""
+    TransferError within the timeout. Modes ending in "_direct": a transfer whose messages all
+    go straight between buffers, several rounds posted ahead, the victim stopping before it
+    posts its third round."""
     from tests._spawn import die
 
     shapes = S.model_shapes()
     values = S.model_values(shapes)
-    case = (("zero3", list(range(world))), ("tp", [list(range(world))]), "fp32", "fp32", 16)
+    r = list(range(world))
+    if mode.endswith("_direct"):  # the offload shape, fp32 both sides: every wire direct
+        case = (("zero3", r), ("zero3", r[1:] + r[:1]), "fp32", "fp32", 1000)
+    else:
+        case = (("zero3", r), ("tp", [r]), "fp32", "fp32", 16)
     src, dst = build(case, shapes)
-    plan = make_plan(planner, src.layout(), dst.layout(), 16)
+    plan = make_plan(planner, src.layout(), dst.layout(), case[4])
     checks = ()
     if rank == victim and mode == "die_in_preflight":
         checks = (die,)  # dies inside the local checks, before the collective exchange
+    elif rank == victim and mode.endswith("_direct"):
+        F.die_in_posts(mode.removesuffix("_direct"), timeout)
     elif rank == victim:
         F.die_in_rounds(mode, timeout)
     t0 = time.monotonic()
@@ -332,28 +340,101 @@ def _segment_image(seg, side, dtype):
     return _message_image(msg, side, lambda loc: dtype)
 
 
+def _peer_segments(scheds, plan, rank, side, rnd, peer):
+    """{byte offset: segment} of the message the other end of (rank, side, round, peer) has;
+    `scheds` caches the schedules by rank."""
+    if peer not in scheds:
+        scheds[peer] = plan.schedule(peer)
+    sched = scheds[peer]
+    msgs = (sched.recvs if side == "send" else sched.sends)[rnd]
+    (msg,) = [m for m in msgs if m.peer == rank]
+    return {int(seg.byte_offset): seg for seg in msg.segments}
+
+
+def _parts(msg):
+    """The wires a message travels as (the executor's rule, written out here): a message
+    with a segment flagged `contiguous` and more than one segment is cut into each flagged
+    segment alone and each run of the others, from its first segment's start to its last
+    one's end; otherwise it is one wire. Returns [(segments, first byte, bytes)]."""
+    segs = sorted(msg.segments, key=lambda seg: seg.byte_offset)
+    if len(segs) < 2 or not any(seg.contiguous for seg in segs):
+        return [(segs, 0, msg.nbytes)]
+    groups = []
+    for seg in segs:
+        if seg.contiguous or not groups or groups[-1][-1].contiguous:
+            groups.append([seg])
+        else:
+            groups[-1].append(seg)
+    out = []
+    for g in groups:
+        lo = g[0].byte_offset
+        hi = g[-1].byte_offset + g[-1].numel * g[-1].wire_dtype.itemsize
+        out.append((g, lo, hi - lo))
+    return out
+
+
 def expected_zero_copy(plan, rank, src_dtype, dst_dtype):
     """(zero-copy bytes this rank should report, messages that are one contiguous range,
     messages that are not but partly are (consecutive elements somewhere, or a segment that
-    alone is one range), messages):
-    what the executor's zero-copy rule means, computed element by element from the schedule."""
+    alone is one range), messages, errors):
+    what the executor's zero-copy rule means, computed element by element from the schedule.
+    Also checks the planner's `contiguous` flag of every segment against both ends' element
+    images: a flagged segment is one in-order range of its source and of its target storage
+    in one dtype (else it would be sent or received straight from the wrong bytes), both
+    ends flag it alike (else they would cut the message differently), and rs.plan flags
+    every such segment."""
     import numpy as np
 
     sched = plan.schedule(rank)
-    nbytes = direct = partly = total = 0
-    for side, rounds, dt in (("send", sched.sends, src_dtype), ("recv", sched.recvs, dst_dtype)):
-        for msgs in rounds:
+    scheds = {rank: sched}
+    nbytes = direct = partly = total = split = 0
+    errs = []
+    dts = {"send": src_dtype, "recv": dst_dtype}
+    for side, rounds in (("send", sched.sends), ("recv", sched.recvs)):
+        dt = dts[side]
+        other = "recv" if side == "send" else "send"
+        for rnd, msgs in enumerate(rounds):
             for m in msgs:
                 total += 1
+                peer_segs = _peer_segments(scheds, plan, rank, side, rnd, m.peer)
+                for seg in m.segments:
+                    pseg = peer_segs.get(int(seg.byte_offset))
+                    truth = (
+                        src_dtype == dst_dtype
+                        and _is_one_range(_segment_image(seg, side, dt))
+                        and pseg is not None
+                        and _is_one_range(_segment_image(pseg, other, dts[other]))
+                    )
+                    if pseg is None or bool(pseg.contiguous) != bool(seg.contiguous):
+                        errs.append(f"rank {rank} round {rnd}: the ends disagree on {seg}")
+                    if seg.contiguous and not truth:
+                        errs.append(f"rank {rank} round {rnd}: flagged, not contiguous: {seg}")
+                    if isinstance(plan, rs.Plan) and truth and not seg.contiguous:
+                        errs.append(f"rank {rank} round {rnd}: contiguous, not flagged: {seg}")
                 image = _message_image(m, side, lambda loc, dt=dt: dt)
                 if _is_one_range(image):
-                    nbytes += m.nbytes
                     direct += 1
                 elif image is not None and (image >= 0).all() and (np.diff(image) == 1).any():
                     partly += 1  # consecutive elements somewhere, but not one range
                 elif any(_is_one_range(_segment_image(seg, side, dt)) for seg in m.segments):
                     partly += 1  # one of several storages' segments is one range alone
-    return nbytes, direct, partly, total
+                split += len(_parts(m)) > 1
+                for segs, lo, n in _parts(m):
+                    shifted = [
+                        _refplan.Segment(
+                            seg.src_location,
+                            seg.dst_location,
+                            seg.wire_dtype,
+                            seg.byte_offset - lo,
+                            seg.numel,
+                            seg.desc,
+                        )
+                        for seg in segs
+                    ]
+                    one = _refplan.Message(0, 0, 0, n, shifted)
+                    if _is_one_range(_message_image(one, side, lambda loc, dt=dt: dt)):
+                        nbytes += n
+    return nbytes, direct, partly, total, errs, split
 
 
 def w_zero_copy(rank, world, planner, cases, calls):
@@ -361,15 +442,16 @@ def w_zero_copy(rank, world, planner, cases, calls):
     bitwise equal to the reference (poisoned padding intact), sources unchanged, and
     Report.zero_copy_bytes equal to the element-by-element expectation. Returns per case
     (errors, zero-copy bytes, direct messages, partly contiguous messages, messages, host
-    staging held, host staging bound, rounds)."""
+    staging held, host staging bound, rounds, messages cut into several wires)."""
     shapes = S.model_shapes()
     out = []
     for case in cases:
         src, dst = build(case, shapes)
         budget = case[4]
         t = make_transfer(planner, src.layout(), dst.layout(), budget)
-        want, direct, partly, total = expected_zero_copy(t.plan, rank, src.dtype, dst.dtype)
-        errs = []
+        want, direct, partly, total, errs, split = expected_zero_copy(
+            t.plan, rank, src.dtype, dst.dtype
+        )
         for i in range(calls):
             values = S.model_values(shapes, seed=i)
             e, rep = check_case(rank, planner, case, shapes, values, transfer=t)
@@ -386,6 +468,7 @@ def w_zero_copy(rank, world, planner, cases, calls):
                 rep.peak_staging_bytes["host"],
                 rep.staging_bound["host"],
                 rep.rounds,
+                split,
             )
         )
     return out

@@ -127,16 +127,18 @@ def test_preflight_failures_are_collective(tmp_path):
     assert "is on meta, but the gloo transport needs CPU buffers" in msgs["device"]
 
 
-@pytest.mark.parametrize("mode", ["die", "stall", "die_in_preflight"])
+@pytest.mark.parametrize("mode", ["die", "stall", "die_in_preflight", "die_direct", "stall_direct"])
 def test_dead_or_stalled_rank_raises_transfer_error(tmp_path, mode):
     """A rank dies (or stalls) mid-transfer: the others raise TransferError within the timeout.
-    A rank that dies during preflight: the others raise PreflightError, nothing written."""
+    A rank that dies during preflight: the others raise PreflightError, nothing written.
+    `_direct`: every message goes straight between buffers and rounds are posted ahead (the
+    real planner cuts messages into wires)."""
     world, victim, timeout = 3, 1, 3.0
     res = run_ranks(
         W.w_killed,
         world,
         tmp_path,
-        args=("ref", victim, mode, timeout),
+        args=("real" if mode.endswith("_direct") else "ref", victim, mode, timeout),
         expect_killed=[victim] if mode.startswith("die") else [],
         group_timeout=30,
         timeout=120,

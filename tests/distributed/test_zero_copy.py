@@ -4,7 +4,9 @@ buffer in the wire dtype is sent straight from the source / received straight in
 Every case runs through one Transfer several times with fresh buffers, against the
 independent references of tests/distributed/_scenarios.py (poisoned target padding, NaN
 source padding, sources checked unchanged), and the reported zero-copy bytes are checked
-against an element-by-element expectation computed from the schedule.
+against an element-by-element expectation computed from the schedule. A segment that is one
+range of its source and of its target travels as a wire of its own: the planner's flag for
+it is checked against both ends' element images, and both ends must flag it alike.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def test_zero_copy_messages(tmp_path, planner):
     # both kinds of message occur, so both paths (and their mix in one round) ran
     assert sum(x[2] for v in per.values() for x in v) > 0, "no zero-copy message at all"
     assert sum(x[3] for v in per.values() for x in v) > 0, "no partly contiguous message"
+    if planner == "real":  # messages of several segments, some contiguous on both ends
+        assert sum(x[8] for v in per.values() for x in v) > 0, "no message was cut into wires"
     received_directly = all_direct = 0
     for budget in BUDGETS:
         key = (("zero3", [0]), ("zero3", [1]), "fp32", "bf16", budget)
@@ -71,3 +75,34 @@ def test_zero_copy_messages(tmp_path, planner):
     # the arenas never exceed the plan's bound, and shrink when messages skip them
     assert all(x[5] <= x[6] for v in per.values() for x in v)
     assert any(x[5] < x[6] for v in per.values() for x in v)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_contiguous_segments_flagged_alike_on_both_ends(world):
+    """No ranks needed: for layouts with replicas, idle ranks, reversed and TP targets, every
+    segment's `contiguous` flag is true exactly where both ends' element images are one
+    range in one dtype, and the two ends of each message flag it alike (they cut it into the
+    same wires: a difference would pair receives with sends of another size)."""
+    r = list(range(world))
+    specs = [
+        (("zero3", r), ("tp", [r[:2]])),
+        (("zero12", r), ("tp", [r])),
+        (("tp", [r]), ("zero3", r)),
+        (("zero12", r), ("zero3", r[::-1])),
+        (("rep", r[:2]), ("zero12", r)),  # two source replicas: the planner picks per element
+        (("zero3", r), ("zero3", r[1:] + r[:1])),
+    ]
+    if world == 4:
+        specs.append((("zero3", r), ("tp", [[0, 1], [2, 3]])))
+    shapes = W.S.model_shapes()
+    split = 0
+    for src_spec, dst_spec in specs:
+        for sdt, ddt in (("fp32", "fp32"), ("bf16", "bf16"), ("fp32", "bf16")):
+            for budget in (16, 1000, 64 << 20):
+                src, dst = W.build((src_spec, dst_spec, sdt, ddt), shapes)
+                plan = W.make_plan("real", src.layout(), dst.layout(), budget)
+                for rank in r:
+                    *_, errs, n = W.expected_zero_copy(plan, rank, src.dtype, dst.dtype)
+                    assert not errs, f"{src_spec} -> {dst_spec} {sdt}->{ddt} {budget}: {errs[:3]}"
+                    split += n
+    assert split > 0, "no message was cut into wires"

@@ -280,6 +280,22 @@ MUTANTS = (
         "round k+1 is packed into the arena round k is still sending from",
     ),
     Mutant(
+        "arenas_always_free",
+        PKG,
+        "        if (other.index - rnd.index) % 2 == 0 and (",
+        "        if False and (",
+        ("tests/distributed/test_executor.py::test_layouts_dtypes_budgets",),
+        "round k+2 is packed into (or received into) an arena round k still uses",
+    ),
+    Mutant(
+        "contiguous_across_dtypes",
+        PKG,
+        "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], same and contiguous[s])",
+        "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], contiguous[s])",
+        ("tests/distributed/test_zero_copy.py::test_contiguous_segments_flagged_alike_on_both_ends",),
+        "a segment cast on the way (fp32 -> bf16) is flagged as a byte image of both buffers",
+    ),
+    Mutant(
         "group_lock",
         PKG,
         "    if group is None:\n        return in_process\n",

@@ -146,12 +146,14 @@ def _messages(plan, rank, sender_side, runs, wires):
         return out
     segs = rounds.segment_rows
     segs = segs[np.isin(segs[:, 0], gsel)]
-    descs = _slice(segs, sender_side, runs, rpos, rnum, pos0)
+    descs, contiguous = _slice(segs, sender_side, runs, rpos, rnum, pos0)
     by_key = {}
+    src_st, dst_st = plan.src.storages, plan.dst.storages
     for s, (grp, rnd, boff, lo, hi) in enumerate(segs.tolist()):
         peer = int(g.receiver[grp] if sender_side else g.sender[grp])
         sl, dl = int(g.src_loc[grp]), int(g.dst_loc[grp])
-        seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s])
+        same = src_st[sl].dtype == dst_st[dl].dtype
+        seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], same and contiguous[s])
         by_key.setdefault((peer, rnd), []).append(seg)
     m = rounds.message_rows
     for i in np.nonzero(m[:, 0 if sender_side else 1] == rank)[0].tolist():
@@ -185,7 +187,10 @@ def _check_totals(rank, run_g, rnum, rpos, gsel, group_numel):
 
 def _slice(segs, sender_side, runs, rpos, rnum, pos0):
     """Per segment, the desc of the run pieces falling in its element range: a partial head
-    row, whole rows and a partial tail row of each run it overlaps."""
+    row, whole rows and a partial tail row of each run it overlaps; and whether the segment
+    is one contiguous, in-order range of its source storage and one of its target storage.
+    Runs carry both storages' offsets and strides and both ends walk the same element
+    sequence, so sender and receiver compute the same flag."""
     glo = pos0[segs[:, 0]] + segs[:, 3]
     ghi = pos0[segs[:, 0]] + segs[:, 4]
     first = np.searchsorted(rpos + rnum, glo, side="right")
@@ -208,15 +213,35 @@ def _slice(segs, sender_side, runs, rpos, rnum, pos0):
     own = np.concatenate([owner[r[0]] for r in rows])
     pos = np.concatenate([r[1] for r in rows])
     desc = np.concatenate([r[2] for r in rows]).astype(I64)
+    ext = np.concatenate([r[3] for r in rows]).astype(I64).reshape(-1, 4)
     o = np.lexsort((pos, own))
-    own, desc = own[o], desc[o]
+    own, desc, ext = own[o], desc[o], ext[o]
     bounds = np.searchsorted(own, np.arange(len(segs) + 1))
-    return [np.ascontiguousarray(desc[bounds[s] : bounds[s + 1]]) for s in range(len(segs))]
+    return [
+        np.ascontiguousarray(desc[bounds[s] : bounds[s + 1]]) for s in range(len(segs))
+    ], _contiguous(own, ext, len(segs))
+
+
+def _contiguous(own, ext, n):
+    """Per segment: its pieces (rows of `ext`: source start, target start, elements, dense on
+    both sides; sorted by segment and position) each dense and each starting on both sides
+    where the previous one ended."""
+    ok = np.zeros(n, bool)
+    if not len(own):
+        return ok
+    bad = ext[:, 3] == 0
+    same = own[1:] == own[:-1]
+    step = (ext[1:, 0] != ext[:-1, 0] + ext[:-1, 2]) | (ext[1:, 1] != ext[:-1, 1] + ext[:-1, 2])
+    bad[1:] |= same & step
+    ok[np.unique(own)] = True
+    ok[own[bad]] = False
+    return ok
 
 
 def _desc_rows(sender_side, run, p0, seg_lo, L, m, row, col, ln, cnt, q):
     """Descriptor rows of one kind of run piece (see _slice): (indices, positions in the
-    segment, rows). Sender rows map storage -> segment, receiver rows segment -> storage."""
+    segment, rows, extents). Sender rows map storage -> segment, receiver rows segment ->
+    storage; extents are (source start, target start, elements, dense on both sides)."""
     i = np.nonzero(m)[0]
     r = run[i]
     so = r[:, SO] + row[i] * r[:, SS] + col[i]
@@ -228,4 +253,5 @@ def _desc_rows(sender_side, run, p0, seg_lo, L, m, row, col, ln, cnt, q):
         d = np.column_stack([so, np.where(one, ln[i], r[:, SS]), spos, stride, ln[i], cnt[i]])
     else:
         d = np.column_stack([spos, stride, do, np.where(one, ln[i], r[:, DS]), ln[i], cnt[i]])
-    return i, spos, d
+    dense = one | ((r[:, SS] == ln[i]) & (r[:, DS] == ln[i]))
+    return i, spos, d, np.column_stack([so, do, ln[i] * cnt[i], dense])

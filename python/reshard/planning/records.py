@@ -58,6 +58,9 @@ class Segment:
     """A 16-byte aligned piece of a message holding `numel` elements of `wire_dtype`.
 
     Sender: desc maps src storage -> segment. Receiver: desc maps segment -> dst storage.
+    `contiguous`: the segment is one in-order range of the source storage and one of the
+    target storage, both of the wire dtype; sender and receiver agree on it, so such a
+    segment may travel as a message of its own, straight between the two buffers.
     """
 
     src_location: int
@@ -66,6 +69,7 @@ class Segment:
     byte_offset: int
     numel: int
     desc: np.ndarray
+    contiguous: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
