@@ -292,7 +292,9 @@ MUTANTS = (
         PKG,
         "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], same and contiguous[s])",
         "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], contiguous[s])",
-        ("tests/distributed/test_zero_copy.py::test_contiguous_segments_flagged_alike_on_both_ends",),
+        (
+            "tests/distributed/test_zero_copy.py::test_contiguous_segments_flagged_alike_on_both_ends",
+        ),
         "a segment cast on the way (fp32 -> bf16) is flagged as a byte image of both buffers",
     ),
     Mutant(
