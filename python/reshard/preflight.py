@@ -794,15 +794,29 @@ def staging_needs(transport, message_locations, local_pairs, src_ok, dst_ok):
     return need_ring, reasons
 
 
-def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], dict, dict]:
-    """Every check of this rank before the collective exchange: (reasons, src_ok, dst_ok).
-    `ctx` is the executor's engine for this plan and rank (`prepare()` builds and checks the
-    schedule once, `allocate()` the staging, `verified_placement` / `verified_need_ring` the
-    placement of the last buffers that passed and whether they needed the pinned ring,
-    `verified_buffers` their `_call_key`, set here). Nothing here raises: an exception (a list
-    where a dict belongs, a schedule that cannot be built, an allocation) is a reason of this
-    rank, so every rank learns of it."""
-    reasons, src_ok, dst_ok = [], {}, {}
+class Collected(NamedTuple):
+    """This rank's side of a call's preflight: the reasons it must not run (none: it may),
+    the validated buffers, the call's `_call_key` (None when a buffer has none) and whether
+    that key is the last cleared call's (`short`: the per-buffer checks were skipped)."""
+
+    reasons: list
+    src: dict
+    dst: dict
+    key: tuple | None
+    need_ring: bool
+    short: bool
+
+
+def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
+    """Every check of this rank before the collective exchange. `ctx` is the executor's
+    engine for this plan and rank (`prepare()` builds and checks the schedule once,
+    `allocate()` the staging, `verified_placement` / `verified_need_ring` the placement of
+    the last buffers that passed here and whether they needed the pinned ring,
+    `verified_buffers` the (`_call_key`, need_ring) of the last call that cleared preflight on
+    every rank, set by `run`). Nothing here raises: an exception (a list where a dict belongs,
+    a schedule that cannot be built, an allocation) is a reason of this rank, so every rank
+    learns of it."""
+    reasons, src_ok, dst_ok, key, need_ring, short = [], {}, {}, None, False, False
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
@@ -811,12 +825,14 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], 
         src = as_buffer_set(src_buffers, "src")
         dst = as_buffer_set(dst_buffers, "dst")
         key = _call_key(ctx, src.buffers, dst.buffers)
-        if key is not None and key == getattr(ctx, "verified_buffers", None):
-            # every per-buffer input and the placement equal the last passing call's
-            src_ok, dst_ok = src.buffers, dst.buffers
+        cleared = getattr(ctx, "verified_buffers", None)
+        short = key is not None and cleared is not None and key == cleared[0]
+        if short:
+            # every per-buffer input and the placement equal the last cleared call's
+            src_ok, dst_ok, need_ring = src.buffers, dst.buffers, cleared[1]
             reasons += hook_reasons(src, dst, checks)
             if not reasons:
-                reasons += _allocate(ctx, src_ok, dst_ok, ctx.verified_need_ring)
+                reasons += _allocate(ctx, src_ok, dst_ok, need_ring)
         else:
             more, src_ok, dst_ok = buffer_checks(
                 ctx.plan, ctx.rank, ctx.world_size, ctx.transport, src, dst, checks
@@ -824,11 +840,10 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> tuple[list[str], 
             reasons += more
             if not reasons:
                 reasons += _placement_checks(ctx, src_ok, dst_ok)
-        if not reasons:
-            ctx.verified_buffers = key
+                need_ring = ctx.verified_need_ring
     except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
         reasons.append(f"{type(exc).__name__}: {exc}")
-    return reasons, src_ok, dst_ok
+    return Collected(reasons, src_ok, dst_ok, key, need_ring, short)
 
 
 def _placement_checks(ctx, src_ok, dst_ok) -> list[str]:
@@ -876,14 +891,18 @@ def _gather_rows(ctx, device) -> GatherRows | None:
 
 class Cleared(NamedTuple):
     """What a passed preflight hands the rounds: the validated buffers, the plan's
-    fingerprint, the timeout of every wait, and the preflight's own seconds ("preflight"
-    for all of it, "exchange" for the collective part)."""
+    fingerprint, the timeout of every wait, the preflight's own seconds ("preflight" for all
+    of it, "exchange" for the collective part), and `same_buffers`: every buffer has, location
+    by location, the address, storage, dtype, shape, strides and device (targets also
+    requires_grad and inference) of the previous call that cleared preflight on this engine,
+    so whatever the rounds derived from those alone then still holds."""
 
     src: dict
     dst: dict
     fingerprint: str
     timeout_s: float
     seconds: dict
+    same_buffers: bool = False
 
 
 def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
@@ -891,7 +910,8 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
     every rank may write; raises the same PreflightError on every rank otherwise. An unusable
     timeout is a reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
     t0 = time.perf_counter()
-    reasons, src_ok, dst_ok = collect(ctx, src_buffers, dst_buffers, checks, timeout)
+    got = collect(ctx, src_buffers, dst_buffers, checks, timeout)
+    reasons = got.reasons
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
     try:
         fingerprint = ctx.plan.fingerprint
@@ -913,5 +933,8 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
             {ctx.rank: [str(exc)]},
         ) from exc
     t2 = time.perf_counter()
+    # cleared on every rank: the rounds run with these buffers, so the next call whose
+    # buffers read the same may skip their checks and what the rounds derive from them
+    ctx.verified_buffers = (got.key, got.need_ring) if got.key is not None else None
     seconds = {"preflight": t2 - t0, "exchange": t2 - t1}
-    return Cleared(src_ok, dst_ok, str(fingerprint), timeout_s, seconds)
+    return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, got.short)

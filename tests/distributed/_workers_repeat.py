@@ -192,3 +192,35 @@ def w_late_rank_on_a_repeated_call(rank, world, marker_dir, timeout):
     before = {k: v.clone() for k, v in db.items()}
     outcome = F.arrive_late(rank, world, marker_dir, lambda: t(sb, db))
     return outcome, S.mismatches(db, before), first.local_bytes > 0
+
+
+def w_same_buffers(rank, world):
+    """`Cleared.same_buffers` (what the rounds may rely on): True only when every buffer reads
+    as in the previous call that cleared preflight on every rank. A call that passed on this
+    rank while a peer failed did not clear: the same buffers next time are checked in full
+    and reported as new. Returns the flag of each preflight that passed, in order."""
+    from reshard import preflight as pf
+
+    values, src, dst = _case(world)
+    t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=64, timeout=60)
+    sb = S.source_buffers(src, values, rank)
+    t(sb, dst.empty(rank))
+    engine, flags = t._engine, []
+
+    def cleared(db, checks=()):
+        flags.append(pf.run(engine, sb, db, checks, 60.0).same_buffers)
+
+    def veto():
+        raise rs.NotReadyError("injected on the last rank")
+
+    db = dst.empty(rank)  # new tensors: never cleared
+    cleared(db)
+    cleared(db)
+    other = dst.empty(rank)
+    try:
+        cleared(other, (veto,) if rank == world - 1 else ())
+    except rs.PreflightError:
+        flags.append("refused")
+    cleared(other)
+    cleared(other)
+    return flags
