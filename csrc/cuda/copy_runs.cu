@@ -87,6 +87,8 @@ struct Params {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+/* Tables averaging at most this many source bytes per row take the short-run kernel. */
+constexpr int64_t kShortRowBytes = 2048;
 
 /* Tile geometry of a dtype pair (element sizes in bytes), for the kernel's loop and the
  * launch's grid alike. A group is V elements, one 16-byte access on the narrower side (two on
@@ -189,13 +191,22 @@ __device__ __noinline__ void copy_scalar(const Params &p, int64_t r, int64_t k, 
  * two short tiles in flight: the next tile's rows and loads are issued before the previous
  * tile is stored. */
 constexpr int kStageWords = 2 * kUnroll * 32; /* 16-byte words of one tile's staging, per warp */
+/* A row whose work is one contiguous range on each side (count 1, or both strides equal to the
+ * length): work element k of it sits at k + sdel in src and k + ddel in dst, up to lim. The
+ * short-run kernel keeps this form next to each staged row, so a group's addresses are two
+ * additions instead of the division and products of locate(). */
+struct Affine {
+  int64_t sdel, ddel, lim; /* lim < 0: not affine (locate from the full row) */
+};
 struct WarpSmem {
   uint4 *stage;   /* kStageWords */
   rs_run *rows;   /* 32 */
   int64_t *start; /* 32 */
+  Affine *aff;    /* 32, short-run kernel only */
 };
-__host__ __device__ constexpr int warp_smem_bytes(int bufs) {
-  return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8);
+__host__ __device__ constexpr int warp_smem_bytes(bool short_runs, int bufs) {
+  return bufs * (kStageWords * 16 + 32 * (int)sizeof(rs_run) + 32 * 8 +
+                 (short_runs ? 32 * (int)sizeof(Affine) : 0));
 }
 /* Two tiles in flight per warp hide a tile's descriptor and load latency behind the other's
  * stores. The fp32 -> 16-bit casts hold two 16-byte loads per group and spill with a second
@@ -206,12 +217,15 @@ __host__ __device__ constexpr bool two_tiles(int src_size, int dst_size) {
 __host__ __device__ constexpr int smem_bufs(int src_size, int dst_size) {
   return two_tiles(src_size, dst_size) ? 2 : 1;
 }
+template <bool SHORT>
 __device__ __forceinline__ WarpSmem warp_smem(unsigned char *base, int bufs, int buf) {
-  unsigned char *w = base + (threadIdx.x >> 5) * warp_smem_bytes(bufs) + buf * warp_smem_bytes(1);
+  unsigned char *w =
+      base + (threadIdx.x >> 5) * warp_smem_bytes(SHORT, bufs) + buf * warp_smem_bytes(SHORT, 1);
   WarpSmem m;
   m.stage = reinterpret_cast<uint4 *>(w);
   m.rows = reinterpret_cast<rs_run *>(w + kStageWords * 16);
   m.start = reinterpret_cast<int64_t *>(w + kStageWords * 16 + 32 * sizeof(rs_run));
+  m.aff = reinterpret_cast<Affine *>(w + kStageWords * 16 + 32 * sizeof(rs_run) + 32 * 8);
   return m;
 }
 extern __shared__ __align__(16) unsigned char rs_dyn_smem[];
@@ -223,7 +237,24 @@ struct ShortTile {
   unsigned scalar; /* groups copied element by element */
 };
 
-template <int SK, int DK>
+/* Source and destination index of work element k in row c of a short tile, and the elements
+ * from k on that are contiguous on both sides. */
+template <bool SHORT>
+__device__ __forceinline__ void tile_locate(const Params &p, const WarpSmem &m, int c, int64_t k,
+                                            int64_t &si, int64_t &di, int64_t &left) {
+  if (SHORT) {
+    const Affine a = m.aff[c];
+    if (a.lim >= 0) {
+      si = k + a.sdel;
+      di = k + a.ddel;
+      left = a.lim - k;
+      return;
+    }
+  }
+  locate(p, m.rows[c], m.start[c], k, si, di, left);
+}
+
+template <int SK, int DK, bool SHORT>
 __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, int64_t rhi,
                                                  int64_t pre, int64_t t0, int64_t t1,
                                                  const rs_run &my_row, const WarpSmem &m) {
@@ -244,8 +275,18 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
   __syncwarp(); /* every lane is done with this buffer's previous tile */
   if (lane < nrows) {
     /* one row (a tile inside one strided row): the prefix entries were not loaded */
-    m.rows[lane] = nrows == 1 ? load_row(p.runs, rlo) : my_row;
+    const rs_run row = nrows == 1 ? load_row(p.runs, rlo) : my_row;
+    m.rows[lane] = row;
     m.start[lane] = start;
+    if (SHORT) {
+      Affine a;
+      const bool affine =
+          row.count == 1 || (row.src_stride == row.length && row.dst_stride == row.length);
+      a.sdel = p.mode == RS_MODE_UNPACK ? -p.begin : row.src_offset - start;
+      a.ddel = p.mode == RS_MODE_PACK ? -p.begin : row.dst_offset - start;
+      a.lim = affine ? start + row.length * row.count : -1;
+      m.aff[lane] = a;
+    }
   }
   __syncwarp();
 
@@ -268,7 +309,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
     }
     if (k >= t1) continue;
     int64_t si, di, left;
-    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    tile_locate<SHORT>(p, m, c, k, si, di, left);
     const S *sp = src + si;
     if (k + V <= t1 && left >= V && (((uintptr_t)sp | (uintptr_t)(dst + di)) & 15) == 0) {
 #pragma unroll
@@ -289,7 +330,7 @@ __device__ __forceinline__ ShortTile short_issue(const Params &p, int64_t rlo, i
 
 /* The store half: cast and store what short_issue staged (each lane reads back only what it
  * staged itself; its cp.async group must be complete), then the element-wise groups. */
-template <int SK, int DK>
+template <int SK, int DK, bool SHORT>
 __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &st,
                                              const WarpSmem &m) {
   typedef typename Store<SK>::T S;
@@ -307,7 +348,7 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
     const int c = (int)(cv & 31u);
     const int64_t k = st.t0 + (u * 32 + lane) * V;
     int64_t si, di, left;
-    locate(p, m.rows[c], m.start[c], k, si, di, left);
+    tile_locate<SHORT>(p, m, c, k, si, di, left);
     uint4 in[kSrcVec], out[kDstVec];
 #pragma unroll
     for (int w = 0; w < kSrcVec; ++w) in[w] = m.stage[(u * kSrcVec + w) * 32 + lane];
@@ -335,7 +376,7 @@ __device__ __forceinline__ void short_finish(const Params &p, const ShortTile &s
  *    holding one prefix entry and finding its groups' rows by a binary search over
  *    registers (shuffles);
  *  - more rows (runs of a few elements): a per-lane binary search between the tile's rows. */
-template <int SK, int DK>
+template <int SK, int DK, bool SHORT>
 __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   typedef typename Store<SK>::T S;
   typedef typename Store<DK>::T D;
@@ -438,19 +479,19 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
     }
 
     if (rhi - rlo < 32) {
-      const WarpSmem m = warp_smem(rs_dyn_smem, kBufs, buf);
-      const ShortTile st = short_issue<SK, DK>(p, rlo, rhi, pre, t0, t1, my_row, m);
+      const WarpSmem m = warp_smem<SHORT>(rs_dyn_smem, kBufs, buf);
+      const ShortTile st = short_issue<SK, DK, SHORT>(p, rlo, rhi, pre, t0, t1, my_row, m);
       if (kTwoTiles) {
         if (pending) {
           asm volatile("cp.async.wait_group 1;" ::: "memory");
-          short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
+          short_finish<SK, DK, SHORT>(p, pend, warp_smem<SHORT>(rs_dyn_smem, kBufs, buf ^ 1));
         }
         pend = st;
         pending = true;
         buf ^= 1;
       } else {
         asm volatile("cp.async.wait_all;" ::: "memory");
-        short_finish<SK, DK>(p, st, m);
+        short_finish<SK, DK, SHORT>(p, st, m);
       }
       rlo = rhi;
       continue;
@@ -499,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, 2) copy_kernel(Params p) {
   }
   if (kTwoTiles && pending) { /* the other paths use no shared memory: it could wait */
     asm volatile("cp.async.wait_all;" ::: "memory");
-    short_finish<SK, DK>(p, pend, warp_smem(rs_dyn_smem, kBufs, buf ^ 1));
+    short_finish<SK, DK, SHORT>(p, pend, warp_smem<SHORT>(rs_dyn_smem, kBufs, buf ^ 1));
   }
 }
 
@@ -532,23 +573,24 @@ int raw_kind(rs_dtype d) {
 
 typedef void (*kernel_fn)(Params);
 
+template <bool SHORT>
 kernel_fn pick_kernel(rs_dtype s, rs_dtype d) {
   if (s == d) {
     switch (raw_kind(s)) {
-      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1>;
-      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2>;
-      case K_RAW4: return copy_kernel<K_RAW4, K_RAW4>;
-      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8>;
+      case K_RAW1: return copy_kernel<K_RAW1, K_RAW1, SHORT>;
+      case K_RAW2: return copy_kernel<K_RAW2, K_RAW2, SHORT>;
+      case K_RAW4: return copy_kernel<K_RAW4, K_RAW4, SHORT>;
+      case K_RAW8: return copy_kernel<K_RAW8, K_RAW8, SHORT>;
       default: return nullptr;
     }
   }
   const int a = kind_of(s), b = kind_of(d);
-  if (a == K_F32 && b == K_BF16) return copy_kernel<K_F32, K_BF16>;
-  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16>;
-  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32>;
-  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32>;
-  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16>;
-  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16>;
+  if (a == K_F32 && b == K_BF16) return copy_kernel<K_F32, K_BF16, SHORT>;
+  if (a == K_F32 && b == K_F16) return copy_kernel<K_F32, K_F16, SHORT>;
+  if (a == K_BF16 && b == K_F32) return copy_kernel<K_BF16, K_F32, SHORT>;
+  if (a == K_F16 && b == K_F32) return copy_kernel<K_F16, K_F32, SHORT>;
+  if (a == K_BF16 && b == K_F16) return copy_kernel<K_BF16, K_F16, SHORT>;
+  if (a == K_F16 && b == K_BF16) return copy_kernel<K_F16, K_BF16, SHORT>;
   return nullptr;
 }
 
@@ -605,7 +647,13 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad mode");
   if (begin < 0 || end < begin)
     return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): bad work range");
-  kernel_fn fn = pick_kernel(src_dtype, dst_dtype);
+  const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
+  /* The short-run kernel when the range averages at most kShortRowBytes of source per row of
+   * the table (n counts every row, so a slice of a table errs towards it; it is correct for
+   * any table, only slower on long or strided runs). */
+  const bool short_runs = (end - begin) * ss <= kShortRowBytes * n;
+  kernel_fn fn = short_runs ? pick_kernel<true>(src_dtype, dst_dtype)
+                            : pick_kernel<false>(src_dtype, dst_dtype);
   if (!fn)
     return rs_fail(err, RS_EDTYPE, -1, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
                    rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
@@ -615,10 +663,9 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
 
   int device = 0;
   RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
-  const int ss = (int)rs_dtype_size(src_dtype), ds = (int)rs_dtype_size(dst_dtype);
   const int64_t span = tile_elems(ss, ds); /* = kernel's */
   /* warp-private shared memory of the short-run tiles (the kernel's own layout) */
-  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(smem_bufs(ss, ds));
+  const size_t smem = (size_t)(kThreads / 32) * warp_smem_bytes(short_runs, smem_bufs(ss, ds));
   const int64_t tiles = (end - begin + span - 1) / span;
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;

@@ -123,6 +123,42 @@ def test_short_run_tiles(pair, aligned):
             assert_same(out, cpu, nan_exact=True)
 
 
+@pytest.mark.parametrize(
+    "pair",
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+     (torch.bfloat16, torch.float32), (torch.int8, torch.int8), (torch.int64, torch.int64)],
+    ids=_ids,
+)  # fmt: skip
+def test_short_run_kernel_mixed_rows(pair):
+    """A table that averages short rows (the short-run kernel) and also holds one long run,
+    rows of several contiguous runs (strides equal to the length), strided rows whose runs
+    leave gaps, and empty rows: against the reference and the CPU op, bit for bit."""
+    sdt, ddt = pair
+    rng = np.random.default_rng(29)
+    rows, dpos = [], 0
+
+    def add(ln, ct, sstride, dstride):
+        nonlocal dpos
+        so = int(rng.integers(0, 50_000))
+        rows.append((so, sstride, dpos, dstride, ln, ct))
+        dpos += (ct - 1) * dstride + ln + int(rng.integers(0, 3))
+
+    for _ in range(3000):
+        add(int(rng.integers(1, 4)) * 32, 1, 0, 0)
+    add(200_003, 1, 0, 0)
+    for _ in range(60):
+        add(48, 3, 48, 48)  # contiguous on both sides
+        add(48, 4, 100, 60)  # strided: gaps on both sides
+    rows += [(0, 0, dpos, 0, 0, 1), (0, 1, dpos, 1, 3, 0)]
+    desc = np.array(rows, dtype=np.int64)[rng.permutation(len(rows))]
+    per_row = (desc[:, 4] * desc[:, 5]).sum() * sdt.itemsize / len(desc)
+    assert per_row <= 2048  # copy_runs.cu: kShortRowBytes
+    src = random_values(rng, 50_000 + 4 * 100 + 200_003, sdt)
+    out, cpu, ref = run_both(src, desc, ddt, dpos + 1)
+    assert_same(out, ref)
+    assert_same(out, cpu, nan_exact=True)
+
+
 @pytest.mark.parametrize("pair", FLOAT_PAIRS, ids=_ids)
 def test_every_bit_pattern(pair):
     """All 65536 16-bit patterns and 4M random 32-bit patterns (NaN payloads, subnormals,

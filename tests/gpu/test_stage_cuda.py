@@ -126,6 +126,33 @@ def test_pinned_target_goes_direct(dtype):
     assert s["direct_copies"] == 2
 
 
+def test_pinned_short_runs_repeated_calls():
+    """A pinned source (and a pinned target) whose rows are all too short to go direct: the op
+    remembers that split after the first call; every call moves the same data through the ring,
+    also after the table's contents changed in place."""
+    rng = np.random.default_rng(4)
+    n, ln = 500, 256
+    starts = rng.choice(3 * n, n, replace=False) * ln
+    z = np.zeros(n, np.int64)
+    desc = ops.as_desc(np.stack([starts, z, np.arange(n) * ln, z, z + ln, z + 1], 1))
+    src = random_values(rng, 3 * n * ln, torch.float32).pin_memory()
+    r = ring(1 << 16)
+    for call in range(3):
+        if call == 2:  # an in-place edit: a new split, still all through the ring
+            desc[:, 0] = torch.from_numpy(rng.choice(3 * n, n, replace=False) * ln)
+        dst = poison(n * ln, torch.float32, DEV)
+        s = ops.stage_h2d(src, desc, r, dst)
+        torch.cuda.synchronize()
+        assert_same(dst.cpu(), reference(src, desc.numpy(), poison(n * ln, torch.float32, "cpu")))
+        assert s.direct_copies == 0 and s.ring_bytes == n * ln * 4
+        back = poison(3 * n * ln, torch.float32, "cpu").pin_memory()
+        rev = ops.as_desc(desc.numpy()[:, [2, 3, 0, 1, 4, 5]].copy())
+        s = ops.stage_d2h(dst, rev, r, back)
+        ref = reference(dst.cpu(), rev.numpy(), poison(3 * n * ln, torch.float32, "cpu"))
+        assert_same(back, ref)
+        assert s.direct_copies == 0
+
+
 def test_host_register_in_place():
     rng = np.random.default_rng(3)
     desc, sn, dn = _long_runs_table(rng, 4)
