@@ -162,44 +162,30 @@ class _Part:
 
 
 def wire_parts(msg) -> tuple[_Part, ...]:
-    """The wires one message travels as, the same on both of its ends: each `contiguous`
-    segment alone (it may go straight between the buffers on both sides), every run of other
-    segments together, alignment padding between them included. A message without a
-    contiguous segment is one wire, as a message with a single segment is."""
+    """The wires one message travels as, computed alike on both of its ends: a message with
+    one segment, or without a `contiguous` one, is one wire of all its bytes; otherwise each
+    contiguous segment is a wire of its own (it may go straight between the buffers on both
+    sides) and every run of other segments one wire, from its first segment's start to its
+    last one's end. Padding between parts does not travel."""
     segs = sorted(msg.segments, key=lambda seg: int(seg.byte_offset))
     if len(segs) < 2 or not any(seg.contiguous for seg in segs):
         return (_Part(0, int(msg.nbytes), tuple(segs)),)
-    groups, pending = [], []
+    groups = []
     for seg in segs:
-        if seg.contiguous:
-            if pending:
-                groups.append(pending)
-                pending = []
+        if seg.contiguous or not groups or groups[-1][-1].contiguous:
             groups.append([seg])
         else:
-            pending.append(seg)
-    if pending:
-        groups.append(pending)
+            groups[-1].append(seg)
     parts = []
-    for i, group in enumerate(groups):
-        lo = 0 if i == 0 else int(group[0].byte_offset)
-        if i + 1 < len(groups):
-            hi = int(groups[i + 1][0].byte_offset)
-            if group[-1].contiguous:  # its own bytes only: no padding rides along
-                hi = int(group[-1].byte_offset) + group[-1].numel * group[-1].wire_dtype.itemsize
-            if groups[i + 1][0].contiguous is False and group[-1].contiguous:
-                pass
-        else:
-            hi = int(msg.nbytes)
-        if group[0].contiguous:
-            lo = int(group[0].byte_offset)
-        if group[-1].contiguous:
-            hi = int(group[-1].byte_offset) + group[-1].numel * group[-1].wire_dtype.itemsize
+    for group in groups:
+        lo = int(group[0].byte_offset)
+        hi = int(group[-1].byte_offset) + group[-1].numel * group[-1].wire_dtype.itemsize
         shifted = tuple(
             dataclasses.replace(seg, byte_offset=int(seg.byte_offset) - lo) for seg in group
         )
-        parts.append(_Part(lo, hi - lo, shifted))
-    return tuple(p for p in parts if p.nbytes > 0)
+        if hi > lo:
+            parts.append(_Part(lo, hi - lo, shifted))
+    return tuple(parts)
 
 
 def _round(index, sched, direct, dtype_of):

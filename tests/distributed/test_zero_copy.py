@@ -106,3 +106,32 @@ def test_contiguous_segments_flagged_alike_on_both_ends(world):
                     assert not errs, f"{src_spec} -> {dst_spec} {sdt}->{ddt} {budget}: {errs[:3]}"
                     split += n
     assert split > 0, "no message was cut into wires"
+
+
+def test_wire_parts_cut_at_contiguous_segments():
+    """The cut both ends of a message make: one wire per contiguous segment (its bytes only),
+    one per run of the others (first start to last end, the padding inside it included), the
+    whole message when nothing is contiguous or it has one segment."""
+    import numpy as np
+    import torch
+
+    from reshard.planning.records import Message, Segment
+    from reshard.rounds import wire_parts
+
+    def seg(off, n, contiguous):
+        return Segment(0, 1, torch.float32, off, n, np.zeros((0, 6), np.int64), contiguous)
+
+    # [A 3 el, pad 4 B][B 4][C 2, pad 8 B][D 5]: A, C not contiguous; B, D contiguous
+    segs = [seg(0, 3, False), seg(16, 4, True), seg(32, 2, False), seg(48, 5, True)]
+    parts = wire_parts(Message(1, 0, 0, 68, segs[::-1]))  # any segment order
+    assert [(p.lo, p.nbytes) for p in parts] == [(0, 12), (16, 16), (32, 8), (48, 20)]
+    assert [[s.byte_offset for s in p.segments] for p in parts] == [[0], [0], [0], [0]]
+    # two non-contiguous segments in a row travel together, the padding between them too
+    segs = [seg(0, 3, False), seg(16, 2, False), seg(32, 4, True)]
+    parts = wire_parts(Message(1, 0, 0, 48, segs))
+    assert [(p.lo, p.nbytes) for p in parts] == [(0, 24), (32, 16)]
+    assert [s.byte_offset for s in parts[0].segments] == [0, 16]
+    # nothing contiguous, or a single segment: the whole message, trailing bytes included
+    for segs in ([seg(0, 3, False), seg(16, 2, False)], [seg(0, 3, True)]):
+        (part,) = wire_parts(Message(1, 0, 0, 32, segs))
+        assert (part.lo, part.nbytes) == (0, 32)
