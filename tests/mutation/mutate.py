@@ -148,9 +148,9 @@ MUTANTS = (
         "a target truncated in place (.data = its first n-1 elements) passes a repeated call",
     ),
     Mutant(
-        "buffer_key_strides",
+        "buffer_key_contiguity",
         PKG,
-        "            tuple(map(torch.Tensor.stride, vals)),\n",
+        "            tuple(map(torch.Tensor.is_contiguous, vals)),\n",
         "",
         (REPEAT_LOCAL,),
         "a target given stride 0 in place passes a repeated call",
