@@ -2,13 +2,15 @@
 
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
     python benchmarks/call_ab.py REV --world 1 --json benchmarks/results/cpu/call_ab_world1.json
+    python benchmarks/call_ab.py REV --world 1 --device cuda --rev-dir OLD_CHECKOUT --json ...
 
 Loads the call path of git revision REV (`preflight.py`, `rounds.py`, `executor.py`,
 `integrations/dtensor.py`, `integrations/fsdp.py`) next to the current one (as
 `reshard._rev_preflight`, `_rev_rounds`, `_rev_executor`, `reshard.integrations._rev_dtensor`,
-`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks
-builds, per case, one `Transfer` of REV's executor and one of the current executor over the
-same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
+`_rev_fsdp`, sharing the current planning, staging and ops; `--rev-dir`: from a checkout without
+history), then on `--world` gloo ranks (1: in this process; with `--device cuda` the targets on
+the GPU, as fsdp_offload on the H200) builds, per case, one `Transfer` of REV's executor and one
+of the current executor over the same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
 order, in the same processes, so load bursts on a shared machine hit every variant alike. The
 FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every preflight): REV's
 variant passes one described by REV's dtensor / fsdp module. With 2 or more ranks a third
@@ -108,7 +110,8 @@ def load_rev(sources: dict) -> dict:
 def _rank(rank, world, cfg):
     import torch
 
-    torch.set_num_threads(1)
+    if cfg["device"] == "cpu":  # ranks sharing this box's cores (a GPU run keeps its host threads)
+        torch.set_num_threads(1)
     rev = load_rev(cfg["sources"])
     agree_s = [0.0]  # seconds of the rev's last preflight.agree: its exchange
     rev_agree = rev["preflight.py"].agree
@@ -179,10 +182,12 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
 
     scen, model = key.split("/")
     if scen in FSDP2:
-        case = _fsdp2_case(FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"])
+        case = _fsdp2_case(
+            FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"], cfg["device"]
+        )
         budget = 64 << 20
     else:
-        case = S.SCENARIOS[scen](model, rank, world, "cpu")
+        case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
         budget = B.cpu_budget(case)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
@@ -201,7 +206,7 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
         m = "rev" if v == "rev" else "current"
         t, src = transfers[m], sources[m]
-        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, False)
+        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, cfg["device"] == "cuda")
         phases = dict(rep.seconds)
         if v == "rev":
             phases["exchange"] = agree_s[0]
@@ -231,7 +236,7 @@ class _Fsdp2Case:
     the rev variant); targets: fresh buffers of the same geometry on the same ranks, each
     location's copy of its source (local copies only)."""
 
-    def __init__(self, kind, model, rank, world, rev_fsdp):
+    def __init__(self, kind, model, rank, world, rev_fsdp, device="cpu"):
         import dataclasses
 
         import torch
@@ -288,8 +293,13 @@ class _Fsdp2Case:
         return {loc: torch.full_like(t, float("nan")) for loc, t in self.reference.items()}
 
 
-def _fsdp2_case(kind, model, rank, world, rev_fsdp):
-    return _Fsdp2Case(kind, model, rank, world, rev_fsdp)
+def _fsdp2_case(kind, model, rank, world, rev_fsdp, device):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # world 1 in this process: as the FSDP2 scenarios do
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return _Fsdp2Case(kind, model, rank, world, rev_fsdp, device)
 
 
 def _correct(case, bufs) -> bool:
@@ -297,7 +307,7 @@ def _correct(case, bufs) -> bool:
 
     if isinstance(case, _Fsdp2Case):
         ref = case.reference
-        return set(bufs) == set(ref) and all(torch.equal(bufs[k], v) for k, v in ref.items())
+        return set(bufs) == set(ref) and all(torch.equal(bufs[k].cpu(), v) for k, v in ref.items())
     return B.targets_correct(case, bufs)
 
 
@@ -336,7 +346,8 @@ def markdown(record) -> str:
     meta, rows = record["meta"], record["results"]
     out = [
         f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, "
-        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}",
+        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}, targets on "
+        f"{meta.get('device', 'cpu')}",
         "",
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
@@ -373,44 +384,72 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("rev", help="git revision whose call path (REV_MODULES) is the 'rev'")
     ap.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4))
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="targets' device; cuda: --world 1, in this process (CPU -> GPU, as on the H200)",
+    )
+    ap.add_argument(
+        "--rev-dir",
+        default=None,
+        help="read REV's modules from this checkout (python/reshard/...) instead of git "
+        "(a copy without history, e.g. on the device machine); REV is then only its label",
+    )
     ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.device == "cuda" and args.world != 1:
+        ap.error("--device cuda needs --world 1")
     from reshard._launch import RanksFailed, launch
 
-    sources = {
-        path: subprocess.run(
-            ["git", "show", f"{args.rev}:python/reshard/{path}"],
+    sources, rev = {}, args.rev
+    for path, _ in REV_MODULES:
+        if args.rev_dir:
+            with open(os.path.join(args.rev_dir, "python", "reshard", path)) as f:
+                sources[path] = f.read()
+        else:
+            sources[path] = subprocess.run(
+                ["git", "show", f"{args.rev}:python/reshard/{path}"],
+                cwd=ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+    if not args.rev_dir:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", args.rev],
             cwd=ROOT,
             check=True,
             capture_output=True,
             text=True,
-        ).stdout
-        for path, _ in REV_MODULES
-    }
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", args.rev],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+        ).stdout.strip()
     cases = args.cases.split(",") if args.cases else list(CASES.get(args.world, CASES[2]))
-    env = C.environment()
-    cfg = {"sources": sources, "cases": cases, "iters": args.iters, "warmup": args.warmup}
+    env = C.environment(args.device)
+    cfg = {
+        "sources": sources,
+        "cases": cases,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "device": args.device,
+    }
     names = variants(args.world)
     progress(f"{len(cases)} cases x {len(names)} variants, {args.iters} syncs each")
-    try:
-        per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
-    except RanksFailed as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    if args.world == 1:  # in this process (as sync_latency.py): a GPU needs no spawn
+        per_rank = [_rank(0, 1, cfg)]
+    else:
+        try:
+            per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
+        except RanksFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
     meta = {
         **env,
         "rev": rev,
         "world": args.world,
+        "device": args.device,
         "iters": args.iters,
         "warmup": args.warmup,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
