@@ -188,7 +188,8 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
         budget = 64 << 20
     else:
         case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
-        budget = B.cpu_budget(case)
+        # sync_latency's budget: 64 MiB on a GPU, else its CPU rule
+        budget = 64 << 20 if cfg["device"] == "cuda" else B.cpu_budget(case)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
         for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
