@@ -172,6 +172,14 @@ MUTANTS = (
         "an inference tensor target, passed in inference mode, is written outside it",
     ),
     Mutant(
+        "same_buffers_always",
+        PKG,
+        "    return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, got.short)",
+        "    return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, True)",
+        (f"{REPEAT}::test_same_buffers_means_cleared_on_every_rank",),
+        "the rounds are told the buffers are the last cleared call's when they are not",
+    ),
+    Mutant(
         "dtensor_locals_unchecked",
         PKG,
         "            if self._key is not None and _locals_key(locals_, self._mine) == self._key:",
