@@ -190,9 +190,15 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
         case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
         # sync_latency's budget: 64 MiB on a GPU, else its CPU rule
         budget = 64 << 20 if cfg["device"] == "cuda" else B.cpu_budget(case)
+    # one Transfer per variant: each keeps its own last cleared buffers (a Transfer shared by
+    # two variants with different targets would never take preflight's short path)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
-        for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
+        for m, cls in (
+            ("rev", rev["executor.py"].Transfer),
+            ("current", rs.Transfer),
+            ("commit", rs.Transfer),
+        )
     }
     sources = dict.fromkeys(("rev", "current"), case.src_buffers)
     if getattr(case, "rev_src_buffers", None) is not None:
@@ -205,8 +211,7 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
 
     def call(v):
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
-        m = "rev" if v == "rev" else "current"
-        t, src = transfers[m], sources[m]
+        t, src = transfers[v], sources["rev" if v == "rev" else "current"]
         sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, cfg["device"] == "cuda")
         phases = dict(rep.seconds)
         if v == "rev":
