@@ -35,8 +35,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <list>
 #include <mutex>
 
@@ -416,10 +414,7 @@ std::shared_ptr<DeviceTable> stage_table(const char* op, CacheEntry& e, int64_t 
 // The compact form of a cached table for these element sizes, built on first use; nullptr when
 // the table has none (not short, or no form within the bound).
 std::shared_ptr<const CompactTable> compact_table(CacheEntry& e, int src_size, int dst_size) {
-  const char* mode = std::getenv("RESHARD_CUDA_COMPACT");
-  if (mode && std::strcmp(mode, "0") == 0) return nullptr;
-  const bool every = mode && std::strcmp(mode, "all") == 0;
-  const int key = src_size * 16 + dst_size + (every ? 256 : 0);
+  const int key = src_size * 16 + dst_size;
   {
     std::lock_guard<std::mutex> lock(g_cache_mutex);
     for (auto& kv : e.compact)
@@ -428,7 +423,7 @@ std::shared_ptr<const CompactTable> compact_table(CacheEntry& e, int src_size, i
   auto c = std::make_shared<CompactTable>();
   const DeviceTable& t = *e.full;
   rs_compact_choose(t.host_runs, t.n, t.total, e.src_numel, e.dst_numel, src_size, dst_size,
-                    every ? INT64_MAX : RS_COMPACT_MAX_RUN_BYTES, &c->plan);
+                    RS_COMPACT_MAX_RUN_BYTES, &c->plan);
   if (c->plan.form != RS_COMPACT_NONE) {
     std::vector<int64_t> host(static_cast<size_t>(c->plan.bytes / 8));
     rs_compact_fill(t.host_runs, t.n, &c->plan, host.data());

@@ -50,8 +50,9 @@ typedef struct rs_compact_plan {
   int64_t bytes;  /* their size: pieces * 8 (U32) or pieces * 16 (I64) */
 } rs_compact_plan;
 
-/* Compact forms are only built for tables averaging at most this many source bytes per run. */
-#define RS_COMPACT_MAX_RUN_BYTES ((int64_t)2048)
+/* Compact forms are only built for tables averaging at most this many source bytes per run
+ * (the longest runs measured; the compact kernel was the faster one up to there). */
+#define RS_COMPACT_MAX_RUN_BYTES ((int64_t)65536)
 
 /* Chooses the compact form of a validated table (n rows, total work elements) for element
  * sizes src_size -> dst_size: RS_COMPACT_NONE when the table averages more than max_run_bytes
