@@ -1,21 +1,32 @@
 """A repeated sync's per-call cost, before vs after a change of the call path, in one run.
 
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
+    python benchmarks/call_ab.py REV --world 1 --json benchmarks/results/cpu/call_ab_world1.json
 
-Loads `preflight.py`, `rounds.py` and `executor.py` of git revision REV next to the current
-ones (as `reshard._rev_preflight` / `_rev_rounds` / `_rev_executor`, sharing the current
-planning, staging and ops), then on 2 gloo ranks builds, per case, one `Transfer` of REV's executor and one of the
-current executor over the same layouts (the sync_latency budget rule), and times their syncs
-call by call, in rotating order, in the same processes, so load bursts on a shared machine hit
-every variant alike. A third variant, `commit`, is the current code with the commit step
-forced on every call (`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the
-commit all-gather costs. Each sync is timed as in sync_latency.py (ranks aligned by a
-barrier, each rank's own call timed, the slowest rank's); the phases come from each rank's `Report` (for REV, the time in its
-`preflight.agree` stands in for `exchange`).
+Loads the call path of git revision REV (`preflight.py`, `rounds.py`, `executor.py`,
+`integrations/dtensor.py`, `integrations/fsdp.py`) next to the current one (as
+`reshard._rev_preflight`, `_rev_rounds`, `_rev_executor`, `reshard.integrations._rev_dtensor`,
+`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks
+builds, per case, one `Transfer` of REV's executor and one of the current executor over the
+same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
+order, in the same processes, so load bursts on a shared machine hit every variant alike. The
+FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every preflight): REV's
+variant passes one described by REV's dtensor / fsdp module. With 2 or more ranks a third
+variant, `commit`, is the current code with the commit step forced on every call
+(`preflight.COMMIT_SPREAD = 0`): its distance to `current` is what the commit all-gather
+costs. Each sync is timed as in sync_latency.py (ranks aligned by a barrier, each rank's own
+call timed, the slowest rank's); the phases come from each rank's `Report` (for REV, the time
+in its `preflight.agree` stands in for `exchange`).
 
-Cases: rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini, lora_sync gpt-125m (or
---cases). Only for call paths whose executor still fits the current rounds and staging
-modules (REV close to the current code). Not part of the suite: run by hand.
+Cases (or --cases): with 2 ranks rl_weight_sync gpt-micro and gpt-mini, fsdp_resize gpt-mini,
+lora_sync gpt-125m, fsdp_offload and fsdp2_exp_avg gpt-125m-thin and `agree/-` (the agreement
+alone, `preflight.agree` after a barrier, 10x the iterations: the collective's own cost); with
+1 rank fsdp_offload gpt-125m-thin and gpt-350m-thin (the storage counts of gpt-125m and
+gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many buffers without
+the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
+CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
+Only for call paths whose executor still fits the current rounds and staging modules (REV close
+to the current code). Not part of the suite: run by hand.
 """
 
 from __future__ import annotations
@@ -34,38 +45,63 @@ import _common as C  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = (
-    "rl_weight_sync/gpt-micro",
-    "rl_weight_sync/gpt-mini",
-    "fsdp_resize/gpt-mini",
-    "lora_sync/gpt-125m",
+# the agreement alone (`preflight.agree`), 10x the iterations: the collective's own cost
+AGREE = "agree/-"
+CASES = {
+    1: (
+        "fsdp_offload/gpt-125m-thin",
+        "fsdp_offload/gpt-350m-thin",
+        "fsdp2_param/gpt-125m-thin",
+        "fsdp2_exp_avg/gpt-125m-thin",
+    ),
+    2: (
+        "rl_weight_sync/gpt-micro",
+        "rl_weight_sync/gpt-mini",
+        "fsdp_resize/gpt-mini",
+        "lora_sync/gpt-125m",
+        "fsdp_offload/gpt-125m-thin",
+        "fsdp2_exp_avg/gpt-125m-thin",
+        AGREE,
+    ),
+}
+# the modules whose REV is loaded next to the current one: (path under python/reshard, name)
+REV_MODULES = (
+    ("preflight.py", "reshard._rev_preflight"),
+    ("rounds.py", "reshard._rev_rounds"),
+    ("executor.py", "reshard._rev_executor"),
+    ("integrations/dtensor.py", "reshard.integrations._rev_dtensor"),
+    ("integrations/fsdp.py", "reshard.integrations._rev_fsdp"),
 )
-VARIANTS = ("rev", "current", "commit")
+# real FSDP2 cases: "<kind>" of rsfsdp.describe as source (see _fsdp2_case)
+FSDP2 = {"fsdp2_param": "param", "fsdp2_exp_avg": "exp_avg"}
 PHASES = ("preflight", "exchange", "pack", "transport", "unpack", "local", "total")
 progress = C.progress_logger("call_ab")
 
 
-MODULES = ("preflight", "rounds", "executor")  # the call path, in import order
+def variants(world) -> tuple:
+    return ("rev", "current", "commit") if world > 1 else ("rev", "current")
 
 
 def load_rev(sources: dict) -> dict:
-    """REV's call path (MODULES) as modules of the current package."""
+    """REV's modules (REV_MODULES) as modules of the current package, by path."""
     import reshard
 
     mods = {}
-    for name in MODULES:
+    for path, full in REV_MODULES:
         text = (
-            sources[name]
+            sources[path]
             .replace("from . import preflight as pf", "from . import _rev_preflight as pf")
             .replace("from .rounds import", "from ._rev_rounds import")
+            .replace("from .dtensor import", "from ._rev_dtensor import")
         )
-        full = f"reshard._rev_{name}"
+        package, name = full.rsplit(".", 1)
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(full, loader=None))
-        mod.__package__ = "reshard"
+        mod.__package__ = package
         sys.modules[full] = mod
-        exec(compile(text, f"<rev {name}.py>", "exec"), mod.__dict__)
-        setattr(reshard, f"_rev_{name}", mod)
-        mods[name] = mod
+        exec(compile(text, f"<rev {path}>", "exec"), mod.__dict__)
+        setattr(importlib.import_module(package), name, mod)
+        mods[path] = mod
+    assert reshard._rev_preflight is mods["preflight.py"]
     return mods
 
 
@@ -75,7 +111,7 @@ def _rank(rank, world, cfg):
     torch.set_num_threads(1)
     rev = load_rev(cfg["sources"])
     agree_s = [0.0]  # seconds of the rev's last preflight.agree: its exchange
-    rev_agree = rev["preflight"].agree
+    rev_agree = rev["preflight.py"].agree
 
     def timed_agree(*a, **k):
         t0 = time.perf_counter()
@@ -84,14 +120,57 @@ def _rank(rank, world, cfg):
         finally:
             agree_s[0] = time.perf_counter() - t0
 
-    rev["preflight"].agree = timed_agree
+    rev["preflight.py"].agree = timed_agree
     out = {}
     for key in cfg["cases"]:
-        out[key] = _time_case(key, rank, world, cfg, rev["executor"].Transfer, agree_s)
+        if key == AGREE:
+            out[key] = _time_agree(rank, world, cfg, rev_agree)
+        else:
+            out[key] = _time_case(key, rank, world, cfg, rev, agree_s)
     return out
 
 
-def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
+def _time_agree(rank, world, cfg, rev_agree) -> dict:
+    """The agreement alone (`preflight.agree` of a passing rank), after a barrier, on each
+    rank: REV's against the current one with its kept `GatherRows` (and the commit forced)."""
+    import torch
+    import torch.distributed as dist
+
+    from reshard import preflight as pf
+
+    group, cpu = dist.group.WORLD, torch.device("cpu")
+    gather = pf.GatherRows(group, world)
+    default_spread = pf.COMMIT_SPREAD
+    agree = {
+        "rev": lambda: rev_agree([], "fp", group, rank, world, cpu, 300.0),
+        "current": lambda: pf.agree([], "fp", group, rank, world, cpu, 300.0, gather),
+    }
+    agree["commit"] = agree["current"]
+    names = variants(world)
+
+    def call(v):
+        pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
+        dist.barrier()
+        t0 = time.perf_counter()
+        agree[v]()
+        sec = time.perf_counter() - t0
+        return [sec] + [sec if p in ("preflight", "exchange") else 0.0 for p in PHASES]
+
+    rec = {v: [] for v in names}
+    try:
+        for i in range(cfg["warmup"] + 10 * cfg["iters"]):
+            k = i % len(names)
+            for v in names[k:] + names[:k]:
+                sample = call(v)
+                if i >= cfg["warmup"]:
+                    rec[v].append(sample)
+    finally:
+        pf.COMMIT_SPREAD = default_spread
+    rec.update(correct=True, params=0, buffers=[0, 0])
+    return rec
+
+
+def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
     """{variant: [[sync s, phase s...] per call], "correct": bool, "params": int}."""
     import torch.distributed as dist
 
@@ -99,19 +178,30 @@ def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
     from reshard import preflight as pf
 
     scen, model = key.split("/")
-    case = S.SCENARIOS[scen](model, rank, world, "cpu")
-    budget = B.cpu_budget(case)
+    if scen in FSDP2:
+        case = _fsdp2_case(FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"])
+        budget = 64 << 20
+    else:
+        case = S.SCENARIOS[scen](model, rank, world, "cpu")
+        budget = B.cpu_budget(case)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
-        for m, cls in (("rev", rev_transfer), ("current", rs.Transfer))
+        for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
     }
-    bufs = {v: case.targets() for v in VARIANTS}
+    sources = dict.fromkeys(("rev", "current"), case.src_buffers)
+    if getattr(case, "rev_src_buffers", None) is not None:
+        sources["rev"] = case.rev_src_buffers
+    elif getattr(case, "src_dtensors", None) is not None:  # REV's own LiveDTensors and check()
+        sources["rev"] = rev["integrations/dtensor.py"].describe(case.src_dtensors)
+    names = variants(world)
+    bufs = {v: case.targets() for v in names}
     default_spread = pf.COMMIT_SPREAD
 
     def call(v):
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
-        t = transfers["rev" if v == "rev" else "current"]
-        sec, rep = C.timed_sync(lambda b: t(case.src_buffers, b), bufs[v], world, False)
+        m = "rev" if v == "rev" else "current"
+        t, src = transfers[m], sources[m]
+        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, False)
         phases = dict(rep.seconds)
         if v == "rev":
             phases["exchange"] = agree_s[0]
@@ -119,24 +209,102 @@ def _time_case(key, rank, world, cfg, rev_transfer, agree_s) -> dict:
 
     try:
         for _ in range(cfg["warmup"]):
-            for v in VARIANTS:
+            for v in names:
                 call(v)
-        rec = {v: [] for v in VARIANTS}
+        rec = {v: [] for v in names}
         for i in range(cfg["iters"]):
-            k = i % len(VARIANTS)
-            for v in VARIANTS[k:] + VARIANTS[:k]:
+            k = i % len(names)
+            for v in names[k:] + names[:k]:
                 rec[v].append(call(v))
     finally:
         pf.COMMIT_SPREAD = default_spread
-    rec["correct"] = all(B.targets_correct(case, bufs[v]) for v in VARIANTS)
+    rec["correct"] = all(_correct(case, bufs[v]) for v in names)
     rec["params"] = case.params
+    rec["buffers"] = [len(getattr(case.src_buffers, "buffers", case.src_buffers)), len(bufs["rev"])]
     return rec
 
 
-def summarize(per_rank, cases) -> list:
+class _Fsdp2Case:
+    """A real FSDP2 model: one submodule per layer of `model`'s parameter shapes
+    (reshard.scenarios), `fully_shard` on each and on the root with CPUOffloadPolicy, AdamW
+    state from `init_adam_state`. Source: `rsfsdp.describe(net, kind)` (REV's describe for
+    the rev variant); targets: fresh buffers of the same geometry on the same ranks, each
+    location's copy of its source (local copies only)."""
+
+    def __init__(self, kind, model, rank, world, rev_fsdp):
+        import dataclasses
+
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        import reshard as rs
+        from reshard import scenarios as sc
+        from reshard.integrations import fsdp as rsfsdp
+
+        root, layers = torch.nn.Module(), {}
+        for i, (name, shape) in enumerate(sc.named_shapes(model).items()):
+            prefix, _, leaf = name.rpartition(".")
+            owner = root
+            if prefix:
+                if prefix not in layers:
+                    layers[prefix] = torch.nn.Module()
+                    root.add_module(prefix, layers[prefix])
+                owner = layers[prefix]
+            owner.register_parameter(leaf, torch.nn.Parameter(sc.value(i, shape)))
+        self.params = sum(p.numel() for p in root.parameters())
+        kw = {
+            "mesh": init_device_mesh("cpu", (world,)),
+            "offload_policy": CPUOffloadPolicy(pin_memory=False),
+        }
+        for layer in layers.values():
+            fully_shard(layer, **kw)
+        fully_shard(root, **kw)
+        opt = torch.optim.AdamW(root.parameters())
+        rsfsdp.init_adam_state(opt, 1)
+        self.net, self.opt = root, opt  # kept alive: the described state is theirs
+
+        def describe(mod):
+            return mod.describe(root, kind) if kind == "param" else mod.describe(root, kind, opt)
+
+        self.src_buffers, self.rev_src_buffers = describe(rsfsdp), describe(rev_fsdp)
+        src = self.src_layout = self.src_buffers.layout
+        shift = 1 + max(src.storages)
+        self.dst_layout = rs.Layout(
+            {
+                name: rs.TensorLayout(
+                    tl.shape,
+                    [dataclasses.replace(p, location=p.location + shift) for p in tl.pieces],
+                )
+                for name, tl in src.tensors.items()
+            },
+            {loc + shift: st for loc, st in src.storages.items()},
+        )
+        self.reference = {loc + shift: t.clone() for loc, t in self.src_buffers.buffers.items()}
+
+    def targets(self):
+        import torch
+
+        return {loc: torch.full_like(t, float("nan")) for loc, t in self.reference.items()}
+
+
+def _fsdp2_case(kind, model, rank, world, rev_fsdp):
+    return _Fsdp2Case(kind, model, rank, world, rev_fsdp)
+
+
+def _correct(case, bufs) -> bool:
+    import torch
+
+    if isinstance(case, _Fsdp2Case):
+        ref = case.reference
+        return set(bufs) == set(ref) and all(torch.equal(bufs[k], v) for k, v in ref.items())
+    return B.targets_correct(case, bufs)
+
+
+def summarize(per_rank, cases, world) -> list:
     rows = []
     for key in cases:
-        for v in VARIANTS:
+        for v in variants(world):
             n = min(len(x[key][v]) for x in per_rank)
             # per call: the slowest rank's sync and, per phase, the largest rank's seconds
             calls = [
@@ -150,6 +318,7 @@ def summarize(per_rank, cases) -> list:
                     "case": key,
                     "variant": v,
                     "params": per_rank[0][key]["params"],
+                    "buffers_per_rank": per_rank[0][key]["buffers"],
                     "calls": n,
                     "median_s": C.quantile(sync, 0.5),
                     "p10_s": C.quantile(sync, 0.1),
@@ -166,28 +335,31 @@ def summarize(per_rank, cases) -> list:
 def markdown(record) -> str:
     meta, rows = record["meta"], record["results"]
     out = [
-        f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, 2 gloo ranks",
+        f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, "
+        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}",
         "",
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: preflight.py + rounds.py + executor.py of the revision; "
-        "`current`: this checkout; `commit`: this checkout with the commit all-gather on every "
-        "call. Sync = each rank's call after a barrier, slowest rank (as sync_latency.py); phases: median over "
+        "processes (rotating order). `rev`: the call path (REV_MODULES) of the revision; "
+        "`current`: this checkout; `commit` (2+ ranks): this checkout with the commit all-gather "
+        "on every call. Buffers: source / target storages per rank. Sync = each rank's call "
+        "after a barrier, slowest rank (as sync_latency.py); phases: median over "
         "calls of the largest rank's Report seconds (rev's `exchange` = its time in "
         "preflight.agree, the agreement and the commit).",
         "",
         f"Command: `{meta['command']}`",
         "",
-        "| case | variant | median ms | p10 ms | p90 ms | x current | preflight ms | exchange ms "
-        "| local checks ms | pack | transport | unpack | local | ok |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| case | buffers | variant | median ms | p10 ms | p90 ms | x current | preflight ms "
+        "| exchange ms | local checks ms | pack | transport | unpack | local | ok |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     cur = {r["case"]: r for r in rows if r["variant"] == "current"}
     for r in rows:
         ph = {k: v * 1e3 for k, v in r["phases_median_s"].items()}
         out.append(
-            f"| {r['case']} | {r['variant']} | {r['median_s'] * 1e3:.2f} | {r['p10_s'] * 1e3:.2f} "
+            f"| {r['case']} | {'/'.join(map(str, r['buffers_per_rank']))} | {r['variant']} "
+            f"| {r['median_s'] * 1e3:.2f} | {r['p10_s'] * 1e3:.2f} "
             f"| {r['p90_s'] * 1e3:.2f} | {r['median_s'] / cur[r['case']]['median_s']:.2f} "
             f"| {ph['preflight']:.2f} | {ph['exchange']:.2f} "
             f"| {max(0.0, ph['preflight'] - ph['exchange']):.2f} | {ph['pack']:.2f} "
@@ -199,8 +371,9 @@ def markdown(record) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("rev", help="git revision whose call path (MODULES) is the 'rev'")
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("rev", help="git revision whose call path (REV_MODULES) is the 'rev'")
+    ap.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4))
+    ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
@@ -208,14 +381,14 @@ def main(argv=None) -> int:
     from reshard._launch import RanksFailed, launch
 
     sources = {
-        name: subprocess.run(
-            ["git", "show", f"{args.rev}:python/reshard/{name}.py"],
+        path: subprocess.run(
+            ["git", "show", f"{args.rev}:python/reshard/{path}"],
             cwd=ROOT,
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        for name in MODULES
+        for path, _ in REV_MODULES
     }
     rev = subprocess.run(
         ["git", "rev-parse", "--short", args.rev],
@@ -224,24 +397,26 @@ def main(argv=None) -> int:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    cases = args.cases.split(",")
+    cases = args.cases.split(",") if args.cases else list(CASES.get(args.world, CASES[2]))
     env = C.environment()
     cfg = {"sources": sources, "cases": cases, "iters": args.iters, "warmup": args.warmup}
-    progress(f"{len(cases)} cases x {len(VARIANTS)} variants, {args.iters} syncs each")
+    names = variants(args.world)
+    progress(f"{len(cases)} cases x {len(names)} variants, {args.iters} syncs each")
     try:
-        per_rank = launch(_rank, 2, args=(cfg,), prefix="reshard-call-ab-")
+        per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
     except RanksFailed as exc:
         print(exc, file=sys.stderr)
         return 1
     meta = {
         **env,
         "rev": rev,
+        "world": args.world,
         "iters": args.iters,
         "warmup": args.warmup,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
         "command": C.command_line("call_ab.py", argv),
     }
-    record = {"meta": meta, "results": summarize(per_rank, cases)}
+    record = {"meta": meta, "results": summarize(per_rank, cases, args.world)}
     if args.json:
         C.write_results(args.json, record, markdown)
     print(markdown(record))

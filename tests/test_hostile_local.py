@@ -205,6 +205,67 @@ def test_storage_smaller_than_its_view_is_refused(side, how):
         assert bool((keep == S.POISON).all())
 
 
+def _passed_once(n=6, target=None):
+    """A Transfer whose first call passed, so the next may take the short path (every input
+    of the per-buffer checks equal to that call's); its buffers, the target poisoned again."""
+    src, dst = _one_rank(n=n)
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(float(n))}
+    db = {10: torch.full((n,), S.POISON) if target is None else target}
+    sync(sb, db)
+    assert sync._engine.verified_buffers is not None  # the short path is armed
+    with torch.inference_mode(db[10].is_inference()):
+        db[10].fill_(S.POISON)
+    return sync, sb, db
+
+
+def test_storage_reallocated_at_the_same_address_is_seen_on_a_repeated_call():
+    """Freed and given fewer bytes, a storage often comes back at its old address (FSDP frees
+    and reallocates storages in place): the same tensor, the same address, fewer bytes."""
+    for n in (4096, 1024, 16384, 2048, 8192):
+        sync, sb, db = _passed_once(n)
+        st, before = sb[0].untyped_storage(), sb[0].data_ptr()
+        st.resize_(0)
+        st.resize_(4 * n - 4)
+        if sb[0].data_ptr() == before:
+            break
+    else:
+        pytest.skip("the allocator never returned the old address")
+    with pytest.raises(rs.PreflightError, match="fewer than the"):
+        sync(sb, db)
+    assert bool((db[10] == S.POISON).all())
+
+
+def test_target_moved_within_its_storage_onto_the_source_is_seen_on_a_repeated_call():
+    """The same target tensor, moved one element down the storage it shares with the source
+    (`.data =`: same storage, bytes, shape and strides, another address): it now overlaps the
+    source, which the transfer would write."""
+    n = 64
+    base = torch.full((2 * n + 1,), S.POISON)
+    base[:n] = torch.arange(float(n))
+    src, dst = _one_rank(n=n)
+    sync = rs.Transfer(src, dst)
+    sb, db = {0: base[:n]}, {10: base[n + 1 :]}
+    sync(sb, db)
+    assert sync._engine.verified_buffers is not None
+    db[10].data = base[n - 1 : 2 * n - 1]
+    before = base.clone()
+    with pytest.raises(rs.PreflightError, match="shares memory with source location 0"):
+        sync(sb, db)
+    assert torch.equal(base, before)
+
+
+def test_leaving_inference_mode_is_seen_on_a_repeated_call():
+    """Written in inference mode, then the same call under no_grad outside it: grad mode is
+    off both times, only inference mode differs."""
+    with torch.inference_mode():
+        target = torch.full((6,), S.POISON)
+        sync, sb, db = _passed_once(target=target)
+    with torch.no_grad(), pytest.raises(rs.PreflightError, match="is an inference tensor"):
+        sync(sb, db)
+    assert bool((target == S.POISON).all())
+
+
 # ------------------------------------------------------------------ timeouts
 
 

@@ -43,6 +43,10 @@ MODELS = {
     "gpt-1.3b": (2048, 8192, 50257, 24),
     "gpt-2.7b": (2560, 10240, 50257, 32),
     "llama-8l": (4096, 11008, 32000, 8),
+    # the tensor counts of gpt-125m (98) and gpt-350m (194) at tiny widths: per-call costs
+    # that scale with the number of buffers, not with the bytes
+    "gpt-125m-thin": (34, 50, 101, 12),
+    "gpt-350m-thin": (34, 50, 101, 24),
 }
 
 _PERIOD = 1_000_003  # prime: a misplaced run shows unless it moved by a multiple of this

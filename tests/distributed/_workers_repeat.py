@@ -6,6 +6,8 @@ Module level and light imports: spawned ranks re-import this module.
 
 from __future__ import annotations
 
+import functools
+
 import _faults as F
 import _scenarios as S
 import torch
@@ -23,6 +25,15 @@ CORRUPTIONS = (
     "not_ready",  # the readiness hook raises
     "missing_target",  # a target location left out
     "wrong_dtype",  # a source of another dtype
+    # The same tensor objects as the passing calls, changed in place: what a repeated call
+    # reads of each buffer must see each of these.
+    "target_freed_in_place",  # storage resized to 0 bytes (as FSDP frees unsharded params)
+    "source_reallocated_smaller",  # storage freed, then given fewer bytes (often the same address)
+    "target_retyped_in_place",  # .data = a view of its own bytes as int32: same address
+    "target_truncated_in_place",  # .data = its first n-1 elements: same address and strides
+    "target_strided_in_place",  # .data = stride-0 view: same address and shape
+    "target_onto_source_in_place",  # .data = a view of a source buffer's memory
+    "grad_mode_on",  # a target that requires grad, passed under no_grad before, now grad mode
 )
 
 
@@ -68,7 +79,39 @@ def _corrupt(kind, sb, db):
         del db[tlocs[0]]
     elif kind == "wrong_dtype":
         sb[sloc] = sb[sloc].double()
+    elif kind in IN_PLACE:
+        undo.append(IN_PLACE[kind](sb[sloc], db[tlocs[0]], db[tlocs[-1]]))
     return sb, db, undo
+
+
+def _resize_storage(t, *nbytes):
+    """Resize `t`'s storage to each of `nbytes` in turn; the undo restores size and values."""
+    keep, st = t.clone(), t.untyped_storage()
+    n = st.nbytes()
+    for size in nbytes:
+        st.resize_(size)
+    return lambda: (st.resize_(n), t.copy_(keep))
+
+
+def _set_data(t, new):
+    old = t.data
+    t.data = new
+    return lambda: setattr(t, "data", old)
+
+
+# kind -> f(the largest source, the largest target, the smallest target) -> undo
+IN_PLACE = {
+    "target_freed_in_place": lambda s, big, small: _resize_storage(big, 0),
+    "source_reallocated_smaller": lambda s, big, small: _resize_storage(
+        s, 0, s.untyped_storage().nbytes() - s.element_size()
+    ),
+    "target_retyped_in_place": lambda s, big, small: _set_data(big, big.view(torch.int32)),
+    "target_truncated_in_place": lambda s, big, small: _set_data(big, big[:-1]),
+    "target_strided_in_place": lambda s, big, small: _set_data(
+        big, big.as_strided(big.shape, (0,))
+    ),
+    "target_onto_source_in_place": lambda s, big, small: _set_data(small, s[: small.numel()]),
+}
 
 
 def run_repeated(rank, world, group=None):
@@ -93,6 +136,17 @@ def run_repeated(rank, world, group=None):
         s_arg, d_arg = sb, db
         if kind != "none" and rank == bad_rank:
             s_arg, d_arg, undo = _corrupt(kind, sb, db)
+        if kind == "grad_mode_on":
+            # a target that requires grad passes under no_grad on every rank; then the same
+            # call with grad mode on, on the bad rank only
+            target = db[min(db)].requires_grad_(True)
+            undo.append(functools.partial(target.requires_grad_, False))
+            with torch.no_grad():
+                t(sb, db)
+                for v in db.values():
+                    v.fill_(S.POISON)
+            torch.set_grad_enabled(rank == bad_rank)
+            undo.append(lambda: torch.set_grad_enabled(True))
         try:
             t(s_arg, d_arg)
             outcome = ("ok", "", ())
@@ -138,3 +192,35 @@ def w_late_rank_on_a_repeated_call(rank, world, marker_dir, timeout):
     before = {k: v.clone() for k, v in db.items()}
     outcome = F.arrive_late(rank, world, marker_dir, lambda: t(sb, db))
     return outcome, S.mismatches(db, before), first.local_bytes > 0
+
+
+def w_same_buffers(rank, world):
+    """`Cleared.same_buffers` (what the rounds may rely on): True only when every buffer reads
+    as in the previous call that cleared preflight on every rank. A call that passed on this
+    rank while a peer failed did not clear: the same buffers next time are checked in full
+    and reported as new. Returns the flag of each preflight that passed, in order."""
+    from reshard import preflight as pf
+
+    values, src, dst = _case(world)
+    t = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=64, timeout=60)
+    sb = S.source_buffers(src, values, rank)
+    t(sb, dst.empty(rank))
+    engine, flags = t._engine, []
+
+    def cleared(db, checks=()):
+        flags.append(pf.run(engine, sb, db, checks, 60.0).same_buffers)
+
+    def veto():
+        raise rs.NotReadyError("injected on the last rank")
+
+    db = dst.empty(rank)  # new tensors: never cleared
+    cleared(db)
+    cleared(db)
+    other = dst.empty(rank)
+    try:
+        cleared(other, (veto,) if rank == world - 1 else ())
+    except rs.PreflightError:
+        flags.append("refused")
+    cleared(other)
+    cleared(other)
+    return flags

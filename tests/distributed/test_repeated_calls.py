@@ -51,3 +51,9 @@ def test_a_late_rank_on_a_repeated_call_writes_nothing(tmp_path):
         group_timeout=60,
     )
     F.assert_late_rank_wrote_nothing(res)
+
+
+def test_same_buffers_means_cleared_on_every_rank(tmp_path):
+    res = run_ranks(W.w_same_buffers, 2, tmp_path, timeout=120)
+    for flags in res:
+        assert flags == [False, True, "refused", False, True], flags

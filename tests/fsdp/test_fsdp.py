@@ -512,6 +512,89 @@ def test_readiness_and_errors(tmp_path):
     assert len(seen) == 15, seen
 
 
+def _changed_in_place_worker(rank, world):
+    """After a passing sync, rank 0 alone changes live state in place (the same DTensor and
+    local tensor objects, or a moment swapped in the optimizer's state): the next sync of the
+    same Transfer is refused with the same PreflightError on every rank, naming rank 0, and
+    writes nothing; undone, the state syncs again."""
+    import torch
+    from _dsutil import replicated_targets
+    from _fsdputil import make_fsdp, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import reshard as rs
+    from reshard.integrations import dtensor as rsdt
+
+    mesh = init_device_mesh("cpu", (world,))
+    net, opt = make_fsdp(mesh)
+    train(net, opt, 1, seed=4, rank=rank)
+    messages = []
+
+    def refused(live, change, match, usable_after=True):
+        dst, bufs = replicated_targets(live, list(range(world)))
+        sync = rs.Transfer(live.layout, dst)
+        sync(live, bufs)  # passes: the next call may take the short path
+        for b in bufs.values():
+            b.fill_(float("nan"))
+        undo = change() if rank == 0 else None
+        with pytest.raises(rs.PreflightError, match=match) as err:
+            sync(live, bufs)
+        assert sorted(err.value.failures) == [0], err.value.failures
+        assert all(bool(b.isnan().all()) for b in bufs.values())
+        messages.append(str(err.value))
+        if undo is not None:
+            undo()
+        if usable_after:
+            sync(live, bufs)
+            assert not any(bool(b.isnan().any()) for b in bufs.values())
+
+    def set_data(t, new):
+        old = t.data
+        t.data = new
+        return lambda: setattr(t, "data", old)
+
+    def set_attr(obj, name, new):
+        old = getattr(obj, name)
+        setattr(obj, name, new)
+        return lambda: setattr(obj, name, old)
+
+    def set_item(d, key, new):
+        old = d[key]
+        d[key] = new
+        return lambda: d.__setitem__(key, old)
+
+    weight = net.fc1.weight
+    replaced = "replaced since describe"
+    live = _describe(net, opt, "param")
+    refused(live, lambda: set_data(weight._local_tensor, weight._local_tensor.clone()), replaced)
+    refused(live, lambda: set_attr(weight, "_local_tensor", weight._local_tensor.clone()), replaced)
+    moments = _describe(net, opt, "exp_avg")
+    state = opt.state[weight]
+    refused(
+        moments,
+        lambda: set_data(state["exp_avg"]._local_tensor, state["exp_avg"]._local_tensor.clone()),
+        replaced,
+    )
+    refused(moments, lambda: set_item(state, "exp_avg", state["exp_avg"].clone()), replaced)
+    dt = distribute_tensor(torch.arange(21.0).view(7, 3), mesh, [Shard(0)])
+    plain = rsdt.describe({"w": dt})
+    refused(plain, lambda: set_data(dt._local_tensor, dt._local_tensor.clone()), replaced)
+
+    def free():
+        weight._local_tensor.untyped_storage().resize_(0)
+
+    # freed in place: the view's storage is gone (FSDP frees the storages it unshards into)
+    refused(live, free, "storage is freed", usable_after=False)
+    return messages
+
+
+def test_state_changed_in_place_on_one_rank_is_refused_everywhere(tmp_path):
+    res = run_ranks(_changed_in_place_worker, 2, tmp_path, env=ENV, timeout=300)
+    assert len(res[0]) == 6
+    assert res[0] == res[1]  # the same message, call by call, on every rank
+
+
 def test_demo_fsdp_mode():
     """`python -m reshard.demo --mode fsdp`: a real FSDP2 + CPUOffloadPolicy model, verified
     bitwise in-process against DTensor.full_tensor()."""

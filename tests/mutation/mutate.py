@@ -29,6 +29,8 @@ PKG = "python/reshard/**/*.py"
 HOSTILE = "tests/distributed/test_hostile_ranks.py"
 LOCAL_HOSTILE = "tests/test_hostile_local.py"
 REPEAT = "tests/distributed/test_repeated_calls.py"
+REPEAT_LOCAL = f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process"
+FSDP = "tests/fsdp/test_fsdp.py"
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,92 @@ MUTANTS = (
         "    if ctx.verified_placement is not None:",
         (f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process",),
         "a repeated call skips the memory checks whatever buffers it was given",
+    ),
+    Mutant(
+        "buffer_key_storage_bytes",
+        PKG,
+        "            tuple(map(torch.UntypedStorage.nbytes, storages)),\n",
+        "",
+        (
+            f"{LOCAL_HOSTILE}::"
+            "test_storage_reallocated_at_the_same_address_is_seen_on_a_repeated_call",
+        ),
+        "a storage given fewer bytes at its old address passes a repeated call",
+    ),
+    Mutant(
+        "buffer_key_address",
+        PKG,
+        "            tuple(map(torch.Tensor.data_ptr, vals)),\n",
+        "",
+        (
+            f"{LOCAL_HOSTILE}::"
+            "test_target_moved_within_its_storage_onto_the_source_is_seen_on_a_repeated_call",
+        ),
+        "a target moved within its storage onto the source skips the memory checks",
+    ),
+    Mutant(
+        "buffer_key_dtype",
+        PKG,
+        "            tuple(map(_DTYPE, vals)),\n",
+        "",
+        (REPEAT_LOCAL,),
+        "a target retyped in place (.data = a view as int32) passes a repeated call",
+    ),
+    Mutant(
+        "buffer_key_shape",
+        PKG,
+        "            tuple(map(_SHAPE, vals)),\n",
+        "",
+        (REPEAT_LOCAL,),
+        "a target truncated in place (.data = its first n-1 elements) passes a repeated call",
+    ),
+    Mutant(
+        "buffer_key_strides",
+        PKG,
+        "            tuple(map(torch.Tensor.stride, vals)),\n",
+        "",
+        (REPEAT_LOCAL,),
+        "a target given stride 0 in place passes a repeated call",
+    ),
+    Mutant(
+        "buffer_key_grad_mode",
+        PKG,
+        "    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cuda, s, d",
+        "    return torch.is_inference_mode_enabled(), cuda, s, d",
+        (REPEAT_LOCAL,),
+        "a target that requires grad, passed under no_grad, is written under grad mode",
+    ),
+    Mutant(
+        "buffer_key_inference_mode",
+        PKG,
+        "    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cuda, s, d",
+        "    return torch.is_grad_enabled(), cuda, s, d",
+        (f"{LOCAL_HOSTILE}::test_leaving_inference_mode_is_seen_on_a_repeated_call",),
+        "an inference tensor target, passed in inference mode, is written outside it",
+    ),
+    Mutant(
+        "dtensor_locals_unchecked",
+        PKG,
+        "            if self._key is not None and _locals_key(locals_, self._mine) == self._key:",
+        "            if self._key is not None:",
+        (f"{FSDP}::test_state_changed_in_place_on_one_rank_is_refused_everywhere",),
+        "a DTensor local tensor given new storage in place (.data =) still passes check()",
+    ),
+    Mutant(
+        "fsdp_module_tree_unchecked",
+        PKG,
+        "        for m, mod_names, mods, param_names, params in self.tree:",
+        "        for m, mod_names, mods, param_names, params in ():",
+        (f"{FSDP}::test_readiness_and_errors",),
+        "parameters replaced since describe() (load_state_dict(assign=True)) pass check()",
+    ),
+    Mutant(
+        "fsdp_moments_unchecked",
+        PKG,
+        "        return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))",
+        "        return True",
+        (f"{FSDP}::test_state_changed_in_place_on_one_rank_is_refused_everywhere",),
+        "a moment replaced in the optimizer's state since describe() passes check()",
     ),
     Mutant(
         "storage_extent",
@@ -204,7 +292,9 @@ MUTANTS = (
         PKG,
         "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], same and contiguous[s])",
         "seg = Segment(sl, dl, wires(sl, dl), boff, hi - lo, descs[s], contiguous[s])",
-        ("tests/distributed/test_zero_copy.py::test_contiguous_segments_flagged_alike_on_both_ends",),
+        (
+            "tests/distributed/test_zero_copy.py::test_contiguous_segments_flagged_alike_on_both_ends",
+        ),
         "a segment cast on the way (fp32 -> bf16) is flagged as a byte image of both buffers",
     ),
     Mutant(

@@ -21,6 +21,7 @@ split into several pieces (a strided shard); each piece addresses the local tens
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 from reshard.errors import NotReadyError, UnsupportedError
@@ -71,6 +72,33 @@ def _views(entries, mine, locals_):
     return {loc: _local_view(entries[i].name, locals_[i], shape) for i, loc, shape in mine}
 
 
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
+def _locals_key(locals_, mine) -> tuple | None:
+    """Everything `_views` and `_identity` read of this rank's local tensors (address, storage
+    address, shape, strides, dtype, device), without building views: equal keys give equal
+    views. None when a local is not a tensor these reads accept."""
+    import torch
+
+    try:
+        ts = [locals_[i] for i, _, _ in mine]
+        storages = list(map(torch.Tensor.untyped_storage, ts))
+        return (
+            tuple(map(type, ts)),
+            tuple(map(torch.Tensor.data_ptr, ts)),
+            tuple(map(torch.UntypedStorage.data_ptr, storages)),
+            tuple(map(_SHAPE, ts)),
+            tuple(map(torch.Tensor.stride, ts)),
+            tuple(map(_DTYPE, ts)),
+            tuple(map(_DEVICE, ts)),
+        )
+    except Exception:  # noqa: BLE001 - not a plain tensor: the views say why
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # the public object
 
@@ -82,19 +110,26 @@ class LiveDTensors:
     `check()` raises `NotReadyError` when a described storage was replaced since `describe()`
     (or, for a framework's state, is not ready); `reasons()` returns the findings as a list.
     Pass the object itself as `src_buffers` / `dst_buffers` and preflight runs `check()` on
-    every rank.
+    every rank: it compares what the views are made of (`_locals_key`) with what it was at
+    `describe()` and builds views only when that differs, to say what changed.
     """
 
     layout: object  # rs.Layout
     buffers: dict  # {location: live 1-D view of this rank's storage}
     what: str  # named in error messages
-    _resolve: object = field(repr=False)  # () -> {location: live view}, raises when not ready
+    _entries: list = field(repr=False)
+    _mine: list = field(repr=False)  # _mine(): this rank's (entry index, location, shape)
+    _locals: object = field(repr=False)  # () -> every entry's local tensor; raises if not ready
     _identity: dict = field(repr=False)  # location -> identity tuple at describe time
+    _key: tuple | None = field(repr=False)  # _locals_key at describe time
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
         try:
-            live = self._resolve()
+            locals_ = self._locals()
+            if self._key is not None and _locals_key(locals_, self._mine) == self._key:
+                return []
+            live = _views(self._entries, self._mine, locals_)
         except (NotReadyError, UnsupportedError) as exc:
             return [str(exc)]
         replaced = sorted(
@@ -117,15 +152,21 @@ class LiveDTensors:
 
 
 def describe_entries(what, entries, locals_fn, group=None):
+    """A LiveDTensors over `entries`; `locals_fn()` returns every entry's local tensor now
+    (raising NotReadyError / UnsupportedError when the state is not usable)."""
     layout, where = build_layout(entries, group)
     mine = _mine(entries, where)
-    buffers = _views(entries, mine, locals_fn())
+    locals_ = locals_fn()
+    buffers = _views(entries, mine, locals_)
     return LiveDTensors(
         layout=layout,
         buffers=buffers,
         what=what,
-        _resolve=lambda: _views(entries, mine, locals_fn()),
+        _entries=entries,
+        _mine=mine,
+        _locals=locals_fn,
         _identity={loc: _identity(t) for loc, t in buffers.items()},
+        _key=_locals_key(locals_, mine),
     )
 
 

@@ -21,6 +21,8 @@ so no piece covers it and a transfer never reads or writes it. HSDP adds a Repli
 
 from __future__ import annotations
 
+import operator
+
 from reshard.errors import NotReadyError, UnsupportedError
 
 from .dtensor import describe_entries
@@ -209,20 +211,62 @@ def _optimized(params, optimizer):
     return [(n, p) for n, p in params if id(p) in held]
 
 
+class _Unchanged:
+    """What `describe()` relied on, re-checked by identity on every call: the module tree (every
+    module's registered submodules and parameters are the same objects under the same names)
+    and every FSDPParam still in its sharded state. `__call__` is True only when the full
+    checks (`_sharded_params`) would pass as they did at describe(); False sends the caller
+    to them, which say what changed."""
+
+    def __init__(self, module):
+        from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+        self.sharded = ShardedState.SHARDED
+        self.fsdp_params = _fsdp_params(module)
+        self.tree = [
+            (
+                m,
+                tuple(m._modules),
+                tuple(m._modules.values()),
+                tuple(m._parameters),
+                tuple(m._parameters.values()),
+            )
+            for m in module.modules()
+        ]
+
+    def __call__(self) -> bool:
+        sharded = self.sharded
+        if not all(fp.sharded_state == sharded for fp in self.fsdp_params):
+            return False
+        is_ = operator.is_
+        for m, mod_names, mods, param_names, params in self.tree:
+            now_mods, now_params = m._modules, m._parameters
+            if (
+                tuple(now_mods) != mod_names
+                or tuple(now_params) != param_names
+                or not all(map(is_, now_mods.values(), mods))
+                or not all(map(is_, now_params.values(), params))
+            ):
+                return False
+        return True
+
+
 def _param_locals(module, chosen):
     """() -> the described parameters' local tensors; NotReadyError once one was replaced
     (re-fully_shard or an assign-load replaces the parameter objects themselves)."""
     names = [n for n, _ in chosen]
     described = [p for _, p in chosen]
+    unchanged = _Unchanged(module)
 
     def locals_():
-        now = dict(_sharded_params(module))
-        missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
-        if missing:
-            raise NotReadyError(
-                f"parameters {missing[:8]} were replaced since describe() "
-                "(load_state_dict(assign=True)?): describe() again"
-            )
+        if not unchanged():
+            now = dict(_sharded_params(module))
+            missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
+            if missing:
+                raise NotReadyError(
+                    f"parameters {missing[:8]} were replaced since describe() "
+                    "(load_state_dict(assign=True)?): describe() again"
+                )
         return [p._local_tensor for p in described]
 
     return locals_
@@ -232,21 +276,31 @@ def _moment_locals(module, chosen, optimizer, kind):
     """() -> the `kind` moments' local tensors; NotReadyError while the module is unsharded
     or once a moment was replaced (optimizer.load_state_dict)."""
     names = [n for n, _ in chosen]
+    params = [p for _, p in chosen]
     opt_name = type(optimizer).__name__
     moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+    unchanged = _Unchanged(module)
+
+    def same_moments():
+        state = optimizer.state
+        return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))
 
     def locals_():
-        _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
-        now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
-        replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
-        if replaced:
-            raise NotReadyError(
-                f"{kind} of {replaced[:8]} replaced since describe() "
-                "(optimizer.load_state_dict?): describe() again"
-            )
-        return [m._local_tensor for m in now]
+        if not (unchanged() and same_moments()):
+            _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
+            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+            replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
+            if replaced:
+                raise NotReadyError(
+                    f"{kind} of {replaced[:8]} replaced since describe() "
+                    "(optimizer.load_state_dict?): describe() again"
+                )
+        return [m._local_tensor for m in moments]
 
     return locals_
+
+
+_EMPTY: dict = {}
 
 
 def init_adam_state(optimizer, step) -> None:
