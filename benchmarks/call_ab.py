@@ -25,8 +25,10 @@ alone, `preflight.agree` after a barrier, 10x the iterations: the collective's o
 gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many buffers without
 the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
 CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
-Only for call paths whose executor still fits the current rounds and staging modules (REV close
-to the current code). Not part of the suite: run by hand.
+`--only rounds.py,executor.py` takes just those modules from REV (the rest of the rev variant is
+this checkout's), to isolate one part's change. Only for call paths whose executor still fits
+the current rounds and staging modules (REV close to the current code). Not part of the suite:
+run by hand.
 """
 
 from __future__ import annotations
@@ -184,9 +186,15 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
     else:
         case = S.SCENARIOS[scen](model, rank, world, "cpu")
         budget = B.cpu_budget(case)
+    # one Transfer per variant: each keeps its own last cleared buffers (a Transfer shared by
+    # two variants with different targets would never take preflight's short path)
     transfers = {
         m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
-        for m, cls in (("rev", rev["executor.py"].Transfer), ("current", rs.Transfer))
+        for m, cls in (
+            ("rev", rev["executor.py"].Transfer),
+            ("current", rs.Transfer),
+            ("commit", rs.Transfer),
+        )
     }
     sources = dict.fromkeys(("rev", "current"), case.src_buffers)
     if getattr(case, "rev_src_buffers", None) is not None:
@@ -199,8 +207,7 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
 
     def call(v):
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
-        m = "rev" if v == "rev" else "current"
-        t, src = transfers[m], sources[m]
+        t, src = transfers[v], sources["rev" if v == "rev" else "current"]
         sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, False)
         phases = dict(rep.seconds)
         if v == "rev":
@@ -341,7 +348,7 @@ def markdown(record) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: the call path (REV_MODULES) of the revision; "
+        f"processes (rotating order). `rev`: {', '.join(meta.get('rev_modules', ['the call path']))} of the revision (the rest of the call path this checkout's); "
         "`current`: this checkout; `commit` (2+ ranks): this checkout with the commit all-gather "
         "on every call. Buffers: source / target storages per rank. Sync = each rank's call "
         "after a barrier, slowest rank (as sync_latency.py); phases: median over "
@@ -377,19 +384,32 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated REV_MODULES paths taken from REV; the others of the 'rev' "
+        "variant are this checkout's (isolates one module's change)",
+    )
     args = ap.parse_args(argv)
     from reshard._launch import RanksFailed, launch
 
-    sources = {
-        path: subprocess.run(
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= {path for path, _ in REV_MODULES}:
+        ap.error(f"--only: not in REV_MODULES: {sorted(only - {p for p, _ in REV_MODULES})}")
+
+    def source(path):
+        if only is not None and path not in only:
+            with open(os.path.join(ROOT, "python", "reshard", path)) as f:
+                return f.read()
+        return subprocess.run(
             ["git", "show", f"{args.rev}:python/reshard/{path}"],
             cwd=ROOT,
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        for path, _ in REV_MODULES
-    }
+
+    sources = {path: source(path) for path, _ in REV_MODULES}
     rev = subprocess.run(
         ["git", "rev-parse", "--short", args.rev],
         cwd=ROOT,
@@ -410,6 +430,7 @@ def main(argv=None) -> int:
     meta = {
         **env,
         "rev": rev,
+        "rev_modules": sorted(only) if only is not None else [p for p, _ in REV_MODULES],
         "world": args.world,
         "iters": args.iters,
         "warmup": args.warmup,

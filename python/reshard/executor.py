@@ -106,6 +106,7 @@ class _Engine:
         self.broken = False  # a call failed after the agreement: never reuse these arenas
         self._local_paths = (None, None)  # (key, (HostToDevice or None, other local tables))
         self._spans = None  # per local table: its contiguous spans, or None
+        self._bound = None  # (ring held, the bound with / without it)
 
     def prepare(self) -> list[str]:
         """Build this rank's schedule and everything derived from it (once); return why it
@@ -118,6 +119,10 @@ class _Engine:
         )
         self.local = local_tables(sched)
         self.local_pairs = tuple((t.src_location, t.dst_location) for t in self.local)
+        # target dtypes are the storages' (preflight checks every buffer against them)
+        self.local_bytes = sum(
+            t.elements * self.plan.dst.storages[t.dst_location].dtype.itemsize for t in self.local
+        )
         self.bytes_sent, self.bytes_received = {}, {}
         self.global_peer = {}
         for msgs, acc in ((sched.sends, self.bytes_sent), (sched.recvs, self.bytes_received)):
@@ -160,9 +165,15 @@ class _Engine:
         return staging.ring_bytes(getattr(self.plan, "budget_bytes_per_peer", None))
 
     def bound(self) -> dict:
-        """The plan's staging bound for what this rank holds. The in-process ("local")
-        transport has no arenas; its only staging is the ring, counted as under NCCL."""
+        """The plan's staging bound for what this rank holds (a fresh dict; computed again
+        only when the ring comes or goes). The in-process ("local") transport has no arenas;
+        its only staging is the ring, counted as under NCCL."""
         ring = self.staging.ring is not None
+        if self._bound is None or self._bound[0] != ring:
+            self._bound = (ring, self._compute_bound(ring))
+        return dict(self._bound[1])
+
+    def _compute_bound(self, ring: bool) -> dict:
         nccl = self.transport == "nccl" or (ring and self.transport == "local")
         ring_bytes = self.ring_bytes() if ring else 0
         b = self.plan.staging_bytes(
@@ -175,9 +186,13 @@ class _Engine:
     def local_paths(self, src: dict, dst: dict):
         """(the batched CPU -> CUDA path of the local tables that qualify or None, the other
         local tables), for the devices and dtypes of this call's buffers (reshard.h2d)."""
-        key = tuple(
-            (src[a].device, src[a].dtype, dst[b].device, dst[b].dtype) for a, b in self.local_pairs
-        )
+        if self.transport == "gloo":  # preflight: every buffer of a gloo transfer is on the CPU
+            key = "cpu"
+        else:
+            key = tuple(
+                (src[a].device, src[a].dtype, dst[b].device, dst[b].dtype)
+                for a, b in self.local_pairs
+            )
         if self._local_paths[0] == key:
             return self._local_paths[1]
         if self._spans is None:
@@ -203,11 +218,15 @@ class _Engine:
         """Lay out the rounds and allocate the staging (once), then check it against the
         plan's bound. `src` / `dst`: the validated buffers. A message skips the arena only
         where its buffer lives on the arena's device (under NCCL a CPU buffer goes through
-        the ring instead), so the layout is redone only if that set of buffers changes."""
-        direct = frozenset(
-            [(SEND, loc) for loc, t in src.items() if t.device == self.arena_device]
-            + [(RECV, loc) for loc, t in dst.items() if t.device == self.arena_device]
-        )
+        the ring instead), so the layout is redone only if that set of buffers changes (never
+        under gloo: preflight holds every buffer of this rank's locations to the CPU)."""
+        if self.transport == "gloo" and self.direct_locations is not None:
+            direct = self.direct_locations
+        else:
+            direct = frozenset(
+                [(SEND, loc) for loc, t in src.items() if t.device == self.arena_device]
+                + [(RECV, loc) for loc, t in dst.items() if t.device == self.arena_device]
+            )
         if self.staging.arenas is None or direct != self.direct_locations:
             dtype_of = {SEND: lambda loc: src[loc].dtype, RECV: lambda loc: dst[loc].dtype}
             self.rounds = build_rounds(self.sched, direct, dtype_of)
@@ -271,15 +290,15 @@ class _RoundLoop:
                 self._copy(self.src[t.src_location], t.desc, self.dst[t.dst_location], "local")
         self.sec["local"] += time.perf_counter() - t0
 
-    def post(self, rnd):
-        """Post every wire of `rnd`, receives first (gloo moves a message only once its
-        receive is posted, so the peer's sends find theirs waiting); returns the works and
-        the tensors they use. Under gloo straight on the process group (no per-op checks);
-        under NCCL as one batch (its grouped launch keeps opposite sends from deadlocking)."""
+    def post(self, rnd, wires, works, bufs):
+        """Post `wires` of `rnd`, appending each work and the tensor it uses to `works` /
+        `bufs` as it is posted (already in flight when a later post fails). Under gloo
+        straight on the process group (no per-op checks); under NCCL as one batch (its grouped
+        launch keeps opposite sends from deadlocking)."""
         t0 = time.perf_counter()
         e = self.e
-        bufs = []
-        for w in rnd.wires:
+        start = len(bufs)
+        for w in wires:
             if w.direct is not None:  # straight from the source / into the target
                 r = w.direct
                 buf = (self.src if w.send else self.dst)[r.location].view(torch.uint8)
@@ -289,20 +308,30 @@ class _RoundLoop:
                 bufs.append(arena[w.arena_offset : w.arena_offset + w.nbytes])
         if e.transport == "gloo":
             pg = e.group
-            works = [
-                pg.send([b], w.peer, 0) if w.send else pg.recv([b], w.peer, 0)
-                for w, b in zip(rnd.wires, bufs, strict=True)
-            ]
-        elif bufs:
+            for w, b in zip(wires, bufs[start:], strict=True):
+                works.append(pg.send([b], w.peer, 0) if w.send else pg.recv([b], w.peer, 0))
+        elif wires:
             ops = [
                 dist.P2POp(dist.isend if w.send else dist.irecv, b, e.global_peer[w.peer], e.group)
-                for w, b in zip(rnd.wires, bufs, strict=True)
+                for w, b in zip(wires, bufs[start:], strict=True)
             ]
-            works = dist.batch_isend_irecv(ops)
-        else:
-            works = []
+            works += dist.batch_isend_irecv(ops)
         self.sec["transport"] += time.perf_counter() - t0
-        return works, bufs
+
+    def start(self, rnd, flight):
+        """Pack and post `rnd`, in flight from its first post. Under gloo its receives are
+        posted before the packing (a message moves only once its receive is posted: the
+        peer's sends then find theirs waiting and go out at once); under NCCL one batch after
+        the packing."""
+        works, bufs = [], []
+        flight.append((rnd, works, bufs))
+        if self.e.transport == "gloo":
+            self.post(rnd, rnd.wires[: rnd.first_send], works, bufs)
+            self.pack(rnd)
+            self.post(rnd, rnd.wires[rnd.first_send :], works, bufs)
+        else:
+            self.pack(rnd)
+            self.post(rnd, rnd.wires, works, bufs)
 
     def wait(self, works):
         t0 = time.perf_counter()
@@ -328,8 +357,7 @@ class _RoundLoop:
         def fill():
             nonlocal nxt
             while nxt < len(rounds) and _arenas_free(rounds[nxt], flight):
-                self.pack(rounds[nxt])
-                flight.append((rounds[nxt], *self.post(rounds[nxt])))
+                self.start(rounds[nxt], flight)
                 nxt += 1
 
         fill()
@@ -388,10 +416,9 @@ def _bump_versions(engine, dst_ok) -> None:
     """Autograd sees the writes: the version counter of every target this rank's schedule
     writes moves, as after a torch in-place op (zero-copy receives write targets outside any
     op)."""
-    for loc in engine.written_locations:
-        t = dst_ok.get(loc)
-        if t is not None:
-            torch.autograd.graph.increment_version(t)
+    written = [dst_ok[loc] for loc in engine.written_locations if loc in dst_ok]
+    if written:
+        torch.autograd.graph.increment_version(written)
 
 
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
@@ -422,23 +449,22 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
         _bump_versions(engine, dst_ok)
     report.peak_staging_bytes = engine.staging.held()
     report.zero_copy_bytes = engine.rounds.zero_copy_bytes if engine.rounds else 0
-    report.local_bytes = sum(
-        t.elements * dst_ok[t.dst_location].element_size() for t in engine.local
-    )
+    report.local_bytes = engine.local_bytes
     report.seconds["total"] = time.perf_counter() - t_start + plan_seconds
-    log.info(
-        "reshard rank %d/%d [%s]: %d rounds, sent %d B, received %d B, local %d B, "
-        "%.3f ms, %.3f GB/s",
-        engine.rank,
-        engine.world_size,
-        engine.transport,
-        engine.num_rounds,
-        report.total_bytes_sent,
-        report.total_bytes_received,
-        report.local_bytes,
-        report.seconds["total"] * 1e3,
-        report.gbps,
-    )
+    if log.isEnabledFor(logging.INFO):
+        log.info(
+            "reshard rank %d/%d [%s]: %d rounds, sent %d B, received %d B, local %d B, "
+            "%.3f ms, %.3f GB/s",
+            engine.rank,
+            engine.world_size,
+            engine.transport,
+            engine.num_rounds,
+            report.total_bytes_sent,
+            report.total_bytes_received,
+            report.local_bytes,
+            report.seconds["total"] * 1e3,
+            report.gbps,
+        )
     return report
 
 

@@ -76,7 +76,8 @@ class Round:
     index: int
     pack: tuple[Table, ...]
     unpack: tuple[Table, ...]
-    wires: tuple[Wire, ...]
+    wires: tuple[Wire, ...]  # its receives, then its sends
+    first_send: int  # wires[first_send:] are the sends
     bytes_sent: int
     bytes_received: int
     uses_send_arena: bool  # some message of the round is packed into the send arena
@@ -252,6 +253,7 @@ def _round(index, sched, direct, dtype_of):
         fused(SEND),
         fused(RECV),
         tuple(wires),
+        sum(not w.send for w in wires),
         nbytes[SEND],
         nbytes[RECV],
         uses_send_arena=any(w.send and w.direct is None for w in wires),

@@ -1,6 +1,6 @@
 """Staging memory: the arenas and the pinned ring one rank holds for one plan.
 
-Two arenas per direction (round k+1 is packed while round k is in flight), each as large as
+Two arenas per direction (round k+1 is packed and in flight while round k is), each as large as
 the largest round's packed messages in that direction, on the transport's device (host memory
 under gloo, device memory under NCCL); plus, when CPU buffers meet CUDA ones, one pinned ring
 for the stage_h2d / stage_d2h ops (and the device slots those ops may take). The bound they

@@ -12,7 +12,7 @@ TRANSPORTS = ("nccl", "gloo")
 
 
 def arenas_per_direction(num_rounds: int) -> int:
-    """Two (round k+1 is packed while round k is in flight), one with a single round."""
+    """Two (round k+1 is packed and in flight while round k is), one with a single round."""
     return min(2, int(num_rounds))
 
 

@@ -97,18 +97,18 @@ def die_in_posts(mode, timeout, after_posts=3):
     import reshard.executor as ex
     from tests._spawn import die
 
-    real = ex._RoundLoop.post
+    real = ex._RoundLoop.start
     calls = [0]
 
-    def dying(self, rnd):
+    def dying(self, rnd, flight):
         calls[0] += 1
         if calls[0] == after_posts:
             if mode == "die":
                 die()
             time.sleep(timeout * 2)
-        return real(self, rnd)
+        return real(self, rnd, flight)
 
-    ex._RoundLoop.post = dying
+    ex._RoundLoop.start = dying
 
 
 def arrive_late(rank, world, marker_dir, call):

@@ -769,21 +769,31 @@ def w_late_rank(rank, world, marker_dir, timeout):
 
 
 def w_padded_target(rank, world):
-    """Rank 0 sends two source storages (3 and 4 fp32) to rank 1's one target storage, laid
-    out [a a a pad b b b b]: one message of two segments whose padding between them
-    (message element 3) lines up with the target's padding. The target's padding must keep
-    its poison; the message is not a byte image of the target, so it must be unpacked."""
+    """Rank 0 sends two source storages (3 and 4 fp32, each every other element of its
+    storage, so no segment is one range of both buffers and the message stays one wire) to
+    rank 1's one target storage, laid out [a a a pad b b b b]: one message of two segments
+    whose padding between them (message element 3) lines up with the target's padding. The
+    target's padding must keep its poison; the message is not a byte image of the target, so
+    it must be unpacked."""
     f32 = torch.float32
     src = rs.Layout(
-        {"a": rs.flat((3,), [(0, 0, 3, 0)]), "b": rs.flat((4,), [(1, 0, 4, 0)])},
-        {0: rs.Storage(0, f32, 3), 1: rs.Storage(0, f32, 4)},
+        {
+            "a": rs.TensorLayout((3,), [rs.Piece(0, 0, (0,), (3,), (2,))]),
+            "b": rs.TensorLayout((4,), [rs.Piece(1, 0, (0,), (4,), (2,))]),
+        },
+        {0: rs.Storage(0, f32, 6), 1: rs.Storage(0, f32, 8)},
     )
     dst = rs.Layout(
         {"a": rs.flat((3,), [(10, 0, 3, 0)]), "b": rs.flat((4,), [(10, 0, 4, 4)])},
         {10: rs.Storage(1, f32, 8)},
     )
     t = rs.Transfer(src, dst)
-    sb = {0: torch.tensor([1.0, 2, 3]), 1: torch.tensor([4.0, 5, 6, 7])} if rank == 0 else {}
+    nan = float("nan")
+    sb = {
+        0: torch.tensor([1.0, nan, 2, nan, 3, nan]),
+        1: torch.tensor([4.0, nan, 5, nan, 6, nan, 7, nan]),
+    }
+    sb = sb if rank == 0 else {}
     segments = [len(m.segments) for msgs in t.plan.schedule(rank).recvs for m in msgs]
     out = []
     for _ in range(3):
