@@ -7,11 +7,11 @@
 Loads the call path of git revision REV (`preflight.py`, `rounds.py`, `executor.py`,
 `integrations/dtensor.py`, `integrations/fsdp.py`) next to the current one (as
 `reshard._rev_preflight`, `_rev_rounds`, `_rev_executor`, `reshard.integrations._rev_dtensor`,
-`_rev_fsdp`, sharing the current planning, staging and ops; `--rev-dir`: from a checkout without
-history), then on `--world` gloo ranks (1: in this process; with `--device cuda` the targets on
-the GPU, as fsdp_offload on the H200) builds, per case, one `Transfer` of REV's executor and one
-of the current executor over the same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
-order, in the same processes, so load bursts on a shared machine hit every variant alike. The
+`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks (1: in
+this process; with `--device cuda` the targets on the GPU, as fsdp_offload on the H200) builds,
+per case, one `Transfer` of REV's executor and one of the current executor over the same
+layouts (the sync_latency budget rule), and times their syncs call by call, in rotating order,
+in the same processes, so load bursts on a shared machine hit every variant alike. The
 FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every preflight): REV's
 variant passes one described by REV's dtensor / fsdp module. With 2 or more ranks a third
 variant, `commit`, is the current code with the commit step forced on every call
@@ -27,8 +27,11 @@ alone, `preflight.agree` after a barrier, 10x the iterations: the collective's o
 gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many buffers without
 the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
 CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
-Only for call paths whose executor still fits the current rounds and staging modules (REV close
-to the current code). Not part of the suite: run by hand.
+`--only rounds.py,executor.py` takes just those modules from REV (the rest of the rev variant is
+this checkout's), to isolate one part's change; `--rev-dir DIR` reads REV's modules from a
+checkout without history (DIR/python/reshard/..., e.g. on the device machine). Only for call paths whose executor still fits
+the current rounds and staging modules (REV close to the current code). Not part of the suite:
+run by hand.
 """
 
 from __future__ import annotations
@@ -358,7 +361,9 @@ def markdown(record) -> str:
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        "processes (rotating order). `rev`: the call path (REV_MODULES) of the revision; "
+        "processes (rotating order). `rev`: "
+        f"{', '.join(meta.get('rev_modules', ['the call path']))} of the revision (the rest "
+        "of the call path this checkout's); "
         "`current`: this checkout; `commit` (2+ ranks): this checkout with the commit all-gather "
         "on every call. Buffers: source / target storages per rank. Sync = each rank's call "
         "after a barrier, slowest rank (as sync_latency.py); phases: median over "
@@ -406,24 +411,38 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated REV_MODULES paths taken from REV; the others of the 'rev' "
+        "variant are this checkout's (isolates one module's change)",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and args.world != 1:
         ap.error("--device cuda needs --world 1")
     from reshard._launch import RanksFailed, launch
 
-    sources, rev = {}, args.rev
-    for path, _ in REV_MODULES:
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= {path for path, _ in REV_MODULES}:
+        ap.error(f"--only: not in REV_MODULES: {sorted(only - {p for p, _ in REV_MODULES})}")
+
+    def source(path):
+        if only is not None and path not in only:
+            with open(os.path.join(ROOT, "python", "reshard", path)) as f:
+                return f.read()
         if args.rev_dir:
             with open(os.path.join(args.rev_dir, "python", "reshard", path)) as f:
-                sources[path] = f.read()
-        else:
-            sources[path] = subprocess.run(
-                ["git", "show", f"{args.rev}:python/reshard/{path}"],
-                cwd=ROOT,
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout
+                return f.read()
+        return subprocess.run(
+            ["git", "show", f"{args.rev}:python/reshard/{path}"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+
+    sources = {path: source(path) for path, _ in REV_MODULES}
+    rev = args.rev
     if not args.rev_dir:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", args.rev],
@@ -454,6 +473,7 @@ def main(argv=None) -> int:
     meta = {
         **env,
         "rev": rev,
+        "rev_modules": sorted(only) if only is not None else [p for p, _ in REV_MODULES],
         "world": args.world,
         "device": args.device,
         "iters": args.iters,
