@@ -29,9 +29,9 @@ the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model wit
 CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
 `--only rounds.py,executor.py` takes just those modules from REV (the rest of the rev variant is
 this checkout's), to isolate one part's change; `--rev-dir DIR` reads REV's modules from a
-checkout without history (DIR/python/reshard/..., e.g. on the device machine). Only for call paths whose executor still fits
-the current rounds and staging modules (REV close to the current code). Not part of the suite:
-run by hand.
+checkout without history (DIR/python/reshard/..., e.g. on the device machine). Only for call
+paths whose executor still fits the current rounds and staging modules (REV close to the current
+code). Not part of the suite: run by hand.
 """
 
 from __future__ import annotations
