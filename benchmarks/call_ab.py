@@ -2,14 +2,16 @@
 
     python benchmarks/call_ab.py REV --json benchmarks/results/cpu/call_ab.json
     python benchmarks/call_ab.py REV --world 1 --json benchmarks/results/cpu/call_ab_world1.json
+    python benchmarks/call_ab.py REV --world 1 --device cuda --rev-dir OLD_CHECKOUT --json ...
 
 Loads the call path of git revision REV (`preflight.py`, `rounds.py`, `executor.py`,
 `integrations/dtensor.py`, `integrations/fsdp.py`) next to the current one (as
 `reshard._rev_preflight`, `_rev_rounds`, `_rev_executor`, `reshard.integrations._rev_dtensor`,
-`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks
-builds, per case, one `Transfer` of REV's executor and one of the current executor over the
-same layouts (the sync_latency budget rule), and times their syncs call by call, in rotating
-order, in the same processes, so load bursts on a shared machine hit every variant alike. The
+`_rev_fsdp`, sharing the current planning, staging and ops), then on `--world` gloo ranks (1: in
+this process; with `--device cuda` the targets on the GPU, as fsdp_offload on the H200) builds,
+per case, one `Transfer` of REV's executor and one of the current executor over the same
+layouts (the sync_latency budget rule), and times their syncs call by call, in rotating order,
+in the same processes, so load bursts on a shared machine hit every variant alike. The
 FSDP2 scenarios' sources are `LiveDTensors` (their `check()` runs in every preflight): REV's
 variant passes one described by REV's dtensor / fsdp module. With 2 or more ranks a third
 variant, `commit`, is the current code with the commit step forced on every call
@@ -26,9 +28,10 @@ gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many b
 the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
 CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
 `--only rounds.py,executor.py` takes just those modules from REV (the rest of the rev variant is
-this checkout's), to isolate one part's change. Only for call paths whose executor still fits
-the current rounds and staging modules (REV close to the current code). Not part of the suite:
-run by hand.
+this checkout's), to isolate one part's change; `--rev-dir DIR` reads REV's modules from a
+checkout without history (DIR/python/reshard/..., e.g. on the device machine). Only for call
+paths whose executor still fits the current rounds and staging modules (REV close to the current
+code). Not part of the suite: run by hand.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def load_rev(sources: dict) -> dict:
 def _rank(rank, world, cfg):
     import torch
 
-    torch.set_num_threads(1)
+    if cfg["device"] == "cpu":  # ranks sharing this box's cores (a GPU run keeps its host threads)
+        torch.set_num_threads(1)
     rev = load_rev(cfg["sources"])
     agree_s = [0.0]  # seconds of the rev's last preflight.agree: its exchange
     rev_agree = rev["preflight.py"].agree
@@ -181,11 +185,14 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
 
     scen, model = key.split("/")
     if scen in FSDP2:
-        case = _fsdp2_case(FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"])
+        case = _fsdp2_case(
+            FSDP2[scen], model, rank, world, rev["integrations/fsdp.py"], cfg["device"]
+        )
         budget = 64 << 20
     else:
-        case = S.SCENARIOS[scen](model, rank, world, "cpu")
-        budget = B.cpu_budget(case)
+        case = S.SCENARIOS[scen](model, rank, world, cfg["device"])
+        # sync_latency's budget: 64 MiB on a GPU, else its CPU rule
+        budget = 64 << 20 if cfg["device"] == "cuda" else B.cpu_budget(case)
     # one Transfer per variant: each keeps its own last cleared buffers (a Transfer shared by
     # two variants with different targets would never take preflight's short path)
     transfers = {
@@ -208,7 +215,7 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
     def call(v):
         pf.COMMIT_SPREAD = 0.0 if v == "commit" else default_spread
         t, src = transfers[v], sources["rev" if v == "rev" else "current"]
-        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, False)
+        sec, rep = C.timed_sync(lambda b: t(src, b), bufs[v], world, cfg["device"] == "cuda")
         phases = dict(rep.seconds)
         if v == "rev":
             phases["exchange"] = agree_s[0]
@@ -238,7 +245,7 @@ class _Fsdp2Case:
     the rev variant); targets: fresh buffers of the same geometry on the same ranks, each
     location's copy of its source (local copies only)."""
 
-    def __init__(self, kind, model, rank, world, rev_fsdp):
+    def __init__(self, kind, model, rank, world, rev_fsdp, device="cpu"):
         import dataclasses
 
         import torch
@@ -295,8 +302,13 @@ class _Fsdp2Case:
         return {loc: torch.full_like(t, float("nan")) for loc, t in self.reference.items()}
 
 
-def _fsdp2_case(kind, model, rank, world, rev_fsdp):
-    return _Fsdp2Case(kind, model, rank, world, rev_fsdp)
+def _fsdp2_case(kind, model, rank, world, rev_fsdp, device):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # world 1 in this process: as the FSDP2 scenarios do
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return _Fsdp2Case(kind, model, rank, world, rev_fsdp, device)
 
 
 def _correct(case, bufs) -> bool:
@@ -304,7 +316,7 @@ def _correct(case, bufs) -> bool:
 
     if isinstance(case, _Fsdp2Case):
         ref = case.reference
-        return set(bufs) == set(ref) and all(torch.equal(bufs[k], v) for k, v in ref.items())
+        return set(bufs) == set(ref) and all(torch.equal(bufs[k].cpu(), v) for k, v in ref.items())
     return B.targets_correct(case, bufs)
 
 
@@ -343,12 +355,15 @@ def markdown(record) -> str:
     meta, rows = record["meta"], record["results"]
     out = [
         f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, "
-        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}",
+        f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}, targets on "
+        f"{meta.get('device', 'cpu')}",
         "",
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
         f"{meta['warmup']} warm-up rounds, variants interleaved call by call in the same "
-        f"processes (rotating order). `rev`: {', '.join(meta.get('rev_modules', ['the call path']))} of the revision (the rest of the call path this checkout's); "
+        "processes (rotating order). `rev`: "
+        f"{', '.join(meta.get('rev_modules', ['the call path']))} of the revision (the rest "
+        "of the call path this checkout's); "
         "`current`: this checkout; `commit` (2+ ranks): this checkout with the commit all-gather "
         "on every call. Buffers: source / target storages per rank. Sync = each rank's call "
         "after a barrier, slowest rank (as sync_latency.py); phases: median over "
@@ -380,6 +395,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("rev", help="git revision whose call path (REV_MODULES) is the 'rev'")
     ap.add_argument("--world", type=int, default=2, choices=(1, 2, 3, 4))
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="targets' device; cuda: --world 1, in this process (CPU -> GPU, as on the H200)",
+    )
+    ap.add_argument(
+        "--rev-dir",
+        default=None,
+        help="read REV's modules from this checkout (python/reshard/...) instead of git "
+        "(a copy without history, e.g. on the device machine); REV is then only its label",
+    )
     ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
@@ -391,6 +418,8 @@ def main(argv=None) -> int:
         "variant are this checkout's (isolates one module's change)",
     )
     args = ap.parse_args(argv)
+    if args.device == "cuda" and args.world != 1:
+        ap.error("--device cuda needs --world 1")
     from reshard._launch import RanksFailed, launch
 
     only = None if args.only is None else set(args.only.split(","))
@@ -401,6 +430,9 @@ def main(argv=None) -> int:
         if only is not None and path not in only:
             with open(os.path.join(ROOT, "python", "reshard", path)) as f:
                 return f.read()
+        if args.rev_dir:
+            with open(os.path.join(args.rev_dir, "python", "reshard", path)) as f:
+                return f.read()
         return subprocess.run(
             ["git", "show", f"{args.rev}:python/reshard/{path}"],
             cwd=ROOT,
@@ -410,28 +442,40 @@ def main(argv=None) -> int:
         ).stdout
 
     sources = {path: source(path) for path, _ in REV_MODULES}
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", args.rev],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    rev = args.rev
+    if not args.rev_dir:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", args.rev],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     cases = args.cases.split(",") if args.cases else list(CASES.get(args.world, CASES[2]))
-    env = C.environment()
-    cfg = {"sources": sources, "cases": cases, "iters": args.iters, "warmup": args.warmup}
+    env = C.environment(args.device)
+    cfg = {
+        "sources": sources,
+        "cases": cases,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "device": args.device,
+    }
     names = variants(args.world)
     progress(f"{len(cases)} cases x {len(names)} variants, {args.iters} syncs each")
-    try:
-        per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
-    except RanksFailed as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    if args.world == 1:  # in this process (as sync_latency.py): a GPU needs no spawn
+        per_rank = [_rank(0, 1, cfg)]
+    else:
+        try:
+            per_rank = launch(_rank, args.world, args=(cfg,), prefix="reshard-call-ab-")
+        except RanksFailed as exc:
+            print(exc, file=sys.stderr)
+            return 1
     meta = {
         **env,
         "rev": rev,
         "rev_modules": sorted(only) if only is not None else [p for p, _ in REV_MODULES],
         "world": args.world,
+        "device": args.device,
         "iters": args.iters,
         "warmup": args.warmup,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],

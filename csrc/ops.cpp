@@ -287,6 +287,13 @@ bool is_dense(const rs_run* runs, int64_t n, const int64_t* prefix, bool dst_sid
   return true;
 }
 
+// A cached table's compact form for copy_runs (rs_compact_choose: bounded by the table's own
+// device copy or a sixteenth of the bytes a copy reads); form RS_COMPACT_NONE when it has none.
+struct CompactTable {
+  rs_compact_plan plan{};
+  at::Tensor d_pieces;  // device
+};
+
 struct CacheEntry {
   const c10::StorageImpl* storage = nullptr;
   c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -297,6 +304,8 @@ struct CacheEntry {
   std::shared_ptr<DeviceTable> full;
   // stage splits keyed by the element size used to pick direct rows (0: no direct rows)
   std::vector<std::pair<int64_t, std::shared_ptr<DeviceTable>>> splits;
+  // compact forms keyed by src_size * 16 + dst_size, built by the first copy_runs with them
+  std::vector<std::pair<int, std::shared_ptr<CompactTable>>> compact;
 };
 
 // A schedule's local tables (one per FSDP2 storage: hundreds) stay cached across syncs.
@@ -402,6 +411,32 @@ std::shared_ptr<DeviceTable> stage_table(const char* op, CacheEntry& e, int64_t 
   return t;
 }
 
+// The compact form of a cached table for these element sizes, built on first use; nullptr when
+// the table has none (not short, or no form within the bound).
+std::shared_ptr<const CompactTable> compact_table(CacheEntry& e, int src_size, int dst_size) {
+  const int key = src_size * 16 + dst_size;
+  {
+    std::lock_guard<std::mutex> lock(g_cache_mutex);
+    for (auto& kv : e.compact)
+      if (kv.first == key) return kv.second->plan.form == RS_COMPACT_NONE ? nullptr : kv.second;
+  }
+  auto c = std::make_shared<CompactTable>();
+  const DeviceTable& t = *e.full;
+  rs_compact_choose(t.host_runs, t.n, t.total, e.src_numel, e.dst_numel, src_size, dst_size,
+                    RS_COMPACT_MAX_RUN_BYTES, &c->plan);
+  if (c->plan.form != RS_COMPACT_NONE) {
+    std::vector<int64_t> host(static_cast<size_t>(c->plan.bytes / 8));
+    rs_compact_fill(t.host_runs, t.n, &c->plan, host.data());
+    const at::Device dev(at::kCUDA, static_cast<c10::DeviceIndex>(e.device));
+    c->d_pieces = at::from_blob(host.data(), {static_cast<int64_t>(host.size())},
+                                at::TensorOptions().dtype(at::kLong))
+                      .to(dev);
+  }
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  e.compact.emplace_back(key, c);
+  return c->plan.form == RS_COMPACT_NONE ? nullptr : c;
+}
+
 // The caching allocator must not hand a cached table's memory to another stream while a
 // kernel on this one may still read it.
 void record_use(const DeviceTable& t, const c10::cuda::CUDAStream& stream) {
@@ -433,6 +468,19 @@ void copy_runs_cuda(const at::Tensor& src, const at::Tensor& desc_in, const at::
   if (t->total == 0) return;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   rs_error err;
+  // tables outside the cache (inference tensors) are not compiled: they are used once
+  const auto compact = desc.is_inference()
+                           ? nullptr
+                           : compact_table(*entry, static_cast<int>(src.element_size()),
+                                           static_cast<int>(dst.element_size()));
+  if (compact) {
+    const rs_status st = rs_cuda_copy_compact(
+        src.const_data_ptr(), rs_dtype_of(src), dst.mutable_data_ptr(), rs_dtype_of(dst),
+        &compact->plan, compact->d_pieces.const_data_ptr(), stream.stream(), &err);
+    TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
+    c10::cuda::CUDACachingAllocator::recordStream(compact->d_pieces.storage().data_ptr(), stream);
+    return;
+  }
   const rs_status st = rs_cuda_copy_slice(
       src.const_data_ptr(), rs_dtype_of(src), dst.mutable_data_ptr(), rs_dtype_of(dst),
       reinterpret_cast<const rs_run*>(t->d_runs.const_data_ptr<int64_t>()), t->n,

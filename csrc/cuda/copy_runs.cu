@@ -11,6 +11,7 @@
  * No torch headers: this file compiles with plain `nvcc -c -std=c++17 -arch=sm_90`.
  */
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdint.h>
 
 #include "../casts.h"
@@ -610,16 +611,15 @@ int sm_count(int device) {
 /* Blocks of kThreads that fit on one multiprocessor, per kernel and device (read once; benign
  * race). Shared memory beyond the default 48 KiB is opted into here, once per kernel and
  * device (a function attribute is per device). */
-int resident_blocks(kernel_fn fn, int device, size_t smem) {
-  static kernel_fn fns[64];
+int resident_blocks(const void *fn, int device, size_t smem) {
+  static const void *fns[64];
   static int devices[64], counts[64];
   for (int i = 0; i < 64; ++i) {
     if (fns[i] == fn && devices[i] == device) return counts[i];
   }
   int c = 0;
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(reinterpret_cast<const void *>(fn),
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+  if (smem > 48 * 1024 && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem) != cudaSuccess)
     return -1;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&c, fn, kThreads, smem) != cudaSuccess ||
       c < 1) {
@@ -635,6 +635,120 @@ int resident_blocks(kernel_fn fn, int device, size_t smem) {
     }
   }
   return c;
+}
+
+/* ---- the compact form (rs_compact_*): one descriptor load per slot group ----------------- */
+
+constexpr int kCompactInFlight = 4; /* groups per thread in flight */
+constexpr int64_t kDstIndexMask = ((int64_t)1 << 48) - 1;
+
+struct CompactParams {
+  const char *src;
+  char *dst;
+  const void *pieces;
+  int64_t groups; /* pieces << lg */
+  int lg;         /* log2 of a piece's groups */
+  int lp;         /* log2 of a piece's slots, in elements */
+};
+
+/* Source index, destination index and length of a piece. */
+template <int FORM>
+__device__ __forceinline__ void compact_piece(const void *pieces, int64_t piece, int lp, int64_t &s,
+                                              int64_t &d, int64_t &len) {
+  if (FORM == RS_COMPACT_U32) {
+    const uint2 q = __ldg(reinterpret_cast<const uint2 *>(pieces) + piece);
+    s = q.x;
+    d = q.y;
+    len = (int64_t)1 << lp;
+  } else {
+    const longlong2 q = __ldg(reinterpret_cast<const longlong2 *>(pieces) + piece);
+    s = q.x;
+    d = q.y & kDstIndexMask;
+    len = (int64_t)((unsigned long long)q.y >> 48) + 1;
+  }
+}
+
+/* Group g (V elements) of the slot space belongs to piece g >> lg; every thread takes groups
+ * g, g + stride, ... (kCompactInFlight of them loaded before the first store), so each of a
+ * warp's accesses is contiguous within its pieces. */
+template <int SK, int DK, int FORM>
+__global__ void __launch_bounds__(kThreads) compact_kernel(CompactParams p) {
+  typedef typename Store<SK>::T S;
+  typedef typename Store<DK>::T D;
+  constexpr int V = group_elems(sizeof(S), sizeof(D));
+  constexpr int kSrcVec = V * sizeof(S) / 16;
+  constexpr int kDstVec = V * sizeof(D) / 16;
+  const S *__restrict__ src = reinterpret_cast<const S *>(p.src);
+  D *__restrict__ dst = reinterpret_cast<D *>(p.dst);
+  const int64_t stride = (int64_t)gridDim.x * kThreads;
+  const int64_t mask = ((int64_t)1 << p.lg) - 1;
+  for (int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x; g < p.groups;
+       g += kCompactInFlight * stride) {
+    uint4 val[kCompactInFlight][kSrcVec];
+    int64_t dpos[kCompactInFlight];
+#pragma unroll
+    for (int u = 0; u < kCompactInFlight; ++u) {
+      const int64_t gu = g + u * stride;
+      dpos[u] = -1;
+      if (gu >= p.groups) continue;
+      int64_t s, d, len;
+      compact_piece<FORM>(p.pieces, gu >> p.lg, p.lp, s, d, len);
+      const int64_t e0 = (gu & mask) * V;
+      if (e0 >= len) continue; /* an idle slot past the piece's end */
+      const S *sp = src + s + e0;
+      D *dp = dst + d + e0;
+      if (e0 + V <= len && (((uintptr_t)sp | (uintptr_t)dp) & 15) == 0) {
+#pragma unroll
+        for (int w = 0; w < kSrcVec; ++w)
+          val[u][w] = __ldg(reinterpret_cast<const uint4 *>(sp) + w);
+        dpos[u] = d + e0;
+      } else {
+        const int64_t m = len - e0 < V ? len - e0 : V;
+        for (int64_t e = 0; e < m; ++e) dp[e] = Cast<SK, DK>::run(sp[e]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kCompactInFlight; ++u) {
+      if (dpos[u] < 0) continue;
+      const S *sv = reinterpret_cast<const S *>(val[u]);
+      uint4 out[kDstVec];
+      D *dv = reinterpret_cast<D *>(out);
+#pragma unroll
+      for (int e = 0; e < V; ++e) dv[e] = Cast<SK, DK>::run(sv[e]);
+      uint4 *dq = reinterpret_cast<uint4 *>(dst + dpos[u]);
+#pragma unroll
+      for (int w = 0; w < kDstVec; ++w) dq[w] = out[w];
+    }
+  }
+}
+
+typedef void (*compact_fn)(CompactParams);
+
+template <int FORM>
+compact_fn pick_compact(rs_dtype s, rs_dtype d) {
+  if (s == d) {
+    switch (raw_kind(s)) {
+      case K_RAW1: return compact_kernel<K_RAW1, K_RAW1, FORM>;
+      case K_RAW2: return compact_kernel<K_RAW2, K_RAW2, FORM>;
+      case K_RAW4: return compact_kernel<K_RAW4, K_RAW4, FORM>;
+      case K_RAW8: return compact_kernel<K_RAW8, K_RAW8, FORM>;
+      default: return nullptr;
+    }
+  }
+  const int a = kind_of(s), b = kind_of(d);
+  if (a == K_F32 && b == K_BF16) return compact_kernel<K_F32, K_BF16, FORM>;
+  if (a == K_F32 && b == K_F16) return compact_kernel<K_F32, K_F16, FORM>;
+  if (a == K_BF16 && b == K_F32) return compact_kernel<K_BF16, K_F32, FORM>;
+  if (a == K_F16 && b == K_F32) return compact_kernel<K_F16, K_F32, FORM>;
+  if (a == K_BF16 && b == K_F16) return compact_kernel<K_BF16, K_F16, FORM>;
+  if (a == K_F16 && b == K_BF16) return compact_kernel<K_F16, K_BF16, FORM>;
+  return nullptr;
+}
+
+int log2_exact(int64_t x) { /* x a power of two */
+  int l = 0;
+  while (((int64_t)1 << l) < x) ++l;
+  return l;
 }
 
 }  // namespace
@@ -670,7 +784,7 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (tiles + warps_per_block - 1) / warps_per_block;
   /* One resident wave: each warp then walks a contiguous range of tiles. */
-  const int resident = resident_blocks(fn, device, smem);
+  const int resident = resident_blocks(reinterpret_cast<const void *>(fn), device, smem);
   if (resident < 0) {
     const cudaError_t e = cudaGetLastError();
     return rs_cuda_fail(err, "copy_runs (CUDA): cudaFuncSetAttribute (shared memory)", e);
@@ -690,6 +804,124 @@ extern "C" rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, voi
   p.mode = (int)mode;
   cudaGetLastError(); /* a stale error from elsewhere must not be reported as ours */
   fn<<<(unsigned)blocks, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  RS_CUDA_TRY("copy_runs (CUDA): kernel launch", cudaGetLastError(), err);
+  return RS_OK;
+}
+
+extern "C" void rs_compact_choose(const rs_run *runs, int64_t n, int64_t total, int64_t src_numel,
+                                  int64_t dst_numel, int src_size, int dst_size,
+                                  int64_t max_run_bytes, rs_compact_plan *plan) {
+  plan->form = RS_COMPACT_NONE;
+  plan->lp = 0;
+  plan->pieces = 0;
+  plan->bytes = 0;
+  if (total <= 0 || n <= 0 || src_size <= 0 || dst_size <= 0) return;
+  const int lv = log2_exact(group_elems(src_size, dst_size)); /* a piece holds whole groups */
+  constexpr int kMaxLp = 16;                                  /* I64 keeps length - 1 in 16 bits */
+  int64_t n_runs = 0;
+  uint64_t lengths = 0; /* OR of the run lengths: its lowest set bit divides all of them */
+  int64_t pieces[kMaxLp + 1] = {0};
+  for (int64_t i = 0; i < n; ++i) {
+    const rs_run &r = runs[i];
+    if (r.length <= 0 || r.count <= 0) continue;
+    n_runs += r.count;
+    lengths |= (uint64_t)r.length;
+    for (int lp = lv; lp <= kMaxLp; ++lp) /* <= total: no overflow */
+      pieces[lp] += r.count * ((r.length + ((int64_t)1 << lp) - 1) >> lp);
+  }
+  if (n_runs == 0 || (double)total * src_size > (double)max_run_bytes * (double)n_runs) return;
+  const double bound = fmax(56.0 * (double)n + 8.0, (double)total * src_size / 16.0);
+  const double four_g = 4294967296.0;
+  double best = -1;
+  int lp_u32 = 0;
+  while (lp_u32 < kMaxLp && !((lengths >> lp_u32) & 1)) ++lp_u32;
+  if (lp_u32 >= lv && (double)src_numel <= four_g && (double)dst_numel <= four_g &&
+      8.0 * (double)pieces[lp_u32] <= bound) {
+    best = 8.0 * (double)pieces[lp_u32];
+    plan->form = RS_COMPACT_U32;
+    plan->lp = lp_u32;
+  }
+  if (dst_numel <= kDstIndexMask + 1) {
+    for (int lp = lv; lp <= kMaxLp; ++lp) {
+      const double bytes = 16.0 * (double)pieces[lp];
+      if ((double)pieces[lp] * (double)((int64_t)1 << lp) > 4.0e18) continue; /* slots: int64 */
+      const double idle = (double)pieces[lp] * (double)((int64_t)1 << lp) - (double)total;
+      const double cost = bytes + idle * (src_size + dst_size) / 8.0;
+      if (bytes <= bound && (best < 0 || cost < best)) {
+        best = cost;
+        plan->form = RS_COMPACT_I64;
+        plan->lp = lp;
+      }
+    }
+  }
+  if (plan->form == RS_COMPACT_NONE) return;
+  plan->pieces = pieces[plan->lp];
+  plan->bytes = plan->pieces * (plan->form == RS_COMPACT_U32 ? 8 : 16);
+}
+
+extern "C" void rs_compact_fill(const rs_run *runs, int64_t n, const rs_compact_plan *plan,
+                                void *out) {
+  const int64_t piece_len = (int64_t)1 << plan->lp;
+  uint32_t *u = static_cast<uint32_t *>(out);
+  int64_t *w = static_cast<int64_t *>(out);
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const rs_run &r = runs[i];
+    if (r.length <= 0 || r.count <= 0) continue;
+    for (int64_t c = 0; c < r.count; ++c) {
+      const int64_t s = r.src_offset + c * r.src_stride, d = r.dst_offset + c * r.dst_stride;
+      for (int64_t j = 0; j < r.length; j += piece_len, ++k) {
+        if (plan->form == RS_COMPACT_U32) {
+          u[2 * k] = (uint32_t)(s + j);
+          u[2 * k + 1] = (uint32_t)(d + j);
+        } else {
+          const int64_t len = r.length - j < piece_len ? r.length - j : piece_len;
+          w[2 * k] = s + j;
+          w[2 * k + 1] = (int64_t)((uint64_t)(d + j) | ((uint64_t)(len - 1) << 48));
+        }
+      }
+    }
+  }
+}
+
+extern "C" rs_status rs_cuda_copy_compact(const void *src, rs_dtype src_dtype, void *dst,
+                                          rs_dtype dst_dtype, const rs_compact_plan *plan,
+                                          const void *d_pieces, void *stream, rs_error *err) {
+  if (!plan || (plan->form != RS_COMPACT_U32 && plan->form != RS_COMPACT_I64))
+    return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): no compact form");
+  compact_fn fn = plan->form == RS_COMPACT_U32 ? pick_compact<RS_COMPACT_U32>(src_dtype, dst_dtype)
+                                               : pick_compact<RS_COMPACT_I64>(src_dtype, dst_dtype);
+  if (!fn)
+    return rs_fail(err, RS_EDTYPE, -1, -1, "copy_runs (CUDA): unsupported dtype pair %s -> %s",
+                   rs_dtype_name(src_dtype), rs_dtype_name(dst_dtype));
+  if (plan->pieces == 0) return RS_OK;
+  if (!src || !dst || !d_pieces)
+    return rs_fail(err, RS_EINVAL, -1, -1, "copy_runs (CUDA): null pointer");
+  const int lv =
+      log2_exact(group_elems((int)rs_dtype_size(src_dtype), (int)rs_dtype_size(dst_dtype)));
+  if (plan->lp < lv)
+    return rs_fail(err, RS_EINVAL, -1, -1,
+                   "copy_runs (CUDA): compact pieces shorter than a group of this dtype pair");
+  int device = 0;
+  RS_CUDA_TRY("copy_runs (CUDA): cudaGetDevice", cudaGetDevice(&device), err);
+  CompactParams p;
+  p.src = static_cast<const char *>(src);
+  p.dst = static_cast<char *>(dst);
+  p.pieces = d_pieces;
+  p.lp = plan->lp;
+  p.lg = plan->lp - lv;
+  p.groups = plan->pieces << p.lg;
+  const int resident = resident_blocks(reinterpret_cast<const void *>(fn), device, 0);
+  if (resident < 0) {
+    const cudaError_t e = cudaGetLastError();
+    return rs_cuda_fail(err, "copy_runs (CUDA): cudaFuncSetAttribute", e);
+  }
+  int64_t blocks = (p.groups + kThreads - 1) / kThreads;
+  const int64_t cap = (int64_t)sm_count(device) * resident; /* one resident wave */
+  if (blocks > cap) blocks = cap;
+  if (blocks < 1) blocks = 1;
+  cudaGetLastError(); /* a stale error from elsewhere must not be reported as ours */
+  fn<<<(unsigned)blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   RS_CUDA_TRY("copy_runs (CUDA): kernel launch", cudaGetLastError(), err);
   return RS_OK;
 }

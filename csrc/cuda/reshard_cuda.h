@@ -31,6 +31,51 @@ rs_status rs_cuda_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_
                              const rs_run *d_runs, int64_t n, const int64_t *d_prefix,
                              int64_t begin, int64_t end, rs_mode mode, void *stream, rs_error *err);
 
+/* ---- compact form of a cached short-run table ---------------------------------------- */
+
+/* A validated table cut into pieces of at most 2^lp elements, each contiguous on both sides,
+ * in table order. Slot x of [0, pieces << lp) is element x mod 2^lp of piece x >> lp, so a
+ * thread finds its piece with a shift and one descriptor load: 8 or 16 bytes per piece
+ * instead of the 48-byte row and 8-byte prefix entry per run of rs_cuda_copy_slice. */
+typedef enum rs_compact_form {
+  RS_COMPACT_NONE = 0, /* no compact form: rs_cuda_copy_slice */
+  RS_COMPACT_U32 = 1,  /* uint32 {src, dst} element index per piece; every piece 2^lp long */
+  RS_COMPACT_I64 = 2   /* int64 {src, dst | (length - 1) << 48} per piece; lp <= 16 */
+} rs_compact_form;
+
+typedef struct rs_compact_plan {
+  rs_compact_form form;
+  int lp;         /* log2 of a piece's slots, in elements */
+  int64_t pieces; /* descriptors */
+  int64_t bytes;  /* their size: pieces * 8 (U32) or pieces * 16 (I64) */
+} rs_compact_plan;
+
+/* Compact forms are only built for tables averaging at most this many source bytes per run
+ * (the longest runs measured; the compact kernel was the faster one up to there). */
+#define RS_COMPACT_MAX_RUN_BYTES ((int64_t)65536)
+
+/* Chooses the compact form of a validated table (n rows, total work elements) for element
+ * sizes src_size -> dst_size: RS_COMPACT_NONE when the table averages more than max_run_bytes
+ * of source per run, or no form fits in max(56 * n + 8, total * src_size / 16) bytes (the
+ * table's own device copy, or a sixteenth of the bytes a copy reads). U32 needs every index
+ * below 2^32 (src_numel, dst_numel <= 2^32) and every run length a multiple of 2^lp; I64
+ * needs dst_numel <= 2^48. Among the fitting forms and piece sizes, the one with the fewest
+ * descriptor bytes plus an eighth of the bytes its idle slots (past a piece's end) stand for. */
+void rs_compact_choose(const rs_run *runs, int64_t n, int64_t total, int64_t src_numel,
+                       int64_t dst_numel, int src_size, int dst_size, int64_t max_run_bytes,
+                       rs_compact_plan *plan);
+
+/* Writes plan->bytes of descriptors (plan from rs_compact_choose on the same table) to out. */
+void rs_compact_fill(const rs_run *runs, int64_t n, const rs_compact_plan *plan, void *out);
+
+/* Copies the whole table (RS_MODE_RUNS) from its compact form d_pieces (device memory, as
+ * rs_compact_fill wrote it) in one launch on `stream`: one 16-byte group per thread and
+ * slot, four in flight, element by element where a group is misaligned or past a piece's
+ * end. Same results as rs_cuda_copy_slice over [0, total). Asynchronous. */
+rs_status rs_cuda_copy_compact(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
+                               const rs_compact_plan *plan, const void *d_pieces, void *stream,
+                               rs_error *err);
+
 /* ---- staging between host and device ------------------------------------------------- */
 
 typedef enum rs_direction { RS_H2D = 0, RS_D2H = 1 } rs_direction;

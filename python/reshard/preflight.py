@@ -11,7 +11,7 @@ before anything is written.
 
 What cannot change between calls is checked once per Transfer (the schedule against what the
 kernels accept). Every call reads, for each buffer, everything the per-buffer checks depend on
-(`buffers_key`: type, address, storage address and bytes, dtype, shape, strides, device; for
+(`buffers_key`: type, address, storage address and bytes, dtype, shape, contiguity, device; for
 targets requires_grad and inference) plus the grad / inference mode, and runs the hooks; when
 all of it equals the last passing call's, the per-buffer verdicts and the placement are that
 call's, and only the hooks and the staging run. Otherwise every buffer is checked (ownership,
@@ -441,11 +441,12 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 def buffers_key(buffers: dict, target: bool) -> tuple | None:
     """Everything the per-buffer checks of one side read: the locations in order and, per
-    value, its type, address, storage (address and bytes), dtype, shape, strides and device;
-    for targets also whether it requires grad or is an inference tensor. Equal keys (in the
-    same grad / inference mode and current device: `_call_key`) get the same per-buffer
-    verdicts and the same `placement`. None when a value is not a tensor these reads accept
-    (the full checks then say why)."""
+    value, its type, address, storage (address and bytes), dtype, shape, contiguity and
+    device; for targets also whether it requires grad or is an inference tensor. Equal keys
+    (in the same grad / inference mode and current device: `_call_key`) get the same
+    per-buffer verdicts and the same `placement`, and only a passing call's key is kept, so
+    the strides beyond contiguity (of a 1-D buffer: implied) are not read. None when a value
+    is not a tensor these reads accept (the full checks then say why)."""
     vals = list(buffers.values())
     try:
         storages = list(map(torch.Tensor.untyped_storage, vals))
@@ -457,7 +458,7 @@ def buffers_key(buffers: dict, target: bool) -> tuple | None:
             tuple(map(torch.UntypedStorage.nbytes, storages)),
             tuple(map(_DTYPE, vals)),
             tuple(map(_SHAPE, vals)),
-            tuple(map(torch.Tensor.stride, vals)),
+            tuple(map(torch.Tensor.is_contiguous, vals)),
             tuple(map(_DEVICE, vals)),
         )
         if target:

@@ -32,16 +32,22 @@ def _ids(p):
     return f"{str(p[0]).split('.')[-1]}-{str(p[1]).split('.')[-1]}"
 
 
-def run_both(src_cpu, desc, dst_dtype, dst_numel, src_offset=0, dst_offset=0):
+def run_both(src_cpu, desc, dst_dtype, dst_numel, src_offset=0, dst_offset=0, cached=True):
     """Runs the CUDA op (on views starting src_offset/dst_offset elements into their buffers,
-    to misalign them) and the CPU op on poisoned outputs; returns (cuda_out, cpu_out, ref)."""
+    to misalign them) and the CPU op on poisoned outputs; returns (cuda_out, cpu_out, ref).
+    cached=False hands the CUDA op desc as an inference tensor, which stays outside its table
+    cache: the tile kernels instead of a cached table's compact form."""
+    table = desc
+    if not cached:
+        with torch.inference_mode():
+            table = ops.as_desc(desc).clone()
     sbuf = torch.empty(src_cpu.numel() + src_offset, dtype=src_cpu.dtype, device=DEV)
     src = sbuf[src_offset:]
     src.copy_(src_cpu.to(DEV))
     dbuf = poison(dst_numel + dst_offset, dst_dtype, DEV)
     dst = dbuf[dst_offset:]
     ref = reference(src_cpu, desc, poison(dst_numel, dst_dtype, "cpu"))
-    ops.copy_runs(src, desc, dst)
+    ops.copy_runs(src, table, dst)
     cpu = poison(dst_numel, dst_dtype, "cpu")
     ops.copy_runs(src_cpu, desc, cpu)
     torch.cuda.synchronize()
@@ -51,25 +57,27 @@ def run_both(src_cpu, desc, dst_dtype, dst_numel, src_offset=0, dst_offset=0):
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_ids)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_tables(pair, seed):
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+def test_random_tables(pair, seed, cached):
     sdt, ddt = pair
     rng = np.random.default_rng(seed)
     for n, max_len, max_count in [(1, 1, 1), (7, 40, 3), (300, 200, 4), (2000, 9, 20)]:
         desc, sn, dn = random_table(rng, n, max_len, max_count)
         src = random_values(rng, sn, sdt)
-        out, cpu, ref = run_both(src, desc, ddt, dn)
+        out, cpu, ref = run_both(src, desc, ddt, dn, cached=cached)
         assert_same(out, ref)
         assert_same(out, cpu, nan_exact=True)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=_ids)
 @pytest.mark.parametrize("offsets", [(1, 0), (0, 3), (5, 7)])
-def test_misaligned(pair, offsets):
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "uncached"])
+def test_misaligned(pair, offsets, cached):
     sdt, ddt = pair
     rng = np.random.default_rng(7)
     desc, sn, dn = random_table(rng, 50, 300, 3)
     src = random_values(rng, sn, sdt)
-    out, cpu, ref = run_both(src, desc, ddt, dn, *offsets)
+    out, cpu, ref = run_both(src, desc, ddt, dn, *offsets, cached=cached)
     assert_same(out, ref)
     assert_same(out, cpu, nan_exact=True)
 
@@ -118,7 +126,8 @@ def test_short_run_tiles(pair, aligned):
                 lens = np.maximum(v, lens // v * v)
             desc, sn, dn = _short_run_table(rng, lens.tolist(), count_max, aligned, v)
             src = random_values(rng, sn, sdt)
-            out, cpu, ref = run_both(src, desc, ddt, dn, *((0, 0) if aligned else (1, 3)))
+            offsets = (0, 0) if aligned else (1, 3)
+            out, cpu, ref = run_both(src, desc, ddt, dn, *offsets, cached=False)
             assert_same(out, ref)
             assert_same(out, cpu, nan_exact=True)
 
@@ -154,7 +163,7 @@ def test_short_run_kernel_mixed_rows(pair):
     per_row = (desc[:, 4] * desc[:, 5]).sum() * sdt.itemsize / len(desc)
     assert per_row <= 2048  # copy_runs.cu: kShortRowBytes
     src = random_values(rng, 50_000 + 4 * 100 + 200_003, sdt)
-    out, cpu, ref = run_both(src, desc, ddt, dpos + 1)
+    out, cpu, ref = run_both(src, desc, ddt, dpos + 1, cached=False)
     assert_same(out, ref)
     assert_same(out, cpu, nan_exact=True)
 
@@ -215,8 +224,9 @@ def test_million_tiny_runs():
     )
     desc = desc[rng.permutation(m)]
     src = torch.randn(5_000_004)
-    out, _, ref = run_both(src, desc, torch.bfloat16, int((lens + 1).sum()) + 1)
-    assert_same(out, ref)
+    for cached in (True, False):
+        out, _, ref = run_both(src, desc, torch.bfloat16, int((lens + 1).sum()) + 1, cached=cached)
+        assert_same(out, ref)
     # one row, a million strided runs of one element
     desc = np.array([[0, 3, 1, 2, 1, m]], dtype=np.int64)
     out, _, ref = run_both(torch.randn(3 * m), desc, torch.float32, 2 * m + 1)
@@ -367,6 +377,117 @@ def test_runs_on_the_current_stream():
         ops.copy_runs(src, desc, dst)
     side.synchronize()
     assert bool((dst == 3.0).all())
+
+
+def _compact_table(rng, shape, v):
+    """Tables of short runs for the compact form (reshard_cuda.h: rs_compact_choose): uniform
+    runs of whole 16-byte groups (every piece full), mixed lengths (pieces with idle slots),
+    odd lengths at odd offsets (element-wise groups), strided rows, and empty rows."""
+    lens = {
+        "uniform": [16 * v] * 3000,
+        "mixed": rng.choice([v, 3 * v, 16 * v, 100, 257, 1000], 1500).tolist(),
+        "odd": rng.integers(1, 41, 3000).tolist(),
+        "strided": rng.choice([8 * v, 16 * v], 800).tolist(),
+    }[shape]
+    aligned = shape in ("uniform", "strided")
+    return _short_run_table(rng, lens, 6 if shape == "strided" else 1, aligned, v)
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("shape", ["uniform", "mixed", "odd", "strided"])
+def test_compact_form(pair, shape):
+    """Short-run tables copied from their compact form (first call: built and cached; second
+    call: reused), aligned and misaligned buffers: against the reference and the CPU op, bit
+    for bit, into poisoned outputs."""
+    sdt, ddt = pair
+    _, v = _tile_elems(sdt.itemsize, ddt.itemsize)
+    rng = np.random.default_rng([len(shape), ord(shape[0]), sdt.itemsize, ddt.itemsize])
+    desc, sn, dn = _compact_table(rng, shape, v)
+    per_run = (desc[:, 4] * desc[:, 5]).sum() * sdt.itemsize / desc[:, 5][desc[:, 4] > 0].sum()
+    assert per_run <= 65536  # reshard_cuda.h: RS_COMPACT_MAX_RUN_BYTES
+    src = random_values(rng, sn, sdt)
+    table = torch.from_numpy(desc)
+    for offsets in [(0, 0), (1, 3), (0, 0)]:
+        out, cpu, ref = run_both(src, table, ddt, dn, *offsets)
+        assert_same(out, ref)
+        assert_same(out, cpu, nan_exact=True)
+
+
+def _poisoned_u8(numel, value=77):
+    return torch.full((numel,), value, dtype=torch.uint8, device=DEV)
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_compact_offsets_near_2_pow_32(side):
+    """Element indices around 2^31 and 2^32 on one side: a buffer of exactly 2^32 elements
+    (32-bit descriptors, indices >= 2^31 must not turn negative) and one of 2^32 + 4096 (64-bit
+    descriptors), runs crossing 2^31 and ending at or crossing 2^32. Reference: torch slices."""
+    big = (1 << 32) + 4096
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    rng = np.random.default_rng(41)
+    common = [((1 << 31) - 16, 48), ((1 << 31) + 32, 32), ((1 << 32) - 64, 48), (4096, 64), (0, 16)]
+    cases = [
+        (1 << 32, [((1 << 32) - 16, 16)]),
+        (big, [((1 << 32) - 8, 40), ((1 << 32) + 48, 32), (big - 16, 16)]),
+    ]
+    for numel, extra in cases:
+        rows, pos = [], 8192
+        for far, ln in common + extra:
+            near = pos
+            pos += ln + 16
+            if side == "src":
+                rows.append((far, 0, near, 0, ln, 1))
+            else:
+                rows.append((near, 0, far, 0, ln, 1))
+        desc = torch.tensor(rows, dtype=torch.int64)[torch.from_numpy(rng.permutation(len(rows)))]
+        if side == "src":
+            src = torch.empty(numel, dtype=torch.uint8, device=DEV).random_(generator=gen)
+            dst = _poisoned_u8(pos + 64)
+        else:
+            src = torch.empty(pos + 64, dtype=torch.uint8, device=DEV).random_(generator=gen)
+            dst = _poisoned_u8(numel)
+        expect = dst.clone()
+        for so, _, do, _, ln, _ in desc.tolist():
+            expect[do : do + ln] = src[so : so + ln]
+        for _ in range(2):  # built, then reused
+            ops.copy_runs(src, desc, dst)
+            torch.cuda.synchronize()
+            assert torch.equal(dst, expect)
+            dst.fill_(77)
+        del src, dst, expect
+        torch.cuda.empty_cache()
+
+
+def test_compact_tables_evicted_and_rebuilt():
+    """A table's compact forms (one per element-size pair) after its cache entry was evicted
+    by 1100 other tables, after an in-place edit, and for a desc outside the cache (an
+    inference tensor): every call against the reference, into poisoned outputs."""
+    rng = np.random.default_rng(53)
+    desc_np, sn, dn = _short_run_table(rng, [64] * 500, 1, True, 8)
+    desc = torch.from_numpy(desc_np.copy())
+    src32 = random_values(rng, sn, torch.float32)
+    src16 = random_values(rng, sn, torch.bfloat16)
+
+    def check(d, src, ddt):
+        dst = poison(dn, ddt, DEV)
+        ops.copy_runs(src.to(DEV), d, dst)
+        assert_same(dst, reference(src, d.numpy(), poison(dn, ddt, "cpu")))
+
+    src32_dev = src32.to(DEV)
+    for _ in range(2):
+        check(desc, src32, torch.float32)
+        check(desc, src32, torch.bfloat16)
+        check(desc, src16, torch.float32)
+        for k in range(1100):  # more tables than the cache holds (ops.cpp: kCacheEntries)
+            other = torch.tensor([[k, 0, 0, 0, 16, 1], [k + 100, 1, 16, 1, 1, 1]])
+            dst = poison(17, torch.float32, DEV)
+            ops.copy_runs(src32_dev, other, dst)
+            assert dst.cpu().tolist() == src32[k : k + 16].tolist() + [src32[k + 100].item()]
+    desc[:, 0] = torch.from_numpy(rng.permutation(desc_np[:, 0]))  # in place: a new entry
+    check(desc, src32, torch.float32)
+    with torch.inference_mode():
+        frozen = desc.clone()
+    check(frozen, src32, torch.float32)
 
 
 def test_opcheck():

@@ -148,9 +148,9 @@ MUTANTS = (
         "a target truncated in place (.data = its first n-1 elements) passes a repeated call",
     ),
     Mutant(
-        "buffer_key_strides",
+        "buffer_key_contiguity",
         PKG,
-        "            tuple(map(torch.Tensor.stride, vals)),\n",
+        "            tuple(map(torch.Tensor.is_contiguous, vals)),\n",
         "",
         (REPEAT_LOCAL,),
         "a target given stride 0 in place passes a repeated call",
@@ -170,6 +170,14 @@ MUTANTS = (
         "    return torch.is_grad_enabled(), cuda, s, d",
         (f"{LOCAL_HOSTILE}::test_leaving_inference_mode_is_seen_on_a_repeated_call",),
         "an inference tensor target, passed in inference mode, is written outside it",
+    ),
+    Mutant(
+        "same_buffers_always",
+        PKG,
+        "    return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, got.short)",
+        "    return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, True)",
+        (f"{REPEAT}::test_same_buffers_means_cleared_on_every_rank",),
+        "the rounds are told the buffers are the last cleared call's when they are not",
     ),
     Mutant(
         "dtensor_locals_unchecked",

@@ -75,23 +75,24 @@ def _views(entries, mine, locals_):
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+_LOCAL = operator.attrgetter("_local_tensor")
 
 
 def _locals_key(locals_, mine) -> tuple | None:
     """Everything `_views` and `_identity` read of this rank's local tensors (address, storage
-    address, shape, strides, dtype, device), without building views: equal keys give equal
+    address, shape, contiguity, dtype, device), without building views: equal keys give equal
     views. None when a local is not a tensor these reads accept."""
     import torch
 
     try:
-        ts = [locals_[i] for i, _, _ in mine]
+        ts = list(map(locals_.__getitem__, [i for i, _, _ in mine]))
         storages = list(map(torch.Tensor.untyped_storage, ts))
         return (
             tuple(map(type, ts)),
             tuple(map(torch.Tensor.data_ptr, ts)),
             tuple(map(torch.UntypedStorage.data_ptr, storages)),
             tuple(map(_SHAPE, ts)),
-            tuple(map(torch.Tensor.stride, ts)),
+            tuple(map(torch.Tensor.is_contiguous, ts)),
             tuple(map(_DTYPE, ts)),
             tuple(map(_DEVICE, ts)),
         )
@@ -183,6 +184,5 @@ def describe(dtensors, group=None) -> LiveDTensors:
         raise TypeError(f"describe() takes a {{name: DTensor}} mapping, got {type(dtensors)}")
     items = sorted(dtensors.items())
     entries = [entry(name, dt) for name, dt in items]
-    return describe_entries(
-        "DTensors", entries, lambda: [dt._local_tensor for _, dt in items], group=group
-    )
+    dts = [dt for _, dt in items]
+    return describe_entries("DTensors", entries, lambda: list(map(_LOCAL, dts)), group=group)
