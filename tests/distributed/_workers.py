@@ -20,6 +20,7 @@ import _refplan  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 import reshard as rs  # noqa: E402
+from reshard.rounds import wire_parts  # noqa: E402
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -351,28 +352,6 @@ def _peer_segments(scheds, plan, rank, side, rnd, peer):
     return {int(seg.byte_offset): seg for seg in msg.segments}
 
 
-def _parts(msg):
-    """The wires a message travels as (the executor's rule, written out here): a message
-    with a segment flagged `contiguous` and more than one segment is cut into each flagged
-    segment alone and each run of the others, from its first segment's start to its last
-    one's end; otherwise it is one wire. Returns [(segments, first byte, bytes)]."""
-    segs = sorted(msg.segments, key=lambda seg: seg.byte_offset)
-    if len(segs) < 2 or not any(seg.contiguous for seg in segs):
-        return [(segs, 0, msg.nbytes)]
-    groups = []
-    for seg in segs:
-        if seg.contiguous or not groups or groups[-1][-1].contiguous:
-            groups.append([seg])
-        else:
-            groups[-1].append(seg)
-    out = []
-    for g in groups:
-        lo = g[0].byte_offset
-        hi = g[-1].byte_offset + g[-1].numel * g[-1].wire_dtype.itemsize
-        out.append((g, lo, hi - lo))
-    return out
-
-
 def expected_zero_copy(plan, rank, src_dtype, dst_dtype):
     """(zero-copy bytes this rank should report, messages that are one contiguous range,
     messages that are not but partly are (consecutive elements somewhere, or a segment that
@@ -418,22 +397,14 @@ def expected_zero_copy(plan, rank, src_dtype, dst_dtype):
                     partly += 1  # consecutive elements somewhere, but not one range
                 elif any(_is_one_range(_segment_image(seg, side, dt)) for seg in m.segments):
                     partly += 1  # one of several storages' segments is one range alone
-                split += len(_parts(m)) > 1
-                for segs, lo, n in _parts(m):
-                    shifted = [
-                        _refplan.Segment(
-                            seg.src_location,
-                            seg.dst_location,
-                            seg.wire_dtype,
-                            seg.byte_offset - lo,
-                            seg.numel,
-                            seg.desc,
-                        )
-                        for seg in segs
-                    ]
-                    one = _refplan.Message(0, 0, 0, n, shifted)
+                # the cut itself is pinned by test_wire_parts_cut_at_contiguous_segments;
+                # which of its wires are one range is judged here, element by element
+                parts = wire_parts(m)
+                split += len(parts) > 1
+                for part in parts:
+                    one = _refplan.Message(0, 0, 0, part.nbytes, list(part.segments))
                     if _is_one_range(_message_image(one, side, lambda loc, dt=dt: dt)):
-                        nbytes += n
+                        nbytes += part.nbytes
     return nbytes, direct, partly, total, errs, split
 
 
