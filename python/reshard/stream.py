@@ -164,8 +164,8 @@ class Stream:
         for b in self.buckets:
             lines.append(
                 f"  bucket {b.index}: {len(b.names)} tensors, {b.nbytes} B at buffer byte "
-                f"{b.start}, moves after {b.wait_consumed} tensor(s) of the previous bucket, "
-                f"{b.plan.num_rounds} rounds"
+                f"{b.start}, moves once the caller is past {b.ready_after} tensor(s) of the "
+                f"stream, {b.plan.num_rounds} rounds"
             )
         return "\n".join(lines)
 
