@@ -45,18 +45,7 @@ import reshard as rs  # noqa: E402
 
 MiB = 1 << 20
 BEFORE_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
-ALL = (
-    "transfer",
-    "transfer_thread",
-    "transfer_thread15",
-    "buckets_main",
-    "buckets_thread",
-    "stream",
-    "stream_before",
-    "stream_inline",
-    "stream_t15",
-    "stream_nowrite",
-)
+ALL = ("transfer", "transfer_thread", "transfer_thread15", "buckets_main", "buckets_thread")
 
 
 def load_before(path):
@@ -130,8 +119,22 @@ def _sync():
         torch.cuda.synchronize()
 
 
+# stream variants: (current or before, copy each tensor into the weights, worker threads:
+# None: as built, "inline": moves on the caller's thread, "all": the caller's count, or a count)
+STREAMS = {
+    "stream": ("current", True, None),
+    "stream_before": ("before", True, None),
+    "stream_inline": ("current", True, "inline"),
+    "stream_full": ("current", True, "all"),
+    "stream_t14": ("current", True, 14),
+    "stream_t15": ("current", True, 15),
+    "stream_before_t15": ("before", True, 15),
+    "stream_nowrite": ("current", False, None),
+}
+
+
 def make_variants(case, names, before_cls):
-    out, keep, streams = {}, [], {}
+    out, keep, streams, threads = {}, [], {}, {}
     kw = dict(dtype=case.dst.dtype, device=case.dst_device)
     bb = case.stream["bucket_bytes"]
 
@@ -169,24 +172,22 @@ def make_variants(case, names, before_cls):
 
         out["buckets_main"] = lambda bufs: run_buckets()
         out["buckets_thread"] = lambda bufs: pool.submit(run_buckets).result()
-    if "stream" in names:
-        out["stream"] = stream_step("stream", new_stream())
-    if "stream_before" in names and before_cls is not None:
-        out["stream_before"] = stream_step("stream_before", new_stream(before_cls))
-    if "stream_inline" in names:
-        s = new_stream()
-        s.mover._worker = Inline()
-        out["stream_inline"] = stream_step("stream_inline", s)
-    if "stream_t15" in names:
-        out["stream_t15"] = stream_step("stream_t15", new_stream())
-    if "stream_nowrite" in names:
-        out["stream_nowrite"] = stream_step("stream_nowrite", new_stream(), write=False)
-    return {k: v for k, v in out.items() if k in names or k == "_sync"}, keep, pool, streams
+    for label, (which, write, nthreads) in STREAMS.items():
+        if label not in names or (which == "before" and before_cls is None):
+            continue
+        s = new_stream(rs.Stream if which == "current" else before_cls)
+        if nthreads == "inline":
+            s.mover._worker = Inline()
+        elif nthreads is not None:
+            threads[label] = nthreads
+        out[label] = stream_step(label, s, write)
+    steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
+    return steps, keep, pool, streams, threads
 
 
 def run_model(model, names, rounds, before_cls, floor_bw, device):
     case = S.stream_offload(model, 0, 1, device)
-    steps, keep, pool, streams = make_variants(case, names, before_cls)
+    steps, keep, pool, streams, worker_threads = make_variants(case, names, before_cls)
     sync = steps.pop("_sync", None)
     bufs = {m: case.targets() for m in steps}
     for m, step in steps.items():
@@ -195,8 +196,9 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
                 step(bufs[m])
     _sync()
     threads = torch.get_num_threads()
-    if "stream_t15" in steps:  # the worker exists now: set its own intra-op threads
-        streams["stream_t15"].mover._worker.submit(torch.set_num_threads, 15).result()
+    for label, n in worker_threads.items():  # the workers exist now: set their own teams
+        n = threads if n == "all" else n
+        streams[label].mover._worker.submit(torch.set_num_threads, n).result()
     pool15 = None
     if steps.get("transfer_thread15", 1) is None:
         pool15 = concurrent.futures.ThreadPoolExecutor(
@@ -273,6 +275,45 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
     return res
 
 
+def stage_calls(elements, parts_list, rounds):
+    """stage_h2d of `elements` pageable fp32 -> one dense bf16 CUDA target through a 64 MiB
+    ring, on the caller's thread, as one call or as `parts` equal calls back to back
+    (interleaved rounds): the op's own cost per call."""
+    src = torch.rand(elements)
+    dst = torch.empty(elements, dtype=torch.bfloat16, device="cuda")
+    ring = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True)
+    ref = src.to(torch.bfloat16)
+    cuts = {}
+    for parts in parts_list:
+        edges = [elements * i // parts for i in range(parts + 1)]
+        cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges, edges[1:], strict=True)]
+    times = {p: [] for p in parts_list}
+    for r in range(rounds + 2):
+        for parts in parts_list:
+            dst.fill_(0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for a, b, d in cuts[parts]:
+                torch.ops.reshard.stage_h2d(src[a:b], d, ring, dst[a:b])
+            torch.cuda.synchronize()
+            if r >= 2:
+                times[parts].append(time.perf_counter() - t0)
+            ok = bool(torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)))
+            assert ok, f"stage_h2d in {parts} calls differs from torch's cast"
+    out = []
+    for parts in parts_list:
+        med = statistics.median(times[parts])
+        row = {"elements": elements, "parts": parts, "median_s": med, "min_s": min(times[parts])}
+        row["g_elem_per_s"] = elements / med / 1e9
+        print(f"stage {elements} elements in {parts} calls: {med * 1e3:.2f} ms", flush=True)
+        out.append(row)
+    return out
+
+
+def _dense(n):
+    return torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64)
+
+
 def ordering_check():
     """The queued-reads GPU test against the current code, then with the worker's stream not
     waiting for the caller's event: the first must pass, the second fail."""
@@ -310,10 +351,11 @@ def main(argv=None):
     ap.add_argument("--json", required=True)
     ap.add_argument("--models", default="gpt-125m,gpt-350m")
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--variants", default=",".join((*ALL, *STREAMS)))
     ap.add_argument("--before", default=None, help="a directory with another revision's stream*.py")
     ap.add_argument("--ordering", action="store_true", help="run the ordering check too")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the harness")
+    ap.add_argument("--stage", default="", help="elements:parts,parts,...: the stage section")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
     before_cls = load_before(args.before) if args.before else None
@@ -331,6 +373,9 @@ def main(argv=None):
         run_model(m, names, args.rounds, before_cls, bw, args.device)
         for m in args.models.split(",")
     ]
+    if args.stage:
+        n, parts = args.stage.split(":")
+        rec["stage"] = stage_calls(int(n), [int(p) for p in parts.split(",")], args.rounds)
     if args.ordering:
         rec["ordering"] = ordering_check()
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
