@@ -11,15 +11,19 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 - stream: the current `rs.Stream`; stream_before: the Stream of another revision (--before
   DIR: that revision's stream*.py, loaded as reshard._before_*);
 - stream_inline: the current Stream, its buckets moved on the caller's thread;
-- stream_t15: the current Stream whose worker's intra-op threads are set to 15;
+- stream_full / stream_t14 / stream_t15 / stream_before_t15: a Stream whose worker's intra-op
+  threads are set to the caller's count / 14 / 15 (the current Stream, or the one of --before);
 - stream_nowrite: the current Stream, iterated without copying the tensors anywhere.
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
-`ordering`: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run against the current
-Stream and against one whose worker ignores the caller's event; the second must fail.
+--stage N:P1,P2,..: `stage_h2d` of N elements in one call and in P equal calls (the op's own
+cost per call). --ordering: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run
+against the current Stream and against one whose worker ignores the caller's event; the second
+must fail.
 
     python benchmarks/stream_probe.py --json out/stream_probe.json [--before DIR] \\
-        [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...]
+        [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...] [--ordering] \\
+        [--stage 123551232:1,4,11]
 """
 
 from __future__ import annotations
@@ -286,7 +290,7 @@ def stage_calls(elements, parts_list, rounds):
     cuts = {}
     for parts in parts_list:
         edges = [elements * i // parts for i in range(parts + 1)]
-        cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges, edges[1:], strict=True)]
+        cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     times = {p: [] for p in parts_list}
     for r in range(rounds + 2):
         for parts in parts_list:
@@ -369,18 +373,23 @@ def main(argv=None):
     bw = pinned_h2d_Bps() if args.device == "cuda" else None
     rec["pinned_h2d_Bps"] = bw
     print(f"pinned h2d {(bw or 0) / 1e9:.2f} GB/s", flush=True)
-    rec["models"] = [
-        run_model(m, names, args.rounds, before_cls, bw, args.device)
-        for m in args.models.split(",")
-    ]
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+
+    def save():  # after every section: a later failure keeps what was measured
+        with open(args.json, "w") as f:
+            json.dump(rec, f, indent=1, default=str)
+
+    rec["models"] = []
+    for m in args.models.split(","):
+        rec["models"].append(run_model(m, names, args.rounds, before_cls, bw, args.device))
+        save()
     if args.stage:
         n, parts = args.stage.split(":")
         rec["stage"] = stage_calls(int(n), [int(p) for p in parts.split(",")], args.rounds)
+        save()
     if args.ordering:
         rec["ordering"] = ordering_check()
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rec, f, indent=1, default=str)
+        save()
     return 0
 
 

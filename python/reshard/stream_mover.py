@@ -10,8 +10,7 @@ tables, so a call costs each bucket only its preflight and its rounds. The Trans
 one pinned ring, allocated on first use and kept across calls. With `register_host_sources`, CPU
 source storages are page-locked in place once (`reshard.hostreg`), for every bucket.
 
-CUDA: the worker moves buckets on its own CUDA stream, its intra-op team one core short of the
-process's (`leave_a_core`). A landed bucket is handed to the caller
+CUDA: the worker moves buckets on its own CUDA stream. A landed bucket is handed to the caller
 as an event its current stream waits on (no host synchronization); before a bucket overwrites
 bytes the caller used, the worker's stream waits on an event recorded on the caller's stream.
 """
@@ -19,7 +18,6 @@ bytes the caller used, the worker's stream waits on an event recorded on the cal
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 
 import torch
 
@@ -121,22 +119,6 @@ class PooledStaging(staging.Staging):
             self.ring = self.pool.ring_view(nbytes)
 
 
-def leave_a_core() -> None:
-    """The worker's initializer with CUDA receivers: its intra-op team (the host's pack of each
-    bucket) takes one core fewer than the process's setting. The caller's thread launches its
-    GPU work tensor by tensor while the next bucket is packed; a team on every core starves it
-    (each launch then waits for a core), and the pack is bound by memory bandwidth before the
-    last core. Only this thread's team changes: torch.set_num_threads also sets the default
-    that threads starting later take, which a short-lived thread puts back."""
-    n = torch.get_num_threads()
-    if n < 3:
-        return
-    torch.set_num_threads(n - 1)
-    restore = threading.Thread(target=torch.set_num_threads, args=(n,), name="reshard-threads")
-    restore.start()
-    restore.join()
-
-
 class BucketMover:
     """Moves a Stream's buckets, one at a time, on one worker thread (see the module
     docstring). `submit` returns a Future of (Report, CUDA event or None)."""
@@ -165,9 +147,7 @@ class BucketMover:
             # one worker thread for the Stream's life: its allocator arena (CPU staging) and
             # CUDA stream are reused by every call
             self._worker = concurrent.futures.ThreadPoolExecutor(
-                1,
-                thread_name_prefix="reshard-stream",
-                initializer=leave_a_core if self.cuda_device is not None else None,
+                1, thread_name_prefix="reshard-stream"
             )
         return self._worker.submit(self._move, bucket, src, dst, checks, caller_done, host_sync)
 

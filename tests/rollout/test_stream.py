@@ -217,29 +217,6 @@ def test_a_failed_bucket_stops_the_ones_queued_behind_it():
         assert torch.equal(t, values[name].to(torch.bfloat16))
 
 
-def test_leave_a_core_changes_only_the_calling_threads_team():
-    """The CUDA worker's initializer: that thread's intra-op team is one short; the caller's
-    and a thread started afterwards keep the process's setting."""
-    import concurrent.futures
-    import threading
-
-    from reshard.stream_mover import leave_a_core
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
-        with concurrent.futures.ThreadPoolExecutor(1, initializer=leave_a_core) as ex:
-            assert ex.submit(torch.get_num_threads).result() == 3
-        assert torch.get_num_threads() == 4
-        later = []
-        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-        t.start()
-        t.join()
-        assert later == [4]
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_plans_are_built_once_and_reused():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 512, dtype=torch.bfloat16)
