@@ -7,6 +7,8 @@ runs the same pipeline on a GPU."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -182,6 +184,16 @@ def test_keep_split_only_when_measured_faster():
     assert not h2d.keep_split([], [0.5], 0.03) and not h2d.keep_split([0.5], [], 0.03)
 
 
+def _route_of(cast_spans, host, dev_elems, wire_bytes):
+    """What `_balance` reads of a call's route."""
+    return SimpleNamespace(
+        cast_spans=cast_spans,
+        host=host,
+        dev_chunks=[((0, 0), 0, dev_elems)] if dev_elems else [],
+        wire_bytes=wire_bytes,
+    )
+
+
 def test_split_trial_rejects_a_split_that_does_not_pay():
     """The policy's sequence on measured call times: TRIAL_CALLS all on the host, then the
     model's share for TRIAL_CALLS calls, then kept or back to all on the host for good."""
@@ -189,14 +201,65 @@ def test_split_trial_rejects_a_split_that_does_not_pay():
     for split_faster, outcome in ((True, "kept"), (False, "rejected")):
         path = h2d.HostToDevice(tables)
         path.link_bytes_per_s = 55e9
-        host = [(0, 0, 0, 1000)]
         shares = []
         for _ in range(6):
             share = path.host_share
             shares.append(share)
             total = 1.0 if share >= 1.0 else (0.8 if split_faster else 1.1)
-            # the host casts 10 G elem/s, the link 55 GB/s: the model gives the host ~0.53
-            path._balance([(0, 0)], host, src, dst, host_s=1000 / 10e9, total_s=total)
+            host_n = round(1000 * share)
+            # the host casts 10 G elem/s, the link 55 GB/s: the model gives the host ~0.53;
+            # 1000 elements in a second leave the link idle (not link-bound)
+            r = _route_of([(0, 0)], [(0, 0, 0, host_n)], 1000 - host_n, 4000)
+            path._balance(r, src, dst, host_s=host_n / 10e9, total_s=total)
         assert shares[:2] == [1.0, 1.0] and 0.5 < shares[2] < 0.9 and shares[3] == shares[2]
         assert path.split == outcome
         assert (path.host_share < 1.0) == split_faster
+
+
+def test_split_share_moves_to_the_host_after_link_bound_calls():
+    """A split call that kept the link busy: the host's time per element is not taken from
+    it (the host waited for the link), and SHARE_STEP of the casts go back to the host; a
+    host-bound split call measures the host and gives the model's share again."""
+    tables, src, dst, _ = _case(3, 2, torch.bfloat16)
+    path = h2d.HostToDevice(tables)
+    link = path.link_bytes_per_s = 55e9
+    path.split, path.host_share, path.host_s_per_elem = "kept", 0.6, 1 / 10e9
+    n = 10**9
+    host_n = round(n * path.host_share)
+    wire = host_n * 2 + (n - host_n) * 4
+    # link-bound: the wire bytes at the measured rate fill the call; the host's 3 s (it
+    # waited) must not count as its time per element
+    r = _route_of([(0, 0)], [(0, 0, 0, host_n)], n - host_n, wire)
+    assert path._balance(r, src, dst, host_s=3.0, total_s=wire / link)
+    assert path.host_s_per_elem == 1 / 10e9
+    assert path.host_share == pytest.approx(0.6 + h2d.SHARE_STEP)
+    # host-bound: the link idle half the time; the host measured at 20 G elem/s this call
+    host_n = round(n * path.host_share)
+    r = _route_of([(0, 0)], [(0, 0, 0, host_n)], n - host_n, wire)
+    assert not path._balance(r, src, dst, host_s=host_n / 20e9, total_s=2 * wire / link)
+    h = h2d.EMA / 20e9 + (1 - h2d.EMA) / 10e9
+    assert path.host_s_per_elem == pytest.approx(h)
+    assert path.host_share == pytest.approx(h2d.split_fraction(h, link, 2, 4))
+    assert path.split == "kept"
+
+
+def test_direct_copies_follow_new_buffers():
+    """Direct copies are queued from byte views built once per set of buffers: a call with
+    other source or target tensors (new storage) copies from and into those, not the views
+    of the last set."""
+    tables, src, dst, ref = _case(11, 5, torch.float32)
+    path = h2d.HostToDevice(tables)
+    pinned = dict.fromkeys(src, True)
+    ring = torch.empty(4096, dtype=torch.uint8)
+    path.run(src, dst, ring, device_bytes=1024, pinned=pinned)
+    assert path.last["direct_copies"] > 0 and path.last["host_elements"] == 0
+    for k in ref:
+        assert torch.equal(_bits(dst[k]), _bits(ref[k])), k
+    src2 = {k: -v for k, v in src.items()}  # new storages, other values
+    dst2 = {k: torch.full_like(v, -7.0) for k, v in dst.items()}
+    old = {k: v.clone() for k, v in dst.items()}
+    path.run(src2, dst2, ring, device_bytes=1024, pinned=pinned)
+    for k in ref:
+        want = torch.where(ref[k] == -7.0, ref[k], -ref[k])  # unwritten elements stay poisoned
+        assert torch.equal(_bits(dst2[k]), _bits(want)), k
+        assert torch.equal(_bits(dst[k]), _bits(old[k])), k  # the old targets untouched

@@ -52,6 +52,10 @@ MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
+SCRATCH_PARTS = 4  # device-cast scratch parts: copies land in some while others are cast
+DEVICE_CHUNK_BYTES = 8 << 20  # source bytes per device-cast piece: the share's granularity
+LINK_BUSY = 0.92  # a split call that kept the link this busy (of its measured rate) was link-bound
+SHARE_STEP = 0.02  # host share added after a link-bound split call
 
 
 def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
@@ -197,14 +201,15 @@ def _classify(tables, src, dst, pinned):
 
 
 def _device_cast_chunks(tables, cast_spans, src, device_bytes, host_share, host):
-    """The device-side share of the cast spans: whole chunks (half the scratch each) taken
-    from the spans' ends; what is left of each span is appended to `host`.
-    Returns (chunks [((table, span), first, n)], chunk elements, source item size)."""
+    """The device-side share of the cast spans: whole chunks (a scratch part each, at most
+    DEVICE_CHUNK_BYTES of source) taken from the spans' ends; what is left of each span is
+    appended to `host`. Returns (chunks [((table, span), first, n)], chunk elements, source
+    item size)."""
     dev_chunks, chunk, src_isz = [], 0, 4
     if not cast_spans:
         return dev_chunks, chunk, src_isz
     src_isz = max(src[tables[ti].src_location].element_size() for ti, _ in cast_spans)
-    chunk = device_bytes // 2 // src_isz  # two scratch halves
+    chunk = min(device_bytes // SCRATCH_PARTS, DEVICE_CHUNK_BYTES) // src_isz
     lengths = [int(tables[ti].spans[j, 2]) for ti, j in cast_spans]
     want = 0 if chunk <= 0 else round((1.0 - host_share) * sum(lengths))
     taken = {}
@@ -253,6 +258,7 @@ class _Route(NamedTuple):
     slots: list  # the small pieces cut into ring slots (slot_pieces)
     n_slots: int
     slot_bytes: int
+    wire_bytes: int  # over the link in one call
 
 
 class HostToDevice:
@@ -271,6 +277,8 @@ class HostToDevice:
         self._descs: dict[int, torch.Tensor] = {}  # device-cast tables by length (kept alive)
         self._pinned = {}  # source location -> data_ptr seen page-locked (stays so while alive)
         self._routes: dict = {}  # (page-locked sources, share, ring, scratch) -> _Route
+        self._warm: set = set()  # (length, dtypes) of device casts whose tables the op holds
+        self._direct_views = (None, [], [])  # (buffers' data pointers, targets, sources)
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
@@ -280,6 +288,7 @@ class HostToDevice:
         if d is None:
             if len(self._descs) >= MAX_DESCS:
                 self._descs.clear()
+                self._warm.clear()
             d = self._descs[n] = _dense_desc(n)
         return d
 
@@ -335,6 +344,10 @@ class HostToDevice:
         slots = slot_pieces(
             [(k, first, n) for k, (_, _, first, n) in enumerate(small)], itemsizes, slot_bytes
         )
+        t = self.tables
+        wire = sum(int(t[i].spans[j, 2]) * src[t[i].src_location].element_size() for i, j in direct)
+        wire += sum(n for _, _, n in dev_chunks) * src_isz
+        wire += sum(n * dst[t[i].dst_location].element_size() for i, _, _, n in host)
         if len(self._routes) >= MAX_DESCS:
             self._routes.clear()
         r = self._routes[key] = _Route(
@@ -349,6 +362,7 @@ class HostToDevice:
             slots,
             n_slots,
             slot_bytes,
+            wire,
         )
         return r
 
@@ -361,17 +375,22 @@ class HostToDevice:
         if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
             self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
         t_start = time.perf_counter()
-        timed = dev.type == "cuda" and bool(dev_chunks)
+        timed = dev.type == "cuda" and bool(dev_chunks or direct)
         side_start, side_end = q.event(timed), q.event(timed)
+        scratch = None
+        if dev_chunks:
+            scratch = torch.empty(SCRATCH_PARTS * chunk * src_isz, dtype=torch.uint8, device=dev)
+            self._warm_tables(src, dst, dev_chunks, scratch, chunk * src_isz)
         q.record(side_start, cur)  # the side streams start after the caller's queued work
         q.wait(side, side_start)
         q.wait(cast_stream, side_start)
-        scratch = None
-        if dev_chunks:
-            scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
         self._direct_copies(q, src, dst, direct)
         self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
-        q.record(side_end, cast_stream)
+        if timed:  # the side streams' end: the cast stream after the side stream's last copy
+            side_done = q.event()
+            q.record(side_done, side)
+            q.wait(cast_stream, side_done)
+            q.record(side_end, cast_stream)
         self._staged_pieces(q, src, dst, ring, big)
         pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
         host_s = time.perf_counter() - t_start
@@ -379,31 +398,44 @@ class HostToDevice:
         total_s = time.perf_counter() - t_start
         side_s = q.elapsed(side_start, side_end) if timed else 0.0
         share = self.host_share
-        self._balance(cast_spans, host, src, dst, host_s, total_s)
+        link_bound = self._balance(r, src, dst, host_s, total_s)
         self.last = {
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
+            "direct_copies": len(direct),
             "device_cast_elements": sum(n for _, _, n in dev_chunks),
             "host_elements": sum(n for _, _, _, n in host),
             "staged_pieces": sum(1 for _, j, _, _ in big if j is not None),
             "staged_tables": sum(1 for _, j, _, _ in big if j is None),
             "ring_pieces": len(small),
             "host_share": share,  # this call's (self.host_share: the next call's)
+            "wire_bytes": r.wire_bytes,
             "host_s": host_s,
             "host_pack_s": pack_s,
             "device_side_s": side_s,
             "total_s": total_s,
+            "link_bound": link_bound,
             "split": self.split,
         }
 
     def _direct_copies(self, q, src, dst, direct):
-        """Same-dtype spans in page-locked memory: the copy engine reads the source itself."""
-        for ti, j in direct:
-            t = self.tables[ti]
-            so, do, n = (int(v) for v in t.spans[j])
-            with q.on(q.side):
-                _bytes(dst[t.dst_location], do, n).copy_(
-                    _bytes(src[t.src_location], so, n), non_blocking=True
-                )
+        """Same-dtype spans in page-locked memory: the copy engine reads the source itself,
+        all queued by one call (byte views built once per set of buffers)."""
+        if not direct:
+            return
+        locs = {self.tables[ti].src_location for ti, _ in direct}
+        key = tuple(src[k].data_ptr() for k in sorted(locs))
+        key += tuple(dst[self.tables[ti].dst_location].data_ptr() for ti, _ in direct)
+        if self._direct_views[0] != key:
+            to, fro = [], []
+            for ti, j in direct:
+                t = self.tables[ti]
+                so, do, n = (int(v) for v in t.spans[j])
+                to.append(_bytes(dst[t.dst_location], do, n))
+                fro.append(_bytes(src[t.src_location], so, n))
+            self._direct_views = (key, to, fro)
+        _, to, fro = self._direct_views
+        with q.on(q.side):
+            torch._foreach_copy_(to, fro, non_blocking=True)
 
     def _staged_pieces(self, q, src, dst, ring, big):
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
@@ -419,18 +451,33 @@ class HostToDevice:
                 src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
             )
 
-    def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
-        """Each chunk: its source elements to a scratch half (side stream), then the cast into
-        the target (cast stream); a half is refilled after the cast that read it."""
-        sc_events = [(q.event(), q.event()) for _ in range(2)]
+    def _warm_tables(self, src, dst, chunks, scratch, part_bytes):
+        """The device op validates and uploads a new table with a synchronous copy on the
+        current stream: for a device-cast length not seen yet that happens here, on scratch
+        parts, before the pipeline (on the cast stream it would wait for a chunk's copy)."""
+        for (ti, _), _, n in chunks:
+            t = self.tables[ti]
+            s, d = src[t.src_location], dst[t.dst_location]
+            key = (n, s.dtype, d.dtype)
+            if key in self._warm:
+                continue
+            a = scratch[:part_bytes].view(s.dtype)[:n]
+            b = scratch[part_bytes : 2 * part_bytes].view(d.dtype)[:n]
+            torch.ops.reshard.copy_runs(a, self._desc(n), b)
+            self._warm.add(key)
+
+    def _device_casts(self, q, src, dst, chunks, scratch, part_bytes):
+        """Each chunk: its source elements to a scratch part (side stream), then the cast into
+        the target (cast stream); a part is refilled after the cast that read it."""
+        events = [(q.event(), q.event()) for _ in range(SCRATCH_PARTS)]
         for c, ((ti, j), first, n) in enumerate(chunks):
             t = self.tables[ti]
             so, do, _ = (int(v) for v in t.spans[j])
             s, d = src[t.src_location], dst[t.dst_location]
-            h = c % 2
-            dma_done, cast_done = sc_events[h]
-            buf = scratch[h * half_bytes : (h + 1) * half_bytes].view(s.dtype)[:n]
-            if c >= 2:  # the cast that last read this half
+            h = c % SCRATCH_PARTS
+            dma_done, cast_done = events[h]
+            buf = scratch[h * part_bytes : (h + 1) * part_bytes].view(s.dtype)[:n]
+            if c >= SCRATCH_PARTS:  # the cast that last read this part
                 q.wait(q.side, cast_done)
             with q.on(q.side):
                 buf.copy_(s[so + first : so + first + n], non_blocking=True)
@@ -475,21 +522,29 @@ class HostToDevice:
             q.record(events[sl], q.current())
         return pack_s
 
-    def _balance(self, cast_spans, host, src, dst, host_s, total_s) -> None:
-        """The next call's share of the host-side cast (`split_fraction` of the host's measured
-        time per element and the link's measured rate), once TRIAL_CALLS calls with all casts
+    def _balance(self, r, src, dst, host_s, total_s) -> bool:
+        """The next call's share of the host-side cast, once TRIAL_CALLS calls with all casts
         on the host and TRIAL_CALLS with the split showed the split pays (`keep_split`);
-        otherwise every cast stays on the host."""
-        if not cast_spans:
-            return
-        host_elems = sum(n for _, _, _, n in host)
-        if host_elems and host_s > 0:
+        otherwise every cast stays on the host. The host's time per element comes from calls
+        the host bounded: all-host calls, and split calls that left the link idle part of the
+        time (a host that waits for ring slots behind a busy link would look slower than it
+        is, and the model would then hand the device ever more). A split call that kept the
+        link busy moves SHARE_STEP back to the host; any other gives `split_fraction`'s share.
+        Returns whether this call was link-bound."""
+        if not r.cast_spans:
+            return False
+        link = self.link_bytes_per_s
+        link_bound = (
+            bool(r.dev_chunks) and bool(link) and r.wire_bytes >= LINK_BUSY * link * total_s
+        )
+        host_elems = sum(n for _, _, _, n in r.host)
+        if host_elems and host_s > 0 and not link_bound:
             h = host_s / host_elems
             self.host_s_per_elem = (
                 h if self.host_s_per_elem is None else EMA * h + (1 - EMA) * self.host_s_per_elem
             )
-        if self.split == "rejected" or not self.link_bytes_per_s or not self.host_s_per_elem:
-            return
+        if self.split == "rejected" or not link or not self.host_s_per_elem:
+            return link_bound
         trial = self._trial["host_only" if self.host_share >= 1.0 else "split"]
         trial[:] = [*trial[1 - TRIAL_CALLS :], total_s]
         if self.split == "trial" and len(self._trial["split"]) == TRIAL_CALLS:
@@ -497,19 +552,23 @@ class HostToDevice:
                 self._trial["host_only"], self._trial["split"], MIN_GAIN
             ):
                 self.split, self.host_share = "rejected", 1.0
-                return
+                return link_bound
             self.split = "kept"
         if self.host_share < 1.0 or len(self._trial["host_only"]) == TRIAL_CALLS:
-            ti, _ = cast_spans[0]
+            if link_bound:
+                self.host_share = min(1.0, self.host_share + SHARE_STEP)
+                return link_bound
+            ti, _ = r.cast_spans[0]
             t = self.tables[ti]
             self.host_share = split_fraction(
                 self.host_s_per_elem,
-                self.link_bytes_per_s,
+                link,
                 dst[t.dst_location].element_size(),
                 src[t.src_location].element_size(),
             )
             if self.host_share >= 1.0 and self.split == "trial":
                 self.split = "rejected"  # the model sees no gain: nothing to try
+        return link_bound
 
 
 def _probe_link(tables, cast_spans, src, q, dev, device_bytes):
