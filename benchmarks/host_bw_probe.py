@@ -349,6 +349,7 @@ def _load_h2d(path):
 
     spec = importlib.util.spec_from_file_location("h2d_before", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules["h2d_before"] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
