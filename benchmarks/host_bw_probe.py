@@ -367,7 +367,7 @@ def _forced(mod, n, host_share):
     return p
 
 
-def section_split(n, before, rounds):
+def section_split(n, before, rounds, shares=(0.0, 0.1, 0.2, 0.3, 0.4, 1.0)):
     """fp32 in page-locked memory -> dense bf16 on the GPU through reshard.h2d with the
     device share forced (this code and `before`'s), its controls (the host part alone, with a
     concurrent fp32 DMA of the device part, the DMA alone), the registered vs pinned source,
@@ -399,7 +399,7 @@ def section_split(n, before, rounds):
     variants = {"stage_all": lambda: torch.ops.reshard.stage_h2d(src, d_all, ring, dst)}
     paths = {}
     for tag, mod in mods.items():
-        for dshare in (0.0, 0.1, 0.2, 0.3, 0.4, 1.0):
+        for dshare in shares:
             paths[f"{tag}_d{dshare}"] = (_forced(mod, n, 1.0 - dshare), src)
     paths["new_pinned_d0.0"] = (_forced(h2d, n, 1.0), pin)
     paths["new_pinned_d0.3"] = (_forced(h2d, n, 0.7), pin)
@@ -726,6 +726,7 @@ def main(argv=None):
     )
     ap.add_argument("--split-elements", type=int, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--shares", default="0.0,0.1,0.2,0.3,0.4,1.0", help="device shares (split)")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
     rec = {
@@ -743,7 +744,15 @@ def main(argv=None):
     before = _load_h2d(args.before) if args.before else None
     models = args.models.split(",")
     for name, fn in (
-        ("split", lambda: section_split(args.split_elements, before, args.rounds)),
+        (
+            "split",
+            lambda: section_split(
+                args.split_elements,
+                before,
+                args.rounds,
+                [float(x) for x in args.shares.split(",")],
+            ),
+        ),
         ("policy", lambda: section_policy(models, before, args.iters)),
         ("fsdp", lambda: section_fsdp(models, before, args.iters)),
     ):

@@ -18,23 +18,30 @@ path moves every qualifying table in one pipeline instead:
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
   bit for bit), so the host and the link finish together: the share is `split_fraction` of the
   host's measured time per element and the link's measured rate, kept only where the first
-  calls measured it faster than all casts on the host (`keep_split`).
+  calls measured it faster than all casts on the host (`keep_split`). The host's time per
+  element is taken from calls the host bounded (under the split it includes what the device
+  share's reads of host memory cost the host's cast); after a call the link bounded, the host
+  gets SHARE_STEP more.
 
-Direct copies and device casts are queued first on two side streams (after the caller's queued
-work), so they share the link with the host's copies from the start. The call returns after
-every copy completed (the caller may rewrite sources at once). Device memory: at most the stage
-ops' device staging for the same ring (`stage_device_bytes`), allocated per call from the
-caching allocator: the device casts' scratch, or a whole table's `stage_h2d` staging (whole
-tables are staged only in calls without device casts; staged pieces land straight in their
-targets); host: the ring. How each span moves is decided once per set of page-locked sources
-and host share, and reused while they stay. A table qualifies when its source is on the CPU, its target on the
-current CUDA device, the target dtype is no wider than the source's, and its runs are at most
-`MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
+Direct copies and device casts go on two side streams (after the caller's queued work), queued
+by a side thread while the caller's thread packs (the stage op releases the GIL), so they share
+the link with the host's copies from the start and the host's cast starts at once. The call
+returns after every copy completed (the caller may rewrite sources at once). Device memory: at
+most the stage ops' device staging for the same ring (`stage_device_bytes`), allocated per call
+from the caching allocator: the device casts' scratch, or a whole table's `stage_h2d` staging
+(whole tables are staged only in calls without device casts; staged pieces land straight in
+their targets); host: the ring. How each span moves is decided once per set of page-locked
+sources and host share, and reused while they stay. A table qualifies when its source is on
+the CPU, its target on the current CUDA device, the target dtype is no wider than the
+source's, and its runs are at most `MAX_SPANS` contiguous spans; every other table goes
+through `stage_h2d`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,7 +61,7 @@ PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming t
 MAX_DESCS = 256
 SCRATCH_PARTS = 4  # device-cast scratch parts: copies land in some while others are cast
 DEVICE_CHUNK_BYTES = 8 << 20  # source bytes per device-cast piece: the share's granularity
-LINK_BUSY = 0.92  # a split call that kept the link this busy (of its measured rate) was link-bound
+LINK_BUSY = 0.85  # a split call that kept the link this busy (of its probed rate): link-bound
 SHARE_STEP = 0.02  # host share added after a link-bound split call
 
 
@@ -384,16 +391,26 @@ class HostToDevice:
         q.record(side_start, cur)  # the side streams start after the caller's queued work
         q.wait(side, side_start)
         q.wait(cast_stream, side_start)
-        self._direct_copies(q, src, dst, direct)
-        self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
+
+        def side_work():
+            self._direct_copies(q, src, dst, direct)
+            self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
+
+        # the host's own copies are the bound wherever there are any: the side streams' work
+        # is queued by another thread meanwhile (the stage op runs without the GIL)
+        job = q.background(side_work) if big or small else side_work()
+        try:
+            self._staged_pieces(q, src, dst, ring, big)
+            pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
+        finally:
+            if job is not None:
+                job.result()
+        host_s = time.perf_counter() - t_start
         if timed:  # the side streams' end: the cast stream after the side stream's last copy
             side_done = q.event()
             q.record(side_done, side)
             q.wait(cast_stream, side_done)
             q.record(side_end, cast_stream)
-        self._staged_pieces(q, src, dst, ring, big)
-        pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
-        host_s = time.perf_counter() - t_start
         q.finish()  # every source byte read, every target byte written
         total_s = time.perf_counter() - t_start
         side_s = q.elapsed(side_start, side_end) if timed else 0.0
@@ -596,6 +613,19 @@ def _probe_link(tables, cast_spans, src, q, dev, device_bytes):
     return n * s.element_size() / (best / 1e3) if best and best > 0 else None
 
 
+_SIDE_THREAD = None
+_SIDE_LOCK = threading.Lock()
+
+
+def _side_thread() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that queues the side streams' work while a caller's thread packs."""
+    global _SIDE_THREAD
+    with _SIDE_LOCK:
+        if _SIDE_THREAD is None:
+            _SIDE_THREAD = concurrent.futures.ThreadPoolExecutor(1, "reshard-h2d")
+        return _SIDE_THREAD
+
+
 class _Streams:
     """The side streams of one CUDA device and the stream operations of the pipeline."""
 
@@ -625,6 +655,16 @@ class _Streams:
 
     def stage(self, src, desc, ring, dst):
         torch.ops.reshard.stage_h2d(src, desc, ring, dst)
+
+    def background(self, fn):
+        """fn() on the side thread, with this thread's device (a Future)."""
+        dev = torch.cuda.current_device()
+
+        def run():
+            with torch.cuda.device(dev):
+                fn()
+
+        return _side_thread().submit(run)
 
     def finish(self):
         cur = self.current()
@@ -663,6 +703,9 @@ class _Ordered:
 
     def stage(self, src, desc, ring, dst):
         torch.ops.reshard.copy_runs(src, desc, dst)
+
+    def background(self, fn):
+        fn()
 
     def finish(self):
         pass
