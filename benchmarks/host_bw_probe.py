@@ -403,12 +403,6 @@ def section_split(n, before, rounds, shares=(0.0, 0.1, 0.2, 0.3, 0.4, 1.0)):
             paths[f"{tag}_d{dshare}"] = (_forced(mod, n, 1.0 - dshare), src)
     paths["new_pinned_d0.0"] = (_forced(h2d, n, 1.0), pin)
     paths["new_pinned_d0.3"] = (_forced(h2d, n, 0.7), pin)
-    for mib in (2, 16):  # device-cast pieces of other sizes (the route keeps its own)
-        p = _forced(h2d, n, 0.7)
-        keep, h2d.DEVICE_CHUNK_BYTES = h2d.DEVICE_CHUNK_BYTES, mib * MiB
-        p._route({0: src}, {1: dst}, ring, dev_bytes, p._page_locked({0: src}, {}))
-        h2d.DEVICE_CHUNK_BYTES = keep
-        paths[f"new_c{mib}_d0.3"] = (p, src)
     for label, (p, s) in paths.items():
         variants[label] = lambda p=p, s=s: p.run({0: s}, {1: dst}, ring, dev_bytes)
 

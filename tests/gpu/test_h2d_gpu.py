@@ -100,7 +100,7 @@ def test_transfer_many_tables_bitwise(dst_dtype, kind):
     with rs.Transfer(
         src_l, dst_l, budget_bytes_per_peer=budget, register_host_sources=kind == "registered"
     ) as sync:
-        for call in range(4):  # the split policy moves after the first calls
+        for call in range(8):  # the split policy's trial, then its pick
             if call == 1 and kind == "registered":
                 sync.wait_host_registration()
                 assert all(t.is_pinned() for t in src.values())
