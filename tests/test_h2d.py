@@ -227,9 +227,9 @@ def test_split_trial_ignores_a_share_set_from_outside():
 
 
 def test_direct_copies_follow_new_buffers():
-    """Direct copies are queued from byte views built once per set of buffers: a call with
-    other source or target tensors (new storage) copies from and into those, not the views
-    of the last set."""
+    """Direct copies are queued by one call over byte views of the spans: a call with other
+    source or target tensors (new storage) copies from and into those, and leaves the last
+    call's targets alone."""
     tables, src, dst, ref = _case(11, 5, torch.float32)
     path = h2d.HostToDevice(tables)
     pinned = dict.fromkeys(src, True)

@@ -25,15 +25,15 @@ path moves every qualifying table in one pipeline instead:
 
 Direct copies (one call for all of them) and device casts are queued first on two side streams
 (after the caller's queued work), so they share the link with the host's copies from the start.
-The call returns after
-every copy completed (the caller may rewrite sources at once). Device memory: at most the stage
-ops' device staging for the same ring (`stage_device_bytes`), allocated per call from the
-caching allocator: the device casts' scratch, or a whole table's `stage_h2d` staging (whole
-tables are staged only in calls without device casts; staged pieces land straight in their
-targets); host: the ring. How each span moves is decided once per set of page-locked sources
-and host share, and reused while they stay. A table qualifies when its source is on the CPU, its target on the
-current CUDA device, the target dtype is no wider than the source's, and its runs are at most
-`MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
+The call returns after every copy completed (the caller may rewrite sources at once); it keeps
+no reference to the buffers. Device memory: at most the stage ops' device staging for the same
+ring (`stage_device_bytes`), allocated per call from the caching allocator: the device casts'
+scratch, or a whole table's `stage_h2d` staging (whole tables are staged only in calls without
+device casts; staged pieces land straight in their targets); host: the ring. How each span
+moves is decided once per set of page-locked sources and host share, and reused while they
+stay. A table qualifies when its source is on the CPU, its target on the current CUDA device,
+the target dtype is no wider than the source's, and its runs are at most `MAX_SPANS`
+contiguous spans; every other table goes through `stage_h2d`.
 """
 
 from __future__ import annotations
@@ -259,6 +259,7 @@ class _Route(NamedTuple):
     slots: list  # the small pieces cut into ring slots (slot_pieces)
     n_slots: int
     slot_bytes: int
+    direct_bytes: list  # per direct copy: (source, target, source byte, target byte, bytes)
 
 
 class HostToDevice:
@@ -279,7 +280,6 @@ class HostToDevice:
         self._pinned = {}  # source location -> data_ptr seen page-locked (stays so while alive)
         self._routes: dict = {}  # (page-locked sources, share, ring, scratch) -> _Route
         self._warm: set = set()  # (length, dtypes) of device casts whose tables the op holds
-        self._direct_views = (None, [], [])  # (buffers' data pointers, targets, sources)
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
@@ -345,6 +345,12 @@ class HostToDevice:
         slots = slot_pieces(
             [(k, first, n) for k, (_, _, first, n) in enumerate(small)], itemsizes, slot_bytes
         )
+        direct_bytes = []
+        for ti, j in direct:
+            t = self.tables[ti]
+            isz = src[t.src_location].element_size()
+            so, do, n = (int(v) * isz for v in t.spans[j])
+            direct_bytes.append((t.src_location, t.dst_location, so, do, n))
         if len(self._routes) >= MAX_DESCS:
             self._routes.clear()
         r = self._routes[key] = _Route(
@@ -359,6 +365,7 @@ class HostToDevice:
             slots,
             n_slots,
             slot_bytes,
+            direct_bytes,
         )
         return r
 
@@ -380,7 +387,7 @@ class HostToDevice:
         q.record(side_start, cur)  # the side streams start after the caller's queued work
         q.wait(side, side_start)
         q.wait(cast_stream, side_start)
-        self._direct_copies(q, src, dst, direct)
+        self._direct_copies(q, src, dst, r.direct_bytes)
         self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
         if timed:  # the side streams' end: the cast stream after the side stream's last copy
             side_done = q.event()
@@ -411,23 +418,15 @@ class HostToDevice:
             "split": self.split,
         }
 
-    def _direct_copies(self, q, src, dst, direct):
+    def _direct_copies(self, q, src, dst, direct_bytes):
         """Same-dtype spans in page-locked memory: the copy engine reads the source itself,
-        all queued by one call (byte views built once per set of buffers)."""
-        if not direct:
+        all queued by one call."""
+        if not direct_bytes:
             return
-        locs = sorted({self.tables[ti].src_location for ti, _ in direct})
-        key = tuple(src[k].data_ptr() for k in locs)
-        key += tuple(dst[self.tables[ti].dst_location].data_ptr() for ti, _ in direct)
-        if self._direct_views[0] != key:
-            to, fro = [], []
-            for ti, j in direct:
-                t = self.tables[ti]
-                so, do, n = (int(v) for v in t.spans[j])
-                to.append(_bytes(dst[t.dst_location], do, n))
-                fro.append(_bytes(src[t.src_location], so, n))
-            self._direct_views = (key, to, fro)
-        _, to, fro = self._direct_views
+        sb = {k: src[k].view(torch.uint8) for k in {c[0] for c in direct_bytes}}
+        db = {k: dst[k].view(torch.uint8) for k in {c[1] for c in direct_bytes}}
+        to = [db[d][b : b + n] for _, d, _, b, n in direct_bytes]
+        fro = [sb[s][a : a + n] for s, _, a, _, n in direct_bytes]
         with q.on(q.side):
             torch._foreach_copy_(to, fro, non_blocking=True)
 

@@ -205,8 +205,8 @@ def test_device_cast_share_moving_between_calls():
 
 
 def test_direct_copies_follow_new_buffers_on_the_device():
-    """Direct copies (pinned fp32 -> fp32) are queued from byte views cached per set of
-    buffers: new source and target tensors are read and written, the old ones left alone."""
+    """Direct copies (pinned fp32 -> fp32) are queued by one call over byte views of the
+    spans: new source and target tensors are read and written, the old ones left alone."""
     src = _sources("pinned")
     path, dst = _path_and_targets(torch.float32, src)
     ring = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
