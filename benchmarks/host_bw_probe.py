@@ -14,9 +14,18 @@ what bounds fp32 host state reaching the GPU as bf16.
   and the host's pack of the same chunks into the ring alone (no DMA);
 - stream: the stream_offload scenario (CPU fp32 masters -> bf16 tensors by name): per call
   of an `rs.Stream` (pageable and registered sources) and of one `rs.Transfer` of the same
-  state, where the time goes (per bucket: the Transfer call, the local copies' own record).
+  state, where the time goes (per bucket: the Transfer call, the local copies' own record);
+- split (on request): page-locked fp32 -> bf16 through reshard.h2d with the host/device cast
+  split forced to each of --shares (this code's and, with --before, another h2d.py's), its
+  controls, and the split policy call by call;
+- policy (on request): whole offload_bf16 / stream_offload calls from registered sources with
+  the split off, this code's policy and --before's, interleaved call by call;
+- fsdp (on request): fsdp_offload from registered sources with the direct copies queued one
+  Python call each and in one call, and what one small DMA costs the copy engine.
 
     python benchmarks/host_bw_probe.py --json out/host_bw_probe.json [--sections host,dma,stage,stream]
+    python benchmarks/host_bw_probe.py --json out/split.json --sections split,policy,fsdp \
+        --before OLD/h2d.py --shares 0.0,0.2,0.3,0.4
 """
 
 from __future__ import annotations
@@ -617,11 +626,20 @@ def section_policy(models, before, iters):
     return out
 
 
-def section_fsdp(models, before, iters):
+def _direct_copies_loop(self, q, src, dst, direct_bytes):
+    """reshard.h2d's direct copies as one Python `copy_` call each (the earlier code)."""
+    for s, d, a, b, n in direct_bytes:
+        with q.on(q.side):
+            dst[d].view(torch.uint8)[b : b + n].copy_(
+                src[s].view(torch.uint8)[a : a + n], non_blocking=True
+            )
+
+
+def section_fsdp(models, iters):
     """fsdp_offload (FSDP2 CPU-offloaded fp32 state -> fp32 device partitions, registered
-    sources: direct copies), the direct copies issued one Python call each (`before`'s loop)
-    and in one call, toggled call by call on one Transfer; where each call's time goes; and
-    what one small DMA costs on the copy engine."""
+    sources: direct copies), the direct copies issued one Python call each and in one call,
+    toggled call by call on one Transfer; where each call's time goes; and what one small DMA
+    costs on the copy engine."""
     out = {"calls": [], "dma": []}
     for model in models:
         case = S.fsdp_offload(model, 0, 1, "cuda")
@@ -636,9 +654,7 @@ def section_fsdp(models, before, iters):
         sync.wait_host_registration()
         sync(case.src_buffers, bufs)
         path = _h2d_paths([sync])[0]
-        variants = {"one_call": None}
-        if before is not None:
-            variants["loop"] = types.MethodType(before.HostToDevice._direct_copies, path)
+        variants = {"one_call": None, "loop": types.MethodType(_direct_copies_loop, path)}
         rec = {k: {"s": [], "seconds": [], "h2d": []} for k in variants}
         for i in range(3 + iters):
             for label, meth in variants.items():
@@ -754,7 +770,7 @@ def main(argv=None):
             ),
         ),
         ("policy", lambda: section_policy(models, before, args.iters)),
-        ("fsdp", lambda: section_fsdp(models, before, args.iters)),
+        ("fsdp", lambda: section_fsdp(models, args.iters)),
     ):
         if name in sections:
             try:
