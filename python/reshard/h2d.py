@@ -16,20 +16,24 @@ path moves every qualifying table in one pipeline instead:
 - fp32 spans in page-locked memory bound for narrower targets are split between the host-side
   cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
-  bit for bit), so the host and the link finish together: the share is `split_fraction` of the
-  host's measured time per element and the link's measured rate, kept only where the first
-  calls measured it faster than all casts on the host (`keep_split`).
+  bit for bit), so the host and the link finish together. The share is chosen by measured
+  calls (`pick_share`): TRIAL_CALLS with every cast on the host give the host's time per
+  element, `split_fraction` of it and the link's measured rate gives the model's share, and
+  TRIAL_CALLS at that share and at a smaller device share (the device share's reads of host
+  memory slow the host's cast, which the model does not see) decide; the fastest is kept for
+  good, all on the host unless a split won by MIN_GAIN.
 
-Direct copies and device casts are queued first on two side streams (after the caller's queued
-work), so they share the link with the host's copies from the start. The call returns after
-every copy completed (the caller may rewrite sources at once). Device memory: at most the stage
-ops' device staging for the same ring (`stage_device_bytes`), allocated per call from the
-caching allocator: the device casts' scratch, or a whole table's `stage_h2d` staging (whole
-tables are staged only in calls without device casts; staged pieces land straight in their
-targets); host: the ring. How each span moves is decided once per set of page-locked sources
-and host share, and reused while they stay. A table qualifies when its source is on the CPU, its target on the
-current CUDA device, the target dtype is no wider than the source's, and its runs are at most
-`MAX_SPANS` contiguous spans; every other table goes through `stage_h2d`.
+Direct copies (one call for all of them) and device casts are queued first on two side streams
+(after the caller's queued work), so they share the link with the host's copies from the start.
+The call returns after every copy completed (the caller may rewrite sources at once); it keeps
+no reference to the buffers. Device memory: at most the stage ops' device staging for the same
+ring (`stage_device_bytes`), allocated per call from the caching allocator: the device casts'
+scratch, or a whole table's `stage_h2d` staging (whole tables are staged only in calls without
+device casts; staged pieces land straight in their targets); host: the ring. How each span
+moves is decided once per set of page-locked sources and host share, and reused while they
+stay. A table qualifies when its source is on the CPU, its target on the current CUDA device,
+the target dtype is no wider than the source's, and its runs are at most `MAX_SPANS`
+contiguous spans; every other table goes through `stage_h2d`.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ MAX_SLOTS = 4  # ring slots, as the stage ops cut the ring
 MIN_SLOT_BYTES = 64 * 1024
 ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed DMA)
 EMA = 0.5  # weight of the newest measurement of the host's time per element
-TRIAL_CALLS = 2  # calls measured all on the host, then split, before the split is kept or not
+TRIAL_CALLS = 2  # calls measured per candidate share before one is kept
+SMALLER_SHARE = 0.6  # the second candidate's device share, of the model's
 MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
@@ -101,33 +106,34 @@ def split_fraction(host_s_per_elem, link_bytes_per_s, host_wire_bytes, device_wi
     return float(min(1.0, max(0.0, f)))
 
 
-def keep_split(host_only_s, split_s, min_gain: float) -> bool:
-    """Whether the split pays: its fastest measured call beat the fastest host-only call (all
-    casts on the host) by at least `min_gain`. Where the host's memory is the bottleneck, the
-    source reads of the device-side share slow the host's cast, and the model alone cannot see
-    that: these measured calls decide."""
-    return bool(host_only_s) and bool(split_s) and min(split_s) < (1 - min_gain) * min(host_only_s)
+def pick_share(trials: dict, min_gain: float) -> float:
+    """The host share to keep from measured calls {host share: [seconds of whole calls]}: the
+    share whose fastest call was fastest, if that beat the fastest call with every cast on the
+    host (share 1.0) by at least `min_gain`; else 1.0. Where the host's memory is the
+    bottleneck, the device share's source reads slow the host's cast, and the model alone
+    cannot see how much: these measured calls decide."""
+    base = trials.get(1.0)
+    if not base:
+        return 1.0
+    best = min((s for s in trials if trials[s]), key=lambda s: min(trials[s]))
+    return best if min(trials[best]) < (1 - min_gain) * min(base) else 1.0
 
 
 def device_cast_chunks(spans, want: int, chunk: int) -> list[tuple[int, int, int]]:
     """Which elements of the cast spans go to the device-side cast: [(span index, first
-    element within the span, length)], about `want` elements in all, each a suffix piece of at
-    most `chunk` elements. Taken from the ends of the spans in whole chunks so the lengths
-    come from a fixed set (chunk, the spans' remainders and short spans) whatever `want` is:
-    the device op's table cache stays warm as the share moves."""
+    element within the span, length)], min(want, all) elements in all, each piece at most
+    `chunk` elements, taken from the ends of the spans (the last span first). A new piece
+    length costs its table's upload once (done before the pipeline: `_warm_tables`)."""
     out, left = [], int(want)
-    i = len(spans) - 1
-    while left > 0 and i >= 0:
-        n = int(spans[i])
-        end = n
+    for i in range(len(spans) - 1, -1, -1):
+        end = int(spans[i])
         while left > 0 and end > 0:
-            size = end % chunk or min(chunk, end)
-            if end - size < 0:
-                break
+            size = min(chunk, end, left)
             out.append((i, end - size, size))
             left -= size
             end -= size
-        i -= 1
+        if left <= 0:
+            break
     return out
 
 
@@ -197,8 +203,8 @@ def _classify(tables, src, dst, pinned):
 
 
 def _device_cast_chunks(tables, cast_spans, src, device_bytes, host_share, host):
-    """The device-side share of the cast spans: whole chunks (half the scratch each) taken
-    from the spans' ends; what is left of each span is appended to `host`.
+    """The device-side share of the cast spans: pieces of at most half the scratch taken from
+    the spans' ends; what is left of each span is appended to `host`.
     Returns (chunks [((table, span), first, n)], chunk elements, source item size)."""
     dev_chunks, chunk, src_isz = [], 0, 4
     if not cast_spans:
@@ -253,6 +259,7 @@ class _Route(NamedTuple):
     slots: list  # the small pieces cut into ring slots (slot_pieces)
     n_slots: int
     slot_bytes: int
+    direct_bytes: list  # per direct copy: (source, target, source byte, target byte, bytes)
 
 
 class HostToDevice:
@@ -266,11 +273,13 @@ class HostToDevice:
         self.link_bytes_per_s = None  # H2D copy rate of page-locked memory, measured once
         self.host_share = 1.0  # of the cast elements in page-locked memory
         self.split = "trial"  # "trial" (measuring), "kept" or "rejected" (all on the host)
-        self._trial = {"host_only": [], "split": []}  # seconds of whole calls
+        self._trial: dict = {}  # host share -> seconds of whole calls (pick_share)
+        self._candidates: list = []  # the split's host shares to measure
         self._streams = None
         self._descs: dict[int, torch.Tensor] = {}  # device-cast tables by length (kept alive)
         self._pinned = {}  # source location -> data_ptr seen page-locked (stays so while alive)
         self._routes: dict = {}  # (page-locked sources, share, ring, scratch) -> _Route
+        self._warm: set = set()  # (length, dtypes) of device casts whose tables the op holds
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
@@ -280,6 +289,7 @@ class HostToDevice:
         if d is None:
             if len(self._descs) >= MAX_DESCS:
                 self._descs.clear()
+                self._warm.clear()
             d = self._descs[n] = _dense_desc(n)
         return d
 
@@ -335,6 +345,12 @@ class HostToDevice:
         slots = slot_pieces(
             [(k, first, n) for k, (_, _, first, n) in enumerate(small)], itemsizes, slot_bytes
         )
+        direct_bytes = []
+        for ti, j in direct:
+            t = self.tables[ti]
+            isz = src[t.src_location].element_size()
+            so, do, n = (int(v) * isz for v in t.spans[j])
+            direct_bytes.append((t.src_location, t.dst_location, so, do, n))
         if len(self._routes) >= MAX_DESCS:
             self._routes.clear()
         r = self._routes[key] = _Route(
@@ -349,6 +365,7 @@ class HostToDevice:
             slots,
             n_slots,
             slot_bytes,
+            direct_bytes,
         )
         return r
 
@@ -361,17 +378,22 @@ class HostToDevice:
         if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
             self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
         t_start = time.perf_counter()
-        timed = dev.type == "cuda" and bool(dev_chunks)
+        timed = dev.type == "cuda" and bool(dev_chunks or direct)
         side_start, side_end = q.event(timed), q.event(timed)
-        q.record(side_start, cur)  # the side streams start after the caller's queued work
-        q.wait(side, side_start)
-        q.wait(cast_stream, side_start)
         scratch = None
         if dev_chunks:
             scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
-        self._direct_copies(q, src, dst, direct)
+            self._warm_tables(src, dst, dev_chunks, scratch, chunk * src_isz)
+        q.record(side_start, cur)  # the side streams start after the caller's queued work
+        q.wait(side, side_start)
+        q.wait(cast_stream, side_start)
+        self._direct_copies(q, src, dst, r.direct_bytes)
         self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
-        q.record(side_end, cast_stream)
+        if timed:  # the side streams' end: the cast stream after the side stream's last copy
+            side_done = q.event()
+            q.record(side_done, side)
+            q.wait(cast_stream, side_done)
+            q.record(side_end, cast_stream)
         self._staged_pieces(q, src, dst, ring, big)
         pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
         host_s = time.perf_counter() - t_start
@@ -382,6 +404,7 @@ class HostToDevice:
         self._balance(cast_spans, host, src, dst, host_s, total_s)
         self.last = {
             "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
+            "direct_copies": len(direct),
             "device_cast_elements": sum(n for _, _, n in dev_chunks),
             "host_elements": sum(n for _, _, _, n in host),
             "staged_pieces": sum(1 for _, j, _, _ in big if j is not None),
@@ -395,15 +418,17 @@ class HostToDevice:
             "split": self.split,
         }
 
-    def _direct_copies(self, q, src, dst, direct):
-        """Same-dtype spans in page-locked memory: the copy engine reads the source itself."""
-        for ti, j in direct:
-            t = self.tables[ti]
-            so, do, n = (int(v) for v in t.spans[j])
-            with q.on(q.side):
-                _bytes(dst[t.dst_location], do, n).copy_(
-                    _bytes(src[t.src_location], so, n), non_blocking=True
-                )
+    def _direct_copies(self, q, src, dst, direct_bytes):
+        """Same-dtype spans in page-locked memory: the copy engine reads the source itself,
+        all queued by one call."""
+        if not direct_bytes:
+            return
+        sb = {k: src[k].view(torch.uint8) for k in {c[0] for c in direct_bytes}}
+        db = {k: dst[k].view(torch.uint8) for k in {c[1] for c in direct_bytes}}
+        to = [db[d][b : b + n] for _, d, _, b, n in direct_bytes]
+        fro = [sb[s][a : a + n] for s, _, a, _, n in direct_bytes]
+        with q.on(q.side):
+            torch._foreach_copy_(to, fro, non_blocking=True)
 
     def _staged_pieces(self, q, src, dst, ring, big):
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
@@ -418,6 +443,22 @@ class HostToDevice:
             q.stage(
                 src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
             )
+
+    def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
+        """The device op validates and uploads a new table with a synchronous copy on the
+        current stream: for a device-cast length not seen yet that happens here, between the
+        scratch halves, before the pipeline (on the cast stream it would wait for a chunk's
+        copy, and the host's cast would start that much later)."""
+        for (ti, _), _, n in chunks:
+            t = self.tables[ti]
+            s, d = src[t.src_location], dst[t.dst_location]
+            key = (n, s.dtype, d.dtype)
+            if key in self._warm:
+                continue
+            a = scratch[:half_bytes].view(s.dtype)[:n]
+            b = scratch[half_bytes : 2 * half_bytes].view(d.dtype)[:n]
+            torch.ops.reshard.copy_runs(a, self._desc(n), b)
+            self._warm.add(key)
 
     def _device_casts(self, q, src, dst, chunks, scratch, half_bytes):
         """Each chunk: its source elements to a scratch half (side stream), then the cast into
@@ -476,40 +517,42 @@ class HostToDevice:
         return pack_s
 
     def _balance(self, cast_spans, host, src, dst, host_s, total_s) -> None:
-        """The next call's share of the host-side cast (`split_fraction` of the host's measured
-        time per element and the link's measured rate), once TRIAL_CALLS calls with all casts
-        on the host and TRIAL_CALLS with the split showed the split pays (`keep_split`);
-        otherwise every cast stays on the host."""
-        if not cast_spans:
+        """The split's trial (see `pick_share`): TRIAL_CALLS calls with every cast on the host
+        (the host's time per element), then TRIAL_CALLS at each candidate share: the model's
+        (`split_fraction`) and one with SMALLER_SHARE of its device share; then the fastest
+        share is kept for good. A share set from outside is not part of the trial."""
+        if not cast_spans or self.split != "trial" or not self.link_bytes_per_s:
             return
-        host_elems = sum(n for _, _, _, n in host)
-        if host_elems and host_s > 0:
-            h = host_s / host_elems
-            self.host_s_per_elem = (
-                h if self.host_s_per_elem is None else EMA * h + (1 - EMA) * self.host_s_per_elem
-            )
-        if self.split == "rejected" or not self.link_bytes_per_s or not self.host_s_per_elem:
+        if self.host_share >= 1.0:
+            host_elems = sum(n for _, _, _, n in host)
+            if host_elems and host_s > 0:
+                h = host_s / host_elems
+                old = self.host_s_per_elem
+                self.host_s_per_elem = h if old is None else EMA * h + (1 - EMA) * old
+        elif self.host_share not in self._candidates:
             return
-        trial = self._trial["host_only" if self.host_share >= 1.0 else "split"]
-        trial[:] = [*trial[1 - TRIAL_CALLS :], total_s]
-        if self.split == "trial" and len(self._trial["split"]) == TRIAL_CALLS:
-            if len(self._trial["host_only"]) == TRIAL_CALLS and not keep_split(
-                self._trial["host_only"], self._trial["split"], MIN_GAIN
-            ):
-                self.split, self.host_share = "rejected", 1.0
-                return
-            self.split = "kept"
-        if self.host_share < 1.0 or len(self._trial["host_only"]) == TRIAL_CALLS:
+        self._trial.setdefault(self.host_share, []).append(total_s)
+        if len(self._trial[self.host_share]) < TRIAL_CALLS:
+            return
+        if not self._candidates:
             ti, _ = cast_spans[0]
             t = self.tables[ti]
-            self.host_share = split_fraction(
+            f = split_fraction(
                 self.host_s_per_elem,
                 self.link_bytes_per_s,
                 dst[t.dst_location].element_size(),
                 src[t.src_location].element_size(),
             )
-            if self.host_share >= 1.0 and self.split == "trial":
-                self.split = "rejected"  # the model sees no gain: nothing to try
+            if f >= 1.0:  # the model sees no gain: nothing to try
+                self.split = "rejected"
+                return
+            self._candidates = [f, 1.0 - SMALLER_SHARE * (1.0 - f)]
+        for c in self._candidates:
+            if len(self._trial.get(c, ())) < TRIAL_CALLS:
+                self.host_share = c
+                return
+        self.host_share = pick_share(self._trial, MIN_GAIN)
+        self.split = "kept" if self.host_share < 1.0 else "rejected"
 
 
 def _probe_link(tables, cast_spans, src, q, dev, device_bytes):

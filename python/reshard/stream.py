@@ -132,6 +132,7 @@ class Stream:
         self.buffer = None  # the receivers' buffer, allocated on the first call
         self._buffer_error = None
         self._target_views = None  # per bucket: {location: view of the buffer}
+        self._yields = None  # per bucket: [(name, typed buffer, shape, strides, offset)]
         self._active = False  # a call is being iterated (calls are not reentrant)
         self.report = None  # the last completed call's Report
 
@@ -164,8 +165,8 @@ class Stream:
         for b in self.buckets:
             lines.append(
                 f"  bucket {b.index}: {len(b.names)} tensors, {b.nbytes} B at buffer byte "
-                f"{b.start}, moves after {b.wait_consumed} tensor(s) of the previous bucket, "
-                f"{b.plan.num_rounds} rounds"
+                f"{b.start}, moves once the caller is past {b.ready_after} tensor(s) of the "
+                f"stream, {b.plan.num_rounds} rounds"
             )
         return "\n".join(lines)
 
@@ -232,6 +233,27 @@ class Stream:
             }
             for b in self.buckets
         ]
+        # one typed view of the whole buffer per dtype; a yielded tensor is one as_strided of it
+        typed = {
+            e.dtype: self.buffer[: self.buffer_bytes // e.dtype.itemsize * e.dtype.itemsize].view(
+                e.dtype
+            )
+            for b in self.buckets
+            for e in b.entries
+        }
+        self._yields = [
+            [
+                (
+                    e.name,
+                    typed[e.dtype],
+                    e.shape,
+                    _contiguous_strides(e.shape),
+                    (b.start + e.offset) // e.dtype.itemsize,
+                )
+                for e in b.entries
+            ]
+            for b in self.buckets
+        ]
         return None
 
     def targets(self, k) -> dict:
@@ -240,10 +262,16 @@ class Stream:
 
     def views(self, k):
         """Bucket k's tensors as (name, view of the buffer), in stream order."""
-        b = self.buckets[k]
-        for e in b.entries:
-            first = b.start + e.offset
-            yield e.name, self.buffer[first : first + e.nbytes].view(e.dtype).view(e.shape)
+        for name, typed, shape, strides, offset in self._yields[k]:
+            yield name, typed.as_strided(shape, strides, offset)
+
+
+def _contiguous_strides(shape) -> tuple:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
 
 
 def _group_info(group):

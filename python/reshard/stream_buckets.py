@@ -9,9 +9,11 @@ largest tensor whole at some point, so by default the ring is never larger than 
 when a tensor is at least two buckets large; a larger ring lets the bucket after such a tensor
 move while that tensor is consumed. Each bucket is placed right
 after the previous one, or at the start or the end of the ring, wherever the fewest of the
-previous bucket's tensors still in use overlap it (`place_buckets`). Bucket k+1 moves while
-bucket k is consumed; it waits only for the tensors of bucket k that share its bytes, and
-starts as soon as the caller has moved past the last of them (`Bucket.wait_consumed`).
+previous bucket's tensors still in use overlap it (`place_buckets`). A bucket may be written as
+soon as the caller has moved past every earlier tensor that shares its bytes
+(`Bucket.ready_after`, counted in stream order over all buckets): with a ring of two buckets,
+bucket k+1 is queued behind bucket k once the caller is done with bucket k-1, so it moves
+while bucket k is consumed and the mover never waits for the caller in between.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Bucket:
     nbytes: int = 0
     start: int = 0
     wait_consumed: int = 0
+    ready_after: int = 0
     targets: dict = dataclasses.field(default_factory=dict)
     plan: object = None
     src_locations: tuple = ()
@@ -128,9 +131,9 @@ def _needs(prev: Bucket, start: int, nbytes: int) -> int:
 
 
 def place_buckets(buckets: list[Bucket], size: int) -> None:
-    """Set each bucket's start and wait_consumed in a ring of `size` bytes. Candidates: right
-    after the previous bucket (when it fits), the ring's start, its end; the one that waits
-    for the fewest tensors wins (ties: in that order)."""
+    """Set each bucket's start, wait_consumed and ready_after in a ring of `size` bytes.
+    Candidates: right after the previous bucket (when it fits), the ring's start, its end; the
+    one that waits for the fewest tensors of the previous bucket wins (ties: in that order)."""
     for k, b in enumerate(buckets):
         if k == 0:
             b.start, b.wait_consumed = 0, 0
@@ -142,6 +145,33 @@ def place_buckets(buckets: list[Bucket], size: int) -> None:
         b.wait_consumed, _, b.start = min(
             (_needs(prev, s, b.nbytes), i, s) for i, s in enumerate(starts)
         )
+    _set_ready_after(buckets)
+
+
+def _set_ready_after(buckets: list[Bucket]) -> None:
+    """Each bucket's ready_after, from the newest tensor on each byte of the ring: a list of
+    disjoint (first byte, end byte, tensor's stream index) painted bucket by bucket. A bucket
+    clears its whole range (an older tensor left under its padding was consumed before it
+    moved, since it overlaps this bucket's range too) and paints its tensors."""
+    painted: list[tuple[int, int, int]] = []
+    first = 0  # stream index of the bucket's first tensor
+    for b in buckets:
+        lo, hi = b.start, b.start + b.nbytes
+        b.ready_after = 1 + max((i for a, z, i in painted if a < hi and lo < z), default=-1)
+        kept = []
+        for a, z, i in painted:
+            if z <= lo or hi <= a:
+                kept.append((a, z, i))
+                continue
+            if a < lo:
+                kept.append((a, lo, i))
+            if hi < z:
+                kept.append((hi, z, i))
+        for j, e in enumerate(b.entries):
+            if e.nbytes:
+                kept.append((b.start + e.offset, b.start + e.offset + e.nbytes, first + j))
+        painted = kept
+        first += len(b.entries)
 
 
 def plan_bucket(b: Bucket, src: Layout, receivers, staging_bytes_per_rank: int) -> None:

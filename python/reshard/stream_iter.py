@@ -2,18 +2,21 @@
 checks of the first bucket's preflight, and the call's merged Report.
 
 Protocol (the same bucket order on every rank; each bucket's transfer runs on the mover's one
-worker thread): bucket 0 starts at once. When bucket k has landed, bucket k+1 starts as soon
-as the caller is done with the tensors of bucket k that share its bytes
-(`Bucket.wait_consumed`, fixed by `stream_buckets.place_buckets`): at once when none do, else
-when the caller asks for the first tensor past them. Ranks that receive nothing start each
-bucket as soon as the previous one is done. A caller that stops early closes the generator,
-which then moves the remaining buckets without yielding them, so its peers finish normally;
-after a failed transfer (its peers failed too) it stops.
+worker thread, in order): a bucket is queued on the worker as soon as the caller has moved past
+every earlier tensor that shares its bytes (`Bucket.ready_after`, fixed by
+`stream_buckets.place_buckets`), whether or not the bucket before it has landed. With a ring of
+two buckets, bucket k+1 is queued once the caller is done with bucket k-1: it moves right after
+bucket k, while the caller consumes bucket k, and the worker never idles waiting for the caller
+to hand it the next bucket. Ranks that receive nothing queue every bucket at once. A caller that
+stops early closes the generator, which then moves the remaining buckets without yielding them,
+so its peers finish normally; after a failed transfer (its peers failed too) the worker skips
+the buckets queued behind it and the call stops.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -28,14 +31,15 @@ class Call:
         self.s, self.bufs, self.hooks = stream, bufs, hooks
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
         self.cuda = stream.mover.cuda_device is not None
-        self.pending = None  # the Future of the bucket in flight
-        self.next = 0  # the next bucket to start
+        self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
+        self.next = 0  # the next bucket to queue
         self.reports = []
         self.waited = 0.0  # seconds the caller blocked on a bucket still in flight
         self.failed = False
         self.landed = None  # CUDA event: the bucket being yielded has landed
 
     def start(self) -> None:
+        """Queue the next bucket on the worker."""
         s, k = self.s, self.next
         b = s.buckets[k]
         checks = [*self.hooks, lambda: s.check_sources(self.bufs)] if k == 0 else []
@@ -47,45 +51,48 @@ class Call:
             done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
         host_sync = s.device.type != "cuda"
-        self.pending = s.mover.submit(b, src, s.targets(k), checks, done, host_sync)
+        self.pending.append((k, s.mover.submit(b, src, s.targets(k), checks, done, host_sync)))
         self.next = k + 1
 
+    def advance(self, consumed: int) -> None:
+        """The caller is done with `consumed` tensors of the stream: queue every bucket (in
+        order) that may now be written."""
+        buckets = self.s.buckets
+        while self.next < len(buckets) and buckets[self.next].ready_after <= consumed:
+            self.start()
+
     def finish(self) -> None:
+        """Wait for the oldest queued bucket to land."""
         t0 = time.perf_counter()
+        _, fut = self.pending.popleft()
         try:
-            rep, self.landed = self.pending.result()
+            rep, self.landed = fut.result()
             self.reports.append(rep)
         except BaseException:
             self.failed = True
             raise
         finally:
-            self.pending = None
             self.waited += time.perf_counter() - t0
 
-    def tensors(self, k):
-        """Bucket k's (name, view) pairs, starting bucket k+1 once the caller is past the
-        tensors it overwrites."""
-        s = self.s
-        if self.landed is not None:
-            torch.cuda.current_stream(s.mover.cuda_device).wait_event(self.landed)
-        wait = s.buckets[k + 1].wait_consumed if k + 1 < len(s.buckets) else None
-        for i, item in enumerate(s.views(k)):
-            if i == wait and self.next == k + 1:
-                self.start()
-            yield item
-
     def run(self):
-        nb = len(self.s.buckets)
+        s = self.s
+        nb = len(s.buckets)
         completed = False
         try:
-            if nb:
-                self.start()
+            s.mover.begin_call()
+            everything = sum(len(b.entries) for b in s.buckets)
+            consumed = 0  # tensors of the stream the caller is done with
             for k in range(nb):
+                self.advance(consumed if self.receiving else everything)
                 self.finish()  # bucket k has landed
-                if self.receiving:
-                    yield from self.tensors(k)
-                if self.next == k + 1 and self.next < nb:
-                    self.start()
+                if not self.receiving:
+                    continue
+                if self.landed is not None:
+                    torch.cuda.current_stream(s.mover.cuda_device).wait_event(self.landed)
+                for item in s.views(k):
+                    self.advance(consumed)
+                    yield item
+                    consumed += 1
             completed = True
         finally:
             self.drain(completed)
@@ -110,18 +117,17 @@ class Call:
 
     def drain(self, completed: bool) -> None:
         """Stopped early by the caller: the peers expect every bucket, so move the rest without
-        yielding. After a failed transfer the peers failed too: stop. Nothing may write after
-        the call returns."""
+        yielding. After a failed transfer the peers failed too: the worker skips what is
+        queued. Nothing may write after the call returns."""
         try:
             if not completed and not self.failed:
-                if self.pending is not None:
-                    self.finish()
-                while self.next < len(self.s.buckets):
+                while self.next < len(self.s.buckets):  # the caller holds no tensor now
                     self.start()
+                while self.pending:
                     self.finish()
         finally:
-            if self.pending is not None:
-                self.pending.exception()
+            while self.pending:
+                self.pending.popleft()[1].exception()
 
 
 def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str]:

@@ -1,5 +1,7 @@
 """The bucket transfer engine of an `rs.Stream`: moves one bucket at a time on one worker
-thread, so the group sees the same sequence of collectives on every rank.
+thread, in the order they were queued, so the group sees the same sequence of collectives on
+every rank. Once a bucket's transfer fails, the buckets queued behind it in the same call are
+skipped (every rank skips them: its peers failed that bucket too).
 
 Each bucket gets one `Transfer` (around the bucket's plan, built in the Stream's constructor),
 created on its first move and kept: later calls reuse its schedule, typed rounds and descriptor
@@ -131,6 +133,11 @@ class BucketMover:
         self.registration = None  # what the last call's registration did
         self._worker = None
         self._cuda_stream = None
+        self._failed = None  # the exception of this call's failed bucket (worker thread only)
+
+    def begin_call(self) -> None:
+        """A new call: nothing is queued (the previous call waited for all of its buckets)."""
+        self._failed = None
 
     def submit(self, bucket, src, dst, checks, caller_done=None, host_sync=False):
         """Move `bucket` from `src` into `dst` ({location: tensor}) on the worker. checks: the
@@ -155,6 +162,18 @@ class BucketMover:
         return t
 
     def _move(self, bucket, src, dst, checks, caller_done, host_sync):
+        if self._failed is not None:
+            raise RuntimeError(
+                f"bucket {bucket.index} was not moved: an earlier bucket of this call failed "
+                f"({type(self._failed).__name__}: {self._failed})"
+            )
+        try:
+            return self._move_now(bucket, src, dst, checks, caller_done, host_sync)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _move_now(self, bucket, src, dst, checks, caller_done, host_sync):
         transfer = self._transfer(bucket)
         if self.cuda_device is None:
             return transfer(src, dst, checks=checks), None

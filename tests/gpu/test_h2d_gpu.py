@@ -100,7 +100,7 @@ def test_transfer_many_tables_bitwise(dst_dtype, kind):
     with rs.Transfer(
         src_l, dst_l, budget_bytes_per_peer=budget, register_host_sources=kind == "registered"
     ) as sync:
-        for call in range(4):  # the split policy moves after the first calls
+        for call in range(8):  # the split policy's trial, then its pick
             if call == 1 and kind == "registered":
                 sync.wait_host_registration()
                 assert all(t.is_pinned() for t in src.values())
@@ -160,6 +160,66 @@ def test_device_cast_split_forced(dst_dtype, share):
         assert path.last["device_cast_elements"] >= total - max(SIZES)  # all but a partial
     if share == 1.0:
         assert path.last["device_cast_elements"] == 0
+
+
+def _path_and_targets(dst_dtype, src):
+    import reshard as rs
+    from reshard import h2d
+    from reshard.rounds import local_tables
+
+    src_l, dst_l = _layouts(dst_dtype)
+    plan = rs.plan(src_l, dst_l, budget_bytes_per_peer=1 << 20)
+    tables = [
+        h2d.LocalSpans(t, h2d.contiguous_spans(t.desc.numpy()))
+        for t in local_tables(plan.schedule(0))
+    ]
+    dst = {
+        k: torch.full((s.numel,), POISON, dtype=dst_dtype, device="cuda")
+        for k, s in dst_l.storages.items()
+    }
+    return h2d.HostToDevice(tables), dst
+
+
+def test_device_cast_share_moving_between_calls():
+    """One path whose share moves from call to call (new routes, device-cast lengths seen for
+    the first time, scratch parts reused across chunks): every call gives the host cast's
+    bits into freshly poisoned targets, within the scratch bound."""
+    src = _sources("pinned")
+    path, dst = _path_and_targets(torch.bfloat16, src)
+    ring = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    device_bytes = 1 << 20
+    path.link_bytes_per_s = 1.0  # known: no probe
+    path._balance = lambda *a, **k: False  # the forced shares stay
+    seen = 0
+    for share in (1.0, 0.7, 0.3, 0.7, 0.0, 0.3):
+        path.split, path.host_share = "kept", share
+        for v in dst.values():
+            v.fill_(POISON)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        path.run(src, dst, ring, device_bytes)
+        assert torch.cuda.max_memory_allocated() - base <= device_bytes + TABLES_SLACK
+        _check(src, dst, torch.bfloat16)
+        seen += path.last["device_cast_elements"] > 0
+    assert seen == 5
+
+
+def test_direct_copies_follow_new_buffers_on_the_device():
+    """Direct copies (pinned fp32 -> fp32) are queued by one call over byte views of the
+    spans: new source and target tensors are read and written, the old ones left alone."""
+    src = _sources("pinned")
+    path, dst = _path_and_targets(torch.float32, src)
+    ring = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    path.run(src, dst, ring, 1 << 20)
+    assert path.last["direct_elements"] == sum(SIZES)
+    _check(src, dst, torch.float32)
+    src2 = {k: (-v).pin_memory() for k, v in src.items()}
+    dst2 = {k: torch.full_like(v, POISON) for k, v in dst.items()}
+    old = {k: v.clone() for k, v in dst.items()}
+    path.run(src2, dst2, ring, 1 << 20)
+    _check(src2, dst2, torch.float32)
+    for k, v in old.items():
+        assert torch.equal(_bits(dst[k]), _bits(v))
 
 
 def test_strided_tables_fall_back_to_the_stage_op():

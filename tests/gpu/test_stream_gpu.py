@@ -58,6 +58,22 @@ def _masters(pin):
     return full, layout, bufs
 
 
+def _protected_until(stream):
+    """{name: stream position}: by brute force from the placement, until when a tensor's bytes
+    stay untouched (the first `ready_after` of a later bucket sharing its bytes)."""
+    out = {}
+    for a in stream.buckets:
+        for e in a.entries:
+            lo, hi = a.start + e.offset, a.start + e.offset + e.nbytes
+            later = [
+                b.ready_after
+                for b in stream.buckets[a.index + 1 :]
+                if e.nbytes and lo < b.start + b.nbytes and b.start < hi
+            ]
+            out[e.name] = min(later, default=len(stream.names))
+    return out
+
+
 @pytest.mark.parametrize(
     "pin,register",
     [(False, False), (True, False), (False, True)],
@@ -77,24 +93,17 @@ def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin, register):
     # the buffer: the largest bucket or two buckets, whichever is more
     assert stream.buffer_bytes == max(2 * (32 << 20), 32000 * 1024 * 2)
     bucket_of = {n: b.index for b in stream.buckets for n in b.names}
-    # tensors of bucket k from the next bucket's wait_consumed on are never overwritten by it
-    keep_from = {
-        a.index: (b.wait_consumed if b is not None else 0)
-        for a, b in zip(stream.buckets, [*stream.buckets[1:], None])
-    }
+    until = _protected_until(stream)
     held_before = None
     for call in range(3):
-        seen, held, pos = [], [], 0
-        for name, t in stream(bufs):
+        seen, held = [], []
+        for pos, (name, t) in enumerate(stream(bufs)):
             assert t.device.type == "cuda" and t.dtype == torch.bfloat16
-            if held and bucket_of[held[-1][0]] != bucket_of[name]:
-                held, pos = [], 0
-                time.sleep(0.02)  # a slow consumer: the next bucket lands meanwhile
+            if seen and bucket_of[seen[-1]] != bucket_of[name]:
+                time.sleep(0.02)  # a slow consumer: queued buckets land meanwhile
             assert torch.equal(t.view(torch.int16), want[name].view(torch.int16)), (call, name)
-            if pos >= keep_from[bucket_of[name]]:
-                held.append((name, t))
-            pos += 1
-            for hn, ht in held:  # never overwritten while in use
+            held = [h for h in held if h[2] > pos] + [(name, t, until[name])]
+            for hn, ht, _ in held:  # never overwritten while the placement protects it
                 assert torch.equal(ht.view(torch.int16), want[hn].view(torch.int16)), (call, hn)
             seen.append(name)
         assert seen == list(SHAPES)
@@ -112,4 +121,34 @@ def test_fp32_cpu_masters_stream_as_bf16_into_gpu(pin, register):
             assert rep.host_registration.get("registered_bytes", 0) > 0, rep.host_registration
         # the sources are read, never written: their padding is still poisoned
         assert bufs[0][SHAPES["embed"][0] * 1024 :][:7].isnan().all()
+    stream.close()
+
+
+def test_queued_buckets_wait_for_the_callers_queued_reads():
+    """The caller reads each tensor late on its own CUDA stream (a long kernel queued before
+    the reads, no host synchronization) while later buckets are queued and land: a bucket
+    that overwrote bytes before the caller's queued reads of them ran would show in the
+    copies. Targets start poisoned; references are torch's own casts."""
+    import reshard as rs
+
+    full, layout, bufs = _masters(False)
+    want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+    stream = rs.Stream(layout, [0], 8 << 20, dtype=torch.bfloat16, device="cuda")
+    assert len(stream.buckets) >= 6
+    # buckets queued while the one before them still moves: each writes bytes of a bucket
+    # the caller has only just moved past
+    assert any(b.ready_after > 0 for b in stream.buckets)
+    bucket_of = {n: b.index for b in stream.buckets for n in b.names}
+    list(stream(bufs))
+    for call in range(2):
+        stream.buffer.fill_(0xFF)
+        copies, last = {}, None
+        for name, t in stream(bufs):
+            if bucket_of[name] != last:
+                torch.cuda._sleep(40_000_000)  # ~20 ms: this bucket's reads run late
+                last = bucket_of[name]
+            copies[name] = t.clone()
+        torch.cuda.synchronize()
+        for name, c in copies.items():
+            assert torch.equal(c.view(torch.int16), want[name].view(torch.int16)), (call, name)
     stream.close()

@@ -86,53 +86,69 @@ def _same(a, b):
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
+def _overlaps(a, e, b):
+    """Tensor `e` of bucket `a` shares bytes with bucket `b`'s range."""
+    lo = a.start + e.offset
+    return e.nbytes and lo < b.start + b.nbytes and b.start < lo + e.nbytes
+
+
+def protected_until(stream):
+    """{name: stream position}: from the placement alone, by brute force, how long each
+    tensor's bytes stay untouched: until the caller has asked for the tensor at that position
+    (the first `ready_after` of a later bucket overlapping it; len(names) when none does)."""
+    out = {}
+    for a in stream.buckets:
+        for e in a.entries:
+            later = [b.ready_after for b in stream.buckets[a.index + 1 :] if _overlaps(a, e, b)]
+            out[e.name] = min(later, default=len(stream.names))
+    return out
+
+
 def regions_disjoint(stream):
-    """A bucket that moves while the previous one is consumed never shares bytes with the
-    tensors of that bucket still in use (those from its `wait_consumed` on), and every bucket
-    fits the receivers' buffer. Checked from the placement alone, byte by byte."""
+    """No bucket may be written while the caller may still read a tensor sharing its bytes
+    (every earlier tensor at or past its `ready_after`, stream order over all buckets), a
+    bucket is never queued before the bucket before it, and every bucket fits the receivers'
+    buffer. Checked from the placement alone, byte by byte."""
     errs = []
     for b in stream.buckets:
         if b.start < 0 or b.start + b.nbytes > stream.buffer_bytes:
             errs.append(f"bucket {b.index} [{b.start}, +{b.nbytes}) exceeds the buffer")
-    for a, b in zip(stream.buckets, stream.buckets[1:]):
-        if not 0 <= b.wait_consumed <= len(a.entries):
-            errs.append(f"bucket {b.index} waits for {b.wait_consumed} of {len(a.entries)}")
-        for e in a.entries[b.wait_consumed :]:
-            lo = a.start + e.offset
-            if e.nbytes and lo < b.start + b.nbytes and b.start < lo + e.nbytes:
-                errs.append(f"bucket {b.index} overwrites {e.name} (bucket {a.index}) in use")
+    first = 0
+    for b in stream.buckets:
+        if not 0 <= b.ready_after <= first:
+            errs.append(f"bucket {b.index} ready after {b.ready_after}, it starts at {first}")
+        index = 0
+        for a in stream.buckets[: b.index]:
+            for e in a.entries:
+                if index >= b.ready_after and _overlaps(a, e, b):
+                    errs.append(f"bucket {b.index} overwrites {e.name} (bucket {a.index}) in use")
+                index += 1
+        first += len(b.entries)
     return errs
 
 
 def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
-    """Iterate once; check each tensor, and that the tensors of the current bucket that the
-    next bucket does not overwrite stay intact while later ones (and the next bucket, in
-    flight meanwhile) arrive. linger: seconds to wait at each tensor, so the next bucket has
-    landed before the checks (a slow consumer; no assertion depends on it). Returns errors."""
+    """Iterate once; check each tensor, and that every tensor yielded so far stays intact for
+    as long as the placement promises (`protected_until`: at least until the caller asks for
+    the next one) while later ones (and the buckets queued meanwhile) arrive. linger: seconds
+    to wait at each tensor, so queued buckets have landed before the checks (a slow consumer;
+    no assertion depends on it). Returns errors."""
     errs, order = regions_disjoint(stream), []
-    held = []  # (name, view) of the current bucket that must stay intact
-    bucket_of = {n: b.index for b in stream.buckets for n in b.names}
-    keep_from = {
-        a.index: (b.wait_consumed if b is not None else 0)
-        for a, b in zip(stream.buckets, [*stream.buckets[1:], None])
-    }
-    pos = 0
-    for name, t in stream(bufs):
+    held = []  # (name, view, position at which it may be overwritten)
+    until = protected_until(stream)
+    for pos, (name, t) in enumerate(stream(bufs)):
         order.append(name)
-        k = bucket_of[name]
-        if held and bucket_of[held[-1][0]] != k:
-            held, pos = [], 0
+        if until[name] <= pos:
+            errs.append(f"{tag}: {name} (position {pos}) unprotected when yielded")
         if linger:
             time.sleep(linger)
-        if pos >= keep_from[k]:
-            held.append((name, t))
-        pos += 1
+        held = [h for h in held if h[2] > pos] + [(name, t, until[name])]
         if not _same(t, want[name]):
             errs.append(f"{tag}: {name} differs from the reference")
         if hold_check:
-            for hn, ht in held:
+            for hn, ht, _ in held:
                 if not _same(ht, want[hn]):
-                    errs.append(f"{tag}: {hn} changed while {name} arrived (same bucket)")
+                    errs.append(f"{tag}: {hn} changed while {name} arrived")
     expect = list(stream.names) if receiving else []
     if order != expect:
         errs.append(f"{tag}: yielded {order}, expected {expect}")

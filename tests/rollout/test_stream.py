@@ -88,6 +88,8 @@ def test_buffer_is_the_largest_bucket_or_two_buckets():
     assert s.buffer_bytes == 64 * 24 * 4  # the largest bucket, not two of them
     # w1 overlaps big wherever it goes: it waits until big is consumed; embed fits after w1
     assert [(b.start, b.wait_consumed) for b in s.buckets] == [(0, 0), (0, 1), (960, 0)]
+    # in stream order: w1 once big is consumed; embed (overlapping big, not w1) as well
+    assert [b.ready_after for b in s.buckets] == [0, 1, 1]
     want = {n: v.float() for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "serial") == []
     s = rs.Stream(layout, [0], 1 << 20, dtype=torch.float32, names=["w1", "embed"])
@@ -101,6 +103,8 @@ def test_a_larger_buffer_lets_the_bucket_after_a_large_tensor_move_meanwhile():
         rs.Stream(layout, [0], 16, dtype=torch.float32, names=names, buffer_bytes=6143)
     s = rs.Stream(layout, [0], 16, dtype=torch.float32, names=names, buffer_bytes=6144 + 960)
     assert [(b.start, b.wait_consumed) for b in s.buckets] == [(0, 0), (6144, 0), (0, 0)]
+    # w1 is queued at once, behind big; embed once big is consumed
+    assert [b.ready_after for b in s.buckets] == [0, 0, 1]
     want = {n: v.float() for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "larger buffer", linger=0.01) == []
 
@@ -139,6 +143,78 @@ def test_slow_consumer_holds_a_bucket_while_the_next_moves():
     assert len(s.buckets) >= 4
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "slow consumer", linger=0.05) == []
+
+
+def test_buckets_are_queued_as_soon_as_their_bytes_are_free():
+    """At each yielded tensor, exactly the buckets whose `ready_after` the caller has reached
+    are queued (counted at the mover's submit), and a bucket whose bytes are free is queued
+    while the one before it still moves: the worker holds each such bucket's move until the
+    next one is queued (it would wait forever if the next were queued only after it landed)."""
+    import threading
+
+    layout = rs.Layout(
+        {f"t{i}": rs.replicated((100,), [i]) for i in range(12)},
+        {i: rs.Storage(0, torch.float32, 100) for i in range(12)},
+    )
+    bufs = {i: torch.randn(100) for i in range(12)}
+    s = rs.Stream(layout, [0], 800, dtype=torch.float32)  # two tensors per bucket
+    ready = [b.ready_after for b in s.buckets]
+    first = [0]
+    for b in s.buckets:
+        first.append(first[-1] + len(b.entries))
+    # a ring of two buckets: bucket k+1 is free once bucket k-1 is consumed
+    early = [k for k in range(len(ready) - 1) if ready[k + 1] <= first[k]]
+    assert len(s.buckets) >= 4 and len(early) >= 3, (ready, first)
+    queued, seen = [], {k: threading.Event() for k in range(len(ready))}
+    missed = []
+    submit, move = s.mover.submit, s.mover._move
+
+    def counting_submit(bucket, *args):
+        queued.append(bucket.index)
+        seen[bucket.index].set()
+        return submit(bucket, *args)
+
+    def holding_move(bucket, *args):
+        nxt = bucket.index + 1
+        if bucket.index in early and not seen[nxt].wait(60):
+            missed.append(nxt)
+        return move(bucket, *args)
+
+    s.mover.submit, s.mover._move = counting_submit, holding_move
+    want = {f"t{i}": bufs[i] for i in range(12)}
+    for _ in range(2):
+        queued.clear()
+        for e in seen.values():
+            e.clear()
+        for pos, (name, t) in enumerate(s(bufs)):
+            assert queued == list(range(len(queued)))
+            assert len(queued) == sum(r <= pos for r in ready), (pos, queued, ready)
+            assert torch.equal(t, want[name]), name
+        assert queued == list(range(len(s.buckets)))
+        assert missed == [], f"buckets {missed} were queued only after the one before landed"
+
+
+def test_a_failed_bucket_stops_the_ones_queued_behind_it():
+    """The mover skips the buckets queued behind a failed one in the same call (their targets
+    stay poisoned); the next call moves them."""
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 700, dtype=torch.bfloat16)
+    list(s(bufs))  # allocates the buffer and the views
+    s.buffer.fill_(0xFF)
+    b0, b1 = s.buckets[0], s.buckets[1]
+    src = {loc: bufs[loc] for loc in b1.src_locations}
+    s.mover.begin_call()
+    bad = s.mover.submit(b0, {}, s.targets(0), [], None, True)  # its sources are missing
+    after = s.mover.submit(b1, src, s.targets(1), [], None, True)
+    with pytest.raises(rs.PreflightError):
+        bad.result()
+    with pytest.raises(RuntimeError, match="bucket 1 was not moved: an earlier bucket"):
+        after.result()
+    assert all((v.view(torch.uint8) == 0xFF).all() for v in s.targets(1).values())
+    s.mover.begin_call()
+    s.mover.submit(b1, src, s.targets(1), [], None, True).result()
+    for name, t in s.views(1):
+        assert torch.equal(t, values[name].to(torch.bfloat16))
 
 
 def test_plans_are_built_once_and_reused():
