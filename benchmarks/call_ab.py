@@ -27,6 +27,12 @@ alone, `preflight.agree` after a barrier, 10x the iterations: the collective's o
 gpt-350m, 294 and 582 per side, at tiny widths: the per-call cost of that many buffers without
 the copies), fsdp2_param and fsdp2_exp_avg gpt-125m-thin (a real FSDP2 model with
 CPUOffloadPolicy, `rsfsdp.describe(net, "param" | "exp_avg")` as the source: its check()).
+`--register`: every Transfer page-locks its CPU buffers (`register_host_sources` /
+`register_host_targets`, as sync_latency's reshard_registered; on a CPU-only box the registry
+does nothing), waited for after the warm-up. `--transport local` (world 1): both variants run
+without their process group, the in-process transport, whose per-call path is the one NCCL takes
+at world 1 on a GPU (the arena-skipping set and the local copy paths read from the buffers'
+devices) while every copy stays on the CPU: that path's per-call cost on a box without a GPU.
 `--only rounds.py,executor.py` takes just those modules from REV (the rest of the rev variant is
 this checkout's), to isolate one part's change; `--rev-dir DIR` reads REV's modules from a
 checkout without history (DIR/python/reshard/..., e.g. on the device machine). Only for call
@@ -116,6 +122,14 @@ def _rank(rank, world, cfg):
     if cfg["device"] == "cpu":  # ranks sharing this box's cores (a GPU run keeps its host threads)
         torch.set_num_threads(1)
     rev = load_rev(cfg["sources"])
+    if cfg.get("transport") == "local":
+        import reshard.executor
+
+        def local_group(group):
+            return None, 0, 1, "local"
+
+        for ex in (rev["executor.py"], reshard.executor):
+            ex.resolve_group = local_group
     agree_s = [0.0]  # seconds of the rev's last preflight.agree: its exchange
     rev_agree = rev["preflight.py"].agree
 
@@ -195,8 +209,13 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
         budget = 64 << 20 if cfg["device"] == "cuda" else B.cpu_budget(case)
     # one Transfer per variant: each keeps its own last cleared buffers (a Transfer shared by
     # two variants with different targets would never take preflight's short path)
+    register = (
+        {"register_host_sources": True, "register_host_targets": True}
+        if cfg.get("register")
+        else {}
+    )
     transfers = {
-        m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD)
+        m: cls(case.src_layout, case.dst_layout, budget, group=dist.group.WORLD, **register)
         for m, cls in (
             ("rev", rev["executor.py"].Transfer),
             ("current", rs.Transfer),
@@ -225,6 +244,10 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
         for _ in range(cfg["warmup"]):
             for v in names:
                 call(v)
+        if register:  # the registration runs on a thread: time the registered steady state
+            for v in names:
+                transfers[v].wait_host_registration()
+                call(v)
         rec = {v: [] for v in names}
         for i in range(cfg["iters"]):
             k = i % len(names)
@@ -232,6 +255,8 @@ def _time_case(key, rank, world, cfg, rev, agree_s) -> dict:
                 rec[v].append(call(v))
     finally:
         pf.COMMIT_SPREAD = default_spread
+        for t in transfers.values():
+            t.close()
     rec["correct"] = all(_correct(case, bufs[v]) for v in names)
     rec["params"] = case.params
     rec["buffers"] = [len(getattr(case.src_buffers, "buffers", case.src_buffers)), len(bufs["rev"])]
@@ -356,7 +381,9 @@ def markdown(record) -> str:
     out = [
         f"# call_ab: {meta['rev']} vs the current call path, {meta['host']}, "
         f"{meta['world']} gloo rank{'s' if meta['world'] > 1 else ''}, targets on "
-        f"{meta.get('device', 'cpu')}",
+        f"{meta.get('device', 'cpu')}"
+        + (", in-process transport" if meta.get("transport") == "local" else "")
+        + (", buffers page-locked" if meta.get("register") else ""),
         "",
         f"torch {meta['torch']}, {meta['cpus']} CPUs, load average {meta['loadavg']} at the "
         f"start and {meta['loadavg_end']} at the end; {meta['iters']} syncs per variant after "
@@ -407,6 +434,13 @@ def main(argv=None) -> int:
         help="read REV's modules from this checkout (python/reshard/...) instead of git "
         "(a copy without history, e.g. on the device machine); REV is then only its label",
     )
+    ap.add_argument("--register", action="store_true", help="page-lock CPU buffers (see above)")
+    ap.add_argument(
+        "--transport",
+        default=None,
+        choices=("local",),
+        help="world 1, CPU: run both variants on the in-process transport (see above)",
+    )
     ap.add_argument("--cases", default=None, help="default: CASES of --world")
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
@@ -420,6 +454,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cuda" and args.world != 1:
         ap.error("--device cuda needs --world 1")
+    if args.transport == "local" and (args.world != 1 or args.device != "cpu"):
+        ap.error("--transport local needs --world 1 --device cpu")
     from reshard._launch import RanksFailed, launch
 
     only = None if args.only is None else set(args.only.split(","))
@@ -459,6 +495,8 @@ def main(argv=None) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "device": args.device,
+        "register": args.register,
+        "transport": args.transport,
     }
     names = variants(args.world)
     progress(f"{len(cases)} cases x {len(names)} variants, {args.iters} syncs each")
@@ -476,6 +514,8 @@ def main(argv=None) -> int:
         "rev_modules": sorted(only) if only is not None else [p for p, _ in REV_MODULES],
         "world": args.world,
         "device": args.device,
+        "register": args.register,
+        "transport": args.transport or "the group's",
         "iters": args.iters,
         "warmup": args.warmup,
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],

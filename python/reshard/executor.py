@@ -102,6 +102,7 @@ class _Engine:
         self.staging = None
         self.rounds = None  # rounds.Rounds for `direct_locations`
         self.direct_locations = None
+        self._direct_key = None  # the preflight key `direct_locations` was made for
         self.inflight = ()  # the rounds in flight: (round, p2p works, the tensors they use)
         self.broken = False  # a call failed after the agreement: never reuse these arenas
         self._local_paths = (None, None)  # (key, (HostToDevice or None, other local tables))
@@ -183,11 +184,16 @@ class _Engine:
         out["device"] += self.staging.stage_device_bytes()
         return out
 
-    def local_paths(self, src: dict, dst: dict):
+    def local_paths(self, src: dict, dst: dict, buffers_key=None):
         """(the batched CPU -> CUDA path of the local tables that qualify or None, the other
-        local tables), for the devices and dtypes of this call's buffers (reshard.h2d)."""
+        local tables), for the devices and dtypes of this call's buffers (reshard.h2d).
+        buffers_key: the preflight key these buffers cleared with (`verified_buffers`); the
+        same object as the last call's means the same devices and dtypes, location by
+        location, so the paths are that call's."""
         if self.transport == "gloo":  # preflight: every buffer of a gloo transfer is on the CPU
             key = "cpu"
+        elif buffers_key is not None and buffers_key is self._local_paths[0]:
+            return self._local_paths[1]
         else:
             key = tuple(
                 (src[a].device, src[a].dtype, dst[b].device, dst[b].dtype)
@@ -211,27 +217,35 @@ class _Engine:
             )
             (batched if ok else rest).append(LocalSpans(t, spans) if ok else t)
         paths = (HostToDevice(batched) if batched else None, tuple(rest))
-        self._local_paths = (key, paths)
+        self._local_paths = (key if buffers_key is None else buffers_key, paths)
         return paths
 
-    def allocate(self, src: dict, dst: dict, need_ring: bool) -> None:
+    def allocate(self, src: dict, dst: dict, need_ring: bool, buffers_key=None) -> None:
         """Lay out the rounds and allocate the staging (once), then check it against the
         plan's bound. `src` / `dst`: the validated buffers. A message skips the arena only
         where its buffer lives on the arena's device (under NCCL a CPU buffer goes through
         the ring instead), so the layout is redone only if that set of buffers changes (never
-        under gloo: preflight holds every buffer of this rank's locations to the CPU)."""
+        under gloo: preflight holds every buffer of this rank's locations to the CPU).
+        buffers_key: the preflight key of these buffers (`preflight._call_key`); the same
+        object as the one the current layout was made for means the same devices, location by
+        location, so the set is not read again."""
         if self.transport == "gloo" and self.direct_locations is not None:
+            direct = self.direct_locations
+        elif buffers_key is not None and buffers_key is self._direct_key:
             direct = self.direct_locations
         else:
             direct = frozenset(
                 [(SEND, loc) for loc, t in src.items() if t.device == self.arena_device]
                 + [(RECV, loc) for loc, t in dst.items() if t.device == self.arena_device]
             )
-        if self.staging.arenas is None or direct != self.direct_locations:
+        if self.staging.arenas is None or (
+            direct is not self.direct_locations and direct != self.direct_locations
+        ):
             dtype_of = {SEND: lambda loc: src[loc].dtype, RECV: lambda loc: dst[loc].dtype}
             self.rounds = build_rounds(self.sched, direct, dtype_of)
             self.staging.allocate_arenas(self.rounds.send_arena_bytes, self.rounds.recv_arena_bytes)
             self.direct_locations = direct
+        self._direct_key = buffers_key
         if need_ring:
             self.staging.allocate_ring(self.ring_bytes())
         held, bound = self.staging.held(), self.bound()
@@ -242,8 +256,9 @@ class _Engine:
 class _RoundLoop:
     """One call's run over the rounds: pack -> post -> wait -> unpack, double-buffered."""
 
-    def __init__(self, engine, src, dst, seconds, timeout_s):
+    def __init__(self, engine, src, dst, seconds, timeout_s, buffers_key=None):
         self.e, self.src, self.dst, self.sec = engine, src, dst, seconds
+        self.buffers_key = buffers_key  # the preflight key the buffers cleared with
         self.copy_runs = _copy_runs_op()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.ring = engine.staging.ring
@@ -283,7 +298,7 @@ class _RoundLoop:
     def local(self):
         t0 = time.perf_counter()
         if self.e.local:
-            batched, rest = self.e.local_paths(self.src, self.dst)
+            batched, rest = self.e.local_paths(self.src, self.dst, self.buffers_key)
             if batched is not None:
                 batched.run(self.src, self.dst, self.ring, self.e.staging.stage_device_bytes())
             for t in rest:
@@ -422,6 +437,7 @@ def _bump_versions(engine, dst_ok) -> None:
 
 
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
+    """One call on `engine`: (its Report, what preflight cleared)."""
     t_start = time.perf_counter()
     cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
     src_ok, dst_ok = cleared.src, cleared.dst
@@ -437,8 +453,10 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     report.seconds["plan"] = plan_seconds
     report.seconds.update(cleared.seconds)
     report.staging_bound = engine.bound()
+    verified = getattr(engine, "verified_buffers", None)
+    key = verified[0] if verified is not None else None
     try:
-        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s).run()
+        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s, key).run()
     except Exception as exc:
         _retire(engine)
         raise TransferError(
@@ -465,7 +483,7 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
             report.seconds["total"] * 1e3,
             report.gbps,
         )
-    return report
+    return report, cleared
 
 
 class _CallLock:
@@ -522,7 +540,7 @@ def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DE
     group, rank, world, transport = resolve_group(group)
     engine = _Engine(plan, group, rank, world, transport)
     with _call_lock(group, contextlib.nullcontext()):  # a fresh engine: nothing shared
-        return _run(engine, src_buffers, dst_buffers, checks, timeout, 0.0)
+        return _run(engine, src_buffers, dst_buffers, checks, timeout, 0.0)[0]
 
 
 class Transfer:
@@ -607,6 +625,7 @@ class Transfer:
         self._engine = None
         self._make_staging = None
         self._lock = _CallLock()
+        self._registered_key = None  # preflight's key of the buffers the registries last saw
 
     @property
     def engine_allocations(self) -> int:
@@ -629,11 +648,18 @@ class Transfer:
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
             plan_s = 0.0
-        report = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
+        report, cleared = _run(self._engine, src_buffers, dst_buffers, checks, self.timeout, plan_s)
+        if self._hostreg is None and self._hostreg_targets is None:
+            return report
         # After the copies: page-locking holds the driver, so a registration running during
-        # them would delay this call's copies as much as registering first.
-        reg = _register(self._hostreg, src_buffers)
-        reg_targets = _register(self._hostreg_targets, dst_buffers)
+        # them would delay this call's copies as much as registering first. The registries
+        # saw the buffers of the last call they synced; preflight's key object for them is
+        # the same only when every buffer is, location by location, that call's storage.
+        key = getattr(self._engine, "verified_buffers", None)
+        unchanged = key is not None and key is self._registered_key
+        self._registered_key = key
+        reg = _register(self._hostreg, cleared.src, unchanged)
+        reg_targets = _register(self._hostreg_targets, cleared.dst, unchanged)
         if reg_targets is not None:
             reg = dict(reg or {}, targets=reg_targets)
         if reg is not None:
@@ -667,13 +693,13 @@ class Transfer:
         return False
 
 
-def _register(registry, buffers):
-    """Page-lock `buffers`' CPU storages through `registry` (None: not asked for). An
-    optimization only: on failure the sync still runs, bounced through the ring."""
+def _register(registry, buffers: dict, unchanged: bool):
+    """Page-lock `buffers`' CPU storages through `registry` (None: not asked for); unchanged:
+    they are the storages of its last sync (HostRegistry.sync). An optimization only: on
+    failure the sync still runs, bounced through the ring."""
     if registry is None:
         return None
-    bufs = getattr(buffers, "buffers", buffers)
     try:
-        return registry.sync(bufs if isinstance(bufs, dict) else {})
+        return registry.sync(buffers, unchanged=unchanged)
     except RuntimeError as exc:
         return {"error": str(exc)}

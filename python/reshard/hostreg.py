@@ -45,19 +45,28 @@ class HostRegistry:
         self.background = background
         self._regs: dict = {}
         self._job = None  # a background registration: (thread, work, results)
+        self._bytes = 0  # registered_bytes
+        # the last pass over the buffers found every storage as registered (or not to be)
+        # and nothing changed since: a sync of the same storages has nothing to do
+        self._settled = False
         self.total_register_s = 0.0
         self.total_unregister_s = 0.0
 
     @property
     def registered_bytes(self) -> int:
-        return sum(nb for _, _, nb, ours in self._regs.values() if ours)
+        return self._bytes
 
-    def sync(self, buffers: dict) -> dict:
+    def sync(self, buffers: dict, unchanged: bool = False) -> dict:
         """Make every CPU tensor in `buffers` registered. Returns what this call did:
         {"registered": [locations], "unregistered": [locations], "already_pinned": [...],
         "seconds": float (on this thread), "registered_bytes": int (held now)}; with
         `background`, also "pending": [locations a thread is registering] and, once collected,
-        "background_seconds" (the thread's time) and "error" (a registration that failed)."""
+        "background_seconds" (the thread's time) and "error" (a registration that failed).
+
+        unchanged: the caller knows that every location of `buffers` has the storage (address
+        and bytes) it had in the previous call's, and the same locations are passed (a
+        transfer's preflight proved it). After a pass that found nothing to do, such a call
+        skips the pass over the buffers."""
         out = {"registered": [], "unregistered": [], "already_pinned": [], "seconds": 0.0}
         if not available():
             out["registered_bytes"] = 0
@@ -66,39 +75,46 @@ class HostRegistry:
         self._collect(out, wait=False)
         if self._job is not None:  # still running: storage changes are handled afterwards
             out["pending"] = [w[0] for w in self._job[1]]
-        else:
-            work = []
-            for loc, t in buffers.items():
-                if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
-                    continue
-                st = t.untyped_storage()
-                ptr, nbytes = st.data_ptr(), st.nbytes()
-                old = self._regs.get(loc)
-                if old is not None and old[1] == ptr and old[2] == nbytes:
-                    continue
-                if old is not None:  # the location's storage changed: undo the old one first
-                    self._undo(loc)
-                    out["unregistered"].append(loc)
-                work.append((loc, t, st, ptr, nbytes))
-            if work and self.background:
-                results: list = []
-                th = threading.Thread(
-                    target=_register_all,
-                    args=(work, torch.cuda.current_device(), results),
-                    name="reshard-hostreg",
-                    daemon=True,
-                )
-                self._job = (th, work, results)
-                th.start()
-                out["pending"] = [w[0] for w in work]
-            elif work:
-                results = []
-                _register_all(work, None, results)
-                self._merge(results, out)
+            self._settled = False  # these buffers were not looked at
+        elif not (unchanged and self._settled):
+            self._pass(buffers, out)
         out["seconds"] = time.perf_counter() - t0
         self.total_register_s += out["seconds"]
         out["registered_bytes"] = self.registered_bytes
         return out
+
+    def _pass(self, buffers: dict, out: dict) -> None:
+        """Compare every CPU buffer's storage with its location's registration; undo the
+        changed ones and register what is new (on a thread with `background`)."""
+        work = []
+        for loc, t in buffers.items():
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+                continue
+            st = t.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+            old = self._regs.get(loc)
+            if old is not None and old[1] == ptr and old[2] == nbytes:
+                continue
+            if old is not None:  # the location's storage changed: undo the old one first
+                self._undo(loc)
+                out["unregistered"].append(loc)
+            work.append((loc, t, st, ptr, nbytes))
+        self._settled = not work
+        if work and self.background:
+            results: list = []
+            th = threading.Thread(
+                target=_register_all,
+                args=(work, torch.cuda.current_device(), results),
+                name="reshard-hostreg",
+                daemon=True,
+            )
+            self._job = (th, work, results)
+            th.start()
+            out["pending"] = [w[0] for w in work]
+        elif work:
+            results = []
+            _register_all(work, None, results)
+            self._merge(results, out)
 
     def wait(self) -> dict:
         """Wait for a background registration and collect it: what it did, as `sync` says."""
@@ -121,14 +137,17 @@ class HostRegistry:
                 out.setdefault("error", []).append(f"location {loc}: {err}")
             elif loc is not None:
                 self._regs[loc] = (st, ptr, nbytes, ours)
+                self._bytes += nbytes if ours else 0
                 (out["registered"] if ours else out["already_pinned"]).append(loc)
             if seconds is not None:
                 out["background_seconds"] = seconds
                 self.total_register_s += seconds
 
     def _undo(self, loc) -> None:
-        st, _, _, ours = self._regs.pop(loc)
+        self._settled = False
+        st, _, nbytes, ours = self._regs.pop(loc)
         if ours:
+            self._bytes -= nbytes
             t0 = time.perf_counter()
             torch.ops.reshard.host_unregister(torch.empty(0, dtype=torch.uint8).set_(st))
             self.total_unregister_s += time.perf_counter() - t0

@@ -829,25 +829,27 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
         cleared = getattr(ctx, "verified_buffers", None)
         short = key is not None and cleared is not None and key == cleared[0]
         if short:
-            # every per-buffer input and the placement equal the last cleared call's
+            # every per-buffer input and the placement equal the last cleared call's: that
+            # call's key object stands for them (what the executor derived from it holds)
+            key = cleared[0]
             src_ok, dst_ok, need_ring = src.buffers, dst.buffers, cleared[1]
             reasons += hook_reasons(src, dst, checks)
             if not reasons:
-                reasons += _allocate(ctx, src_ok, dst_ok, need_ring)
+                reasons += _allocate(ctx, src_ok, dst_ok, need_ring, key)
         else:
             more, src_ok, dst_ok = buffer_checks(
                 ctx.plan, ctx.rank, ctx.world_size, ctx.transport, src, dst, checks
             )
             reasons += more
             if not reasons:
-                reasons += _placement_checks(ctx, src_ok, dst_ok)
+                reasons += _placement_checks(ctx, src_ok, dst_ok, key)
                 need_ring = ctx.verified_need_ring
     except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
         reasons.append(f"{type(exc).__name__}: {exc}")
     return Collected(reasons, src_ok, dst_ok, key, need_ring, short)
 
 
-def _placement_checks(ctx, src_ok, dst_ok) -> list[str]:
+def _placement_checks(ctx, src_ok, dst_ok, key=None) -> list[str]:
     """The memory checks and what the staging needs depend only on the buffers' `placement`:
     a call that passes buffers where the last passing call had them skips them. The staging
     is allocated last on every call (it needs validated buffers to know whether the pinned
@@ -865,15 +867,15 @@ def _placement_checks(ctx, src_ok, dst_ok) -> list[str]:
         )
         if reasons:
             return reasons
-    reasons = _allocate(ctx, src_ok, dst_ok, need_ring)
+    reasons = _allocate(ctx, src_ok, dst_ok, need_ring, key)
     if not reasons:
         ctx.verified_placement, ctx.verified_need_ring = where, need_ring
     return reasons
 
 
-def _allocate(ctx, src_ok, dst_ok, need_ring) -> list[str]:
+def _allocate(ctx, src_ok, dst_ok, need_ring, key=None) -> list[str]:
     try:
-        ctx.allocate(src_ok, dst_ok, need_ring)
+        ctx.allocate(src_ok, dst_ok, need_ring, buffers_key=key)
     except (torch.OutOfMemoryError, RuntimeError, MemoryError) as exc:
         return [f"staging allocation failed: {type(exc).__name__}: {exc}"]
     return []
@@ -935,7 +937,10 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
         ) from exc
     t2 = time.perf_counter()
     # cleared on every rank: the rounds run with these buffers, so the next call whose
-    # buffers read the same may skip their checks and what the rounds derive from them
-    ctx.verified_buffers = (got.key, got.need_ring) if got.key is not None else None
+    # buffers read the same may skip their checks and what the rounds derive from them. On
+    # the short path the kept entry is already these buffers' (`collect` handed its key on):
+    # one key object per set of buffers, so the executor tells them apart by identity.
+    if not got.short:
+        ctx.verified_buffers = (got.key, got.need_ring) if got.key is not None else None
     seconds = {"preflight": t2 - t0, "exchange": t2 - t1}
     return Cleared(got.src, got.dst, str(fingerprint), timeout_s, seconds, got.short)

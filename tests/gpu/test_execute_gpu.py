@@ -104,6 +104,91 @@ def test_execute_residency_without_group(dst_dtype):
     assert all(r[2] == "local" for r in res)
 
 
+def _moving_residency(use_group):
+    """One Transfer whose buffers change residency between calls: the same tensor objects
+    moved with `.data =` (a changed device under an unchanged tensor), each residency called
+    twice (the second call takes preflight's short path, and with it the layout and copy
+    paths derived from the last call's devices)."""
+    import reshard as rs
+
+    src_l, dst_l, numel = _layouts(torch.float32)
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    expected = _expected(flat, torch.float32)
+    sync = rs.Transfer(src_l, dst_l, budget_bytes_per_peer=1 << 16)
+    src = {0: flat.clone()}
+    dst = {k: torch.full_like(v, -777.0) for k, v in expected.items()}
+    seen = []
+    for sdev, ddev in COMBOS + COMBOS[::-1]:
+        src[0].data = src[0].data.to(sdev)
+        for v in dst.values():
+            v.data = v.data.to(ddev)
+        for _ in range(2):
+            for v in dst.values():
+                v.fill_(-777.0)
+            rep = sync(src, dst)
+            torch.cuda.synchronize()
+            for k, v in expected.items():
+                assert torch.equal(dst[k].cpu(), v), f"{sdev}->{ddev} location {k}"
+        seen.append((sdev, ddev, rep.transport))
+    return seen
+
+
+def _moving_worker(rank, world_size):
+    torch.cuda.set_device(0)
+    return _moving_residency(True)
+
+
+def test_repeated_calls_follow_buffers_moving_between_devices(tmp_path):
+    assert all(r[2] == "local" for r in _moving_residency(False))
+    (res,) = run_ranks(_moving_worker, 1, tmp_path, backend="nccl", timeout=240)
+    assert all(r[2] == "nccl" for r in res)
+
+
+def test_registered_source_swapped_in_place_is_registered_again():
+    """Registered and settled (repeated calls with the same storages skip the registry's pass),
+    then the source tensor is given another storage in place (set_, the same tensor object):
+    the old storage is unregistered, the new one registered, and every call copies the bytes
+    the tensor holds at that call."""
+    import reshard as rs
+
+    src_l, dst_l, numel = _layouts(torch.float32)
+    flat = torch.randn(numel)
+    old = flat.untyped_storage()
+    dst = {
+        k: torch.full((v.numel(),), -777.0, device="cuda")
+        for k, v in _expected(flat, torch.float32).items()
+    }
+
+    def call():
+        for v in dst.values():
+            v.fill_(-777.0)
+        rep = sync({0: flat}, dst)
+        torch.cuda.synchronize()
+        for k, v in _expected(flat, torch.float32).items():
+            assert torch.equal(dst[k].cpu(), v), k
+        return rep.host_registration
+
+    with rs.Transfer(src_l, dst_l, register_host_sources=True) as sync:
+        call()
+        sync.wait_host_registration()
+        for _ in range(3):
+            reg = call()
+            assert reg["registered"] == [] and reg["unregistered"] == [] and "pending" not in reg
+        assert flat.is_pinned()
+        fresh = torch.randn(numel)
+        flat.set_(fresh.untyped_storage(), 0, (numel,))
+        del fresh
+        reg = call()
+        assert reg["unregistered"] == [0] and reg["pending"] == [0]
+        assert sync.wait_host_registration()["sources"]["registered"] == [0]
+        assert flat.is_pinned() and not torch.empty(0).set_(old).is_pinned()
+        for _ in range(2):
+            flat.add_(1.0)  # new values in the same registered storage
+            reg = call()
+            assert reg["registered"] == [] and reg["unregistered"] == []
+    assert not flat.is_pinned()
+
+
 def test_transfer_registers_host_targets_in_place():
     """GPU -> CPU with the CPU targets page-locked in place: the D2H copies go straight into
     them (direct copies in the stage stats), results equal torch slicing, sources untouched."""
