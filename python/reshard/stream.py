@@ -234,12 +234,10 @@ class Stream:
             for b in self.buckets
         ]
         # one typed view of the whole buffer per dtype; a yielded tensor is one as_strided of it
+        dtypes = {e.dtype for b in self.buckets for e in b.entries}
         typed = {
-            e.dtype: self.buffer[: self.buffer_bytes // e.dtype.itemsize * e.dtype.itemsize].view(
-                e.dtype
-            )
-            for b in self.buckets
-            for e in b.entries
+            dt: self.buffer[: self.buffer_bytes // dt.itemsize * dt.itemsize].view(dt)
+            for dt in dtypes
         }
         self._yields = [
             [
