@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 #include <c10/core/InferenceMode.h>
 // torch's autograd headers trip -Wunused-parameter under -Wextra; the warnings are theirs.
@@ -29,7 +30,6 @@
 #include "reshard.h"
 
 #ifdef RESHARD_WITH_CUDA
-#include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -247,6 +247,37 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
   });
   TORCH_CHECK(status.load() == RS_OK, op, ": internal error in the C core: ",
               rs_status_name(static_cast<rs_status>(status.load())));
+}
+
+// One int64 row per tensor of what preflight's per-call key reads, as Python reads it
+// (reshard._ops.FACT_COLUMNS): data_ptr, storage data_ptr and nbytes, dtype, device type and
+// index, dim, numel, is_contiguous, requires_grad, is_inference. Read from each TensorImpl:
+// nothing is dispatched on the tensors and no data is touched (a copy-on-write tensor stays
+// shared). A tensor without storage or not strided is refused.
+constexpr int64_t kFactColumns = 11;
+
+at::Tensor tensor_facts(at::TensorList tensors) {
+  at::Tensor out = at::empty({static_cast<int64_t>(tensors.size()), kFactColumns},
+                             at::TensorOptions().dtype(at::kLong));
+  int64_t* row = out.mutable_data_ptr<int64_t>();
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.defined() && t.layout() == at::kStrided && t.has_storage(),
+                "reshard::tensor_facts: every tensor must be strided and have a storage");
+    const c10::Storage& st = t.storage();
+    row[0] = reinterpret_cast<int64_t>(t.const_data_ptr());
+    row[1] = reinterpret_cast<int64_t>(st.data());
+    row[2] = static_cast<int64_t>(st.nbytes());
+    row[3] = static_cast<int64_t>(t.scalar_type());
+    row[4] = static_cast<int64_t>(t.device().type());
+    row[5] = t.device().index();
+    row[6] = t.dim();
+    row[7] = t.numel();
+    row[8] = t.is_contiguous();
+    row[9] = t.requires_grad();
+    row[10] = t.is_inference();
+    row += kFactColumns;
+  }
+  return out;
 }
 
 }  // namespace
@@ -687,6 +718,7 @@ TORCH_LIBRARY(reshard, m) {
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
+  m.def("tensor_facts(Tensor[] tensors) -> Tensor", &tensor_facts);
 }
 
 // The stage ops move CPU<->CUDA: called with CPU tensors only, their device checks name the

@@ -45,6 +45,23 @@ SCHEMAS = (
     "host_register(Tensor t) -> int",
     "host_unregister(Tensor t) -> ()",
     "stage_device_bytes(int ring_bytes) -> int",
+    "tensor_facts(Tensor[] tensors) -> Tensor",
+)
+
+# tensor_facts' columns: per tensor, what these Python reads return (device_index: get_device(),
+# -1 on the CPU; dtype and device_type: c10 enum values; the flags 0 or 1).
+FACT_COLUMNS = (
+    "data_ptr",  # data_ptr()
+    "storage_ptr",  # untyped_storage().data_ptr()
+    "storage_nbytes",  # untyped_storage().nbytes()
+    "dtype",
+    "device_type",
+    "device_index",
+    "dim",
+    "numel",
+    "contiguous",  # is_contiguous()
+    "requires_grad",
+    "inference",  # is_inference()
 )
 
 try:
@@ -106,6 +123,24 @@ def _define_stand_ins() -> None:
         lib.define(schema)
         lib.impl(name, missing, "CompositeExplicitAutograd")
     _define_stand_ins.lib = lib
+
+
+# Types whose facts the op reads as Python would (a subclass may dispatch the call elsewhere).
+_FACT_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def facts_key(tensors: list) -> tuple | None:
+    """(the tensors' types, their `FACT_COLUMNS` as bytes), read in one `tensor_facts` call:
+    two keys are equal exactly when every tensor, in order, has the same type and facts. None
+    when one is not a plain tensor or parameter, or has no storage (or without a build)."""
+    types = tuple(map(type, tensors))
+    if not _FACT_TYPES.issuperset(types):
+        return None
+    try:
+        facts = torch.ops.reshard.tensor_facts.default(tensors)
+    except RuntimeError:
+        return None
+    return types, facts.numpy().tobytes()
 
 
 def as_desc(desc) -> torch.Tensor:

@@ -32,7 +32,6 @@ import functools
 import hashlib
 import json
 import math
-import operator
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import _ops
 from .errors import PreflightError
 from .layout.intervals import first_overlap, merge
 from .layout.values import as_dtype
@@ -431,47 +431,22 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons) -> 
     return ok
 
 
-# What the per-buffer checks read of a tensor, read for a whole side at once (map over C
-# methods: a fraction of the checks' own cost).
-_DTYPE = operator.attrgetter("dtype")
-_SHAPE = operator.attrgetter("shape")
-_DEVICE = operator.attrgetter("device")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def buffers_key(buffers: dict, target: bool) -> tuple | None:
+def buffers_key(buffers: dict) -> tuple | None:
     """Everything the per-buffer checks of one side read: the locations in order and, per
-    value, its type, address, storage (address and bytes), dtype, shape, contiguity and
-    device; for targets also whether it requires grad or is an inference tensor. Equal keys
+    value, its type and `_ops.FACT_COLUMNS` (address, storage address and bytes, dtype,
+    device, dim, numel, contiguity, requires_grad, inference), read in one op call. Equal keys
     (in the same grad / inference mode and current device: `_call_key`) get the same
-    per-buffer verdicts and the same `placement`, and only a passing call's key is kept, so
-    the strides beyond contiguity (of a 1-D buffer: implied) are not read. None when a value
-    is not a tensor these reads accept (the full checks then say why)."""
-    vals = list(buffers.values())
-    try:
-        storages = list(map(torch.Tensor.untyped_storage, vals))
-        key = (
-            tuple(buffers),
-            tuple(map(type, vals)),
-            tuple(map(torch.Tensor.data_ptr, vals)),
-            tuple(map(torch.UntypedStorage.data_ptr, storages)),
-            tuple(map(torch.UntypedStorage.nbytes, storages)),
-            tuple(map(_DTYPE, vals)),
-            tuple(map(_SHAPE, vals)),
-            tuple(map(torch.Tensor.is_contiguous, vals)),
-            tuple(map(_DEVICE, vals)),
-        )
-        if target:
-            key += (tuple(map(_REQUIRES_GRAD, vals)), tuple(map(torch.Tensor.is_inference, vals)))
-    except Exception:  # noqa: BLE001 - not a plain tensor: the full checks run and say why
-        return None
-    return key
+    per-buffer verdicts and the same `placement`; only a passing call's key is kept, and a
+    passing buffer is 1-D, so its dim and numel are its shape and its contiguity its strides.
+    None when a value is not a plain tensor (the full checks then say why)."""
+    facts = _ops.facts_key(list(buffers.values()))
+    return None if facts is None else (tuple(buffers), facts)
 
 
 def _call_key(ctx, src: dict, dst: dict) -> tuple | None:
     """`buffers_key` of both sides plus the modes the checks read (grad, inference, the
     current CUDA device under NCCL); None if a side has none."""
-    s, d = buffers_key(src, False), buffers_key(dst, True)
+    s, d = buffers_key(src), buffers_key(dst)
     if s is None or d is None:
         return None
     cuda = torch.cuda.current_device() if ctx.transport == "nccl" else None

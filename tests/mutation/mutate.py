@@ -110,50 +110,16 @@ MUTANTS = (
         "a repeated call skips the memory checks whatever buffers it was given",
     ),
     Mutant(
-        "buffer_key_storage_bytes",
+        "buffer_key_without_facts",
         PKG,
-        "            tuple(map(torch.UntypedStorage.nbytes, storages)),\n",
-        "",
+        "    return None if facts is None else (tuple(buffers), facts)",
+        "    return None if facts is None else (tuple(buffers), facts[0])",
         (
+            REPEAT_LOCAL,
             f"{LOCAL_HOSTILE}::"
             "test_storage_reallocated_at_the_same_address_is_seen_on_a_repeated_call",
         ),
-        "a storage given fewer bytes at its old address passes a repeated call",
-    ),
-    Mutant(
-        "buffer_key_address",
-        PKG,
-        "            tuple(map(torch.Tensor.data_ptr, vals)),\n",
-        "",
-        (
-            f"{LOCAL_HOSTILE}::"
-            "test_target_moved_within_its_storage_onto_the_source_is_seen_on_a_repeated_call",
-        ),
-        "a target moved within its storage onto the source skips the memory checks",
-    ),
-    Mutant(
-        "buffer_key_dtype",
-        PKG,
-        "            tuple(map(_DTYPE, vals)),\n",
-        "",
-        (REPEAT_LOCAL,),
-        "a target retyped in place (.data = a view as int32) passes a repeated call",
-    ),
-    Mutant(
-        "buffer_key_shape",
-        PKG,
-        "            tuple(map(_SHAPE, vals)),\n",
-        "",
-        (REPEAT_LOCAL,),
-        "a target truncated in place (.data = its first n-1 elements) passes a repeated call",
-    ),
-    Mutant(
-        "buffer_key_contiguity",
-        PKG,
-        "            tuple(map(torch.Tensor.is_contiguous, vals)),\n",
-        "",
-        (REPEAT_LOCAL,),
-        "a target given stride 0 in place passes a repeated call",
+        "a buffer retyped, truncated, moved or reallocated in place passes a repeated call",
     ),
     Mutant(
         "buffer_key_grad_mode",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
+from reshard._ops import facts_key
 from reshard.errors import NotReadyError, UnsupportedError
 
 from .dtensor_geometry import build_layout, entry, local_shape, segments
@@ -73,31 +74,19 @@ def _views(entries, mine, locals_):
 
 
 _SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
 _LOCAL = operator.attrgetter("_local_tensor")
 
 
 def _locals_key(locals_, mine) -> tuple | None:
     """Everything `_views` and `_identity` read of this rank's local tensors (address, storage
-    address, shape, contiguity, dtype, device), without building views: equal keys give equal
-    views. None when a local is not a tensor these reads accept."""
-    import torch
-
+    address, shape, contiguity, dtype, device: `_ops.facts_key` and the shapes), without
+    building views: equal keys give equal views. None when a local is not a plain tensor."""
     try:
         # an entry has at most one storage on a rank, so as many as entries: every one, in order
         ts = locals_ if len(mine) == len(locals_) else [locals_[i] for i, _, _ in mine]
-        storages = list(map(torch.Tensor.untyped_storage, ts))
-        return (
-            tuple(map(type, ts)),
-            tuple(map(torch.Tensor.data_ptr, ts)),
-            tuple(map(torch.UntypedStorage.data_ptr, storages)),
-            tuple(map(_SHAPE, ts)),
-            tuple(map(torch.Tensor.is_contiguous, ts)),
-            tuple(map(_DTYPE, ts)),
-            tuple(map(_DEVICE, ts)),
-        )
-    except Exception:  # noqa: BLE001 - not a plain tensor: the views say why
+        facts = facts_key(ts)
+        return None if facts is None else (facts, tuple(map(_SHAPE, ts)))
+    except Exception:  # noqa: BLE001 - not a list of tensors: the views say why
         return None
 
 
