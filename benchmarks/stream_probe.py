@@ -49,7 +49,15 @@ import reshard as rs  # noqa: E402
 
 MiB = 1 << 20
 BEFORE_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
-ALL = ("transfer", "transfer_thread", "transfer_thread15", "buckets_main", "buckets_thread")
+ALL = (
+    "transfer",
+    "transfer_thread",
+    "transfer_thread15",
+    "buckets_main",
+    "buckets_thread",
+    "buckets_h2d",
+    "buckets_op",
+)
 
 
 def load_before(path):
@@ -137,6 +145,56 @@ STREAMS = {
 }
 
 
+def s_path(transfer):
+    """The reshard.h2d path of a Transfer that ran once (None: it has none)."""
+    return transfer._engine._local_paths[1][0] if transfer._engine._local_paths[1] else None
+
+
+def bucket_parts(sb, run_buckets):
+    """buckets_h2d / buckets_op steps (see the module doc)."""
+    out = {}
+    # the same buckets' reshard.h2d calls alone (no preflight / executor), and the stage
+    # ops those calls make, alone (no h2d): each bucket's arguments caught in one call
+    calls = {}
+    paths = [s_path(sb.mover._transfer(b)) for b in sb.buckets]
+    for k, path in enumerate(paths if all(p is not None for p in paths) else ()):
+
+        def grab(*a, k=k, orig=path.run):
+            calls[k] = (orig, a)
+            return orig(*a)
+
+        path.run = grab
+    run_buckets()
+    for path in paths if calls else ():
+        del path.run
+    if calls:
+        out["buckets_h2d"] = lambda bufs: [fn(*a) for fn, a in calls.values()]
+    ops = [] if calls else None
+    for fn, (src, dst, ring, _) in calls.values() if calls else ():
+        h = fn.__self__
+        (r,) = h._routes.values()
+        if r.small or r.direct or r.dev_chunks:
+            ops = None
+            break
+        for ti, j, first, n in r.big:
+            t = h.tables[ti]
+            sa = int(t.spans[j, 0]) + first if j is not None else 0
+            da = int(t.spans[j, 1]) + first if j is not None else 0
+            d = h._desc(n) if j is not None else t.desc
+            ops.append((src[t.src_location][sa:], d, ring, dst[t.dst_location][da:], n, j))
+    if ops is not None:
+
+        def run_ops():
+            for sv, d, ring, dv, n, j in ops:
+                if j is None:
+                    torch.ops.reshard.stage_h2d(sv, d, ring, dv)
+                else:
+                    torch.ops.reshard.stage_h2d(sv[:n], d, ring, dv[:n])
+
+        out["buckets_op"] = lambda bufs: run_ops()
+    return out
+
+
 def make_variants(case, names, before_cls):
     out, keep, streams, threads = {}, [], {}, {}
     kw = dict(dtype=case.dst.dtype, device=case.dst_device)
@@ -165,7 +223,7 @@ def make_variants(case, names, before_cls):
         out["transfer_thread"] = lambda bufs: pool.submit(sync, case.src_buffers, bufs).result()
         out["transfer_thread15"] = None  # made after every other thread started (see main)
         out["_sync"] = sync
-    if {"buckets_main", "buckets_thread"} & set(names):
+    if {"buckets_main", "buckets_thread", "buckets_h2d", "buckets_op"} & set(names):
         sb = new_stream()
         list(sb(case.src_buffers))  # buffer, views, Transfers
 
@@ -176,6 +234,10 @@ def make_variants(case, names, before_cls):
 
         out["buckets_main"] = lambda bufs: run_buckets()
         out["buckets_thread"] = lambda bufs: pool.submit(run_buckets).result()
+        try:
+            out |= bucket_parts(sb, run_buckets)
+        except Exception as exc:  # a probe variant's own bug: the others still run
+            print(f"buckets_h2d / buckets_op dropped: {type(exc).__name__}: {exc}", flush=True)
     for label, (which, write, nthreads) in STREAMS.items():
         if label not in names or (which == "before" and before_cls is None):
             continue
@@ -194,10 +256,14 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
     steps, keep, pool, streams, worker_threads = make_variants(case, names, before_cls)
     sync = steps.pop("_sync", None)
     bufs = {m: case.targets() for m in steps}
-    for m, step in steps.items():
+    for m, step in list(steps.items()):
         if step is not None:
-            for _ in range(2):
-                step(bufs[m])
+            try:
+                for _ in range(2):
+                    step(bufs[m])
+            except Exception as exc:  # a probe variant's own bug: the others still run
+                print(f"{model} {m} dropped: {type(exc).__name__}: {exc}", flush=True)
+                del steps[m]
     _sync()
     threads = torch.get_num_threads()
     for label, n in worker_threads.items():  # the workers exist now: set their own teams
@@ -279,37 +345,81 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
     return res
 
 
+def _probe_ns():
+    """The stage op's probe timestamps of its last queued call (probe builds only), or None."""
+    import ctypes
+    import glob
+
+    try:
+        lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(rs.__file__), "_C*.so"))[0])
+        arr = (ctypes.c_int64 * 8).in_dll(lib, "rs_stage_probe_ns")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lambda: list(arr)
+
+
 def stage_calls(elements, parts_list, rounds):
     """stage_h2d of `elements` pageable fp32 -> one dense bf16 CUDA target through a 64 MiB
     ring, on the caller's thread, as one call or as `parts` equal calls back to back
-    (interleaved rounds): the op's own cost per call."""
+    (interleaved rounds): the op's own cost per call. Variants: op (as built); nowait (probe
+    builds: the op skips its final wait, two rings alternate, a ring is reused after the call
+    two back completed: what pipelining across calls could give)."""
     src = torch.rand(elements)
     dst = torch.empty(elements, dtype=torch.bfloat16, device="cuda")
-    ring = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True)
+    rings = [torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     ref = src.to(torch.bfloat16)
+    probe = _probe_ns()
     cuts = {}
     for parts in parts_list:
         edges = [elements * i // parts for i in range(parts + 1)]
         cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    times = {p: [] for p in parts_list}
+    variants = [("op", p) for p in parts_list]
+    if probe is not None:
+        variants += [("nowait", p) for p in parts_list if p > 1]
+    times = {v: [] for v in variants}
+    marks = {v: [] for v in variants}
     for r in range(rounds + 2):
-        for parts in parts_list:
+        for v in variants:
+            kind, parts = v
             dst.fill_(0)
             torch.cuda.synchronize()
+            if kind == "nowait":
+                os.environ["RS_STAGE_PROBE_NOWAIT"] = "1"
+            done = []
             t0 = time.perf_counter()
-            for a, b, d in cuts[parts]:
-                torch.ops.reshard.stage_h2d(src[a:b], d, ring, dst[a:b])
+            for i, (a, b, d) in enumerate(cuts[parts]):
+                if kind == "nowait" and i >= 2:
+                    done[i - 2].synchronize()
+                c0 = time.perf_counter()
+                torch.ops.reshard.stage_h2d(src[a:b], d, rings[i % 2], dst[a:b])
+                c1 = time.perf_counter()
+                if kind == "nowait":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    done.append(ev)
+                if probe is not None and r >= 2:
+                    marks[v].append([i, c1 - c0, *probe()])
             torch.cuda.synchronize()
             if r >= 2:
-                times[parts].append(time.perf_counter() - t0)
+                times[v].append(time.perf_counter() - t0)
+            os.environ.pop("RS_STAGE_PROBE_NOWAIT", None)
             ok = bool(torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)))
-            assert ok, f"stage_h2d in {parts} calls differs from torch's cast"
+            assert ok, f"stage_h2d {v} differs from torch's cast"
     out = []
-    for parts in parts_list:
-        med = statistics.median(times[parts])
-        row = {"elements": elements, "parts": parts, "median_s": med, "min_s": min(times[parts])}
-        row["g_elem_per_s"] = elements / med / 1e9
-        print(f"stage {elements} elements in {parts} calls: {med * 1e3:.2f} ms", flush=True)
+    for v in variants:
+        med = statistics.median(times[v])
+        row = {"variant": v[0], "elements": elements, "parts": v[1], "median_s": med}
+        row |= {"min_s": min(times[v]), "g_elem_per_s": elements / med / 1e9}
+        if marks[v]:
+            cols = list(zip(*marks[v], strict=True))
+            # per call, medians: op seconds, then probe marks in ms since the op's entry
+            row["call_s"] = statistics.median(cols[1])
+            row["marks_ms"] = [statistics.median(c) / 1e6 for c in cols[2:9]]
+            row["first_call_marks_ms"] = [
+                statistics.median(c) / 1e6
+                for c in list(zip(*[m for m in marks[v] if m[0] == 0], strict=True))[2:9]
+            ]
+        print(f"stage {v[0]} {elements} elements in {v[1]} calls: {med * 1e3:.2f} ms {row}")
         out.append(row)
     return out
 
