@@ -48,6 +48,7 @@ import _scenarios as S  # noqa: E402
 import reshard as rs  # noqa: E402
 
 MiB = 1 << 20
+H2D_BEFORE = None  # --before-h2d: another revision's reshard.h2d module
 BEFORE_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
 ALL = (
     "transfer",
@@ -145,6 +146,17 @@ STREAMS = {
 }
 
 
+def _env_step(step, var):
+    def run(bufs):
+        os.environ[var] = "1"
+        try:
+            return step(bufs)
+        finally:
+            os.environ.pop(var, None)
+
+    return run
+
+
 def s_path(transfer):
     """The reshard.h2d path of a Transfer that ran once (None: it has none)."""
     return transfer._engine._local_paths[1][0] if transfer._engine._local_paths[1] else None
@@ -169,6 +181,18 @@ def bucket_parts(sb, run_buckets):
         del path.run
     if calls:
         out["buckets_h2d"] = lambda bufs: [fn(*a) for fn, a in calls.values()]
+    if calls and H2D_BEFORE:
+        # another revision's reshard.h2d over the same tables and arguments
+        old = [
+            (
+                H2D_BEFORE.HostToDevice(
+                    [H2D_BEFORE.LocalSpans(t, t.spans) for t in fn.__self__.tables]
+                ),
+                a,
+            )
+            for fn, a in calls.values()
+        ]
+        out["buckets_h2d_before"] = lambda bufs: [h.run(*a) for h, a in old]
     ops = [] if calls else None
     for fn, (src, dst, ring, _) in calls.values() if calls else ():
         h = fn.__self__
@@ -247,6 +271,10 @@ def make_variants(case, names, before_cls):
         elif nthreads is not None:
             threads[label] = nthreads
         out[label] = stream_step(label, s, write)
+    for name in names:  # probe builds: the stage op without its event pool
+        base = name.removesuffix("_nopool")
+        if name.endswith("_nopool") and out.get(base) is not None:
+            out[name] = _env_step(out[base], "RS_STAGE_PROBE_NOPOOL")
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
 
@@ -375,7 +403,7 @@ def stage_calls(elements, parts_list, rounds):
         cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     variants = [("op", p) for p in parts_list]
     if probe is not None:
-        variants += [("nowait", p) for p in parts_list if p > 1]
+        variants += [("nopool", p) for p in parts_list]
     times = {v: [] for v in variants}
     marks = {v: [] for v in variants}
     for r in range(rounds + 2):
@@ -385,6 +413,8 @@ def stage_calls(elements, parts_list, rounds):
             torch.cuda.synchronize()
             if kind == "nowait":
                 os.environ["RS_STAGE_PROBE_NOWAIT"] = "1"
+            if kind == "nopool":
+                os.environ["RS_STAGE_PROBE_NOPOOL"] = "1"
             done = []
             t0 = time.perf_counter()
             for i, (a, b, d) in enumerate(cuts[parts]):
@@ -403,6 +433,7 @@ def stage_calls(elements, parts_list, rounds):
             if r >= 2:
                 times[v].append(time.perf_counter() - t0)
             os.environ.pop("RS_STAGE_PROBE_NOWAIT", None)
+            os.environ.pop("RS_STAGE_PROBE_NOPOOL", None)
             ok = bool(torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)))
             assert ok, f"stage_h2d {v} differs from torch's cast"
     out = []
@@ -470,7 +501,13 @@ def main(argv=None):
     ap.add_argument("--ordering", action="store_true", help="run the ordering check too")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the harness")
     ap.add_argument("--stage", default="", help="elements:parts,parts,...: the stage section")
+    ap.add_argument("--before-h2d", default=None, help="another revision's h2d.py")
     args = ap.parse_args(argv)
+    if args.before_h2d:
+        global H2D_BEFORE
+        spec = importlib.util.spec_from_file_location("reshard._before_h2d", args.before_h2d)
+        H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
     before_cls = load_before(args.before) if args.before else None
     rec = {
