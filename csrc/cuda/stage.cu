@@ -22,6 +22,8 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "cuda_check.h"
 #include "reshard_cuda.h"
@@ -292,6 +294,47 @@ static std::atomic<int64_t> g_probe_t0{0}, g_probe_first_start{0}, g_probe_last_
 
 namespace {
 
+/* The queued calls' events, kept across calls per device: creating and destroying a call's
+ * slots + 1 events costs about what packing its first chunk does, once per call (a stream of
+ * 64 MiB buckets makes one call per bucket). A call takes its events here and gives them
+ * back when it no longer waits on them; the next call records them again. */
+constexpr size_t kPooledEvents = 4 * (RS_STAGE_QUEUE_MAX_SLOTS + 1);
+std::mutex g_event_mutex;
+/* never destroyed: at process exit the driver may be gone before static destructors run */
+std::vector<std::pair<int, cudaEvent_t>> &g_events =
+    *new std::vector<std::pair<int, cudaEvent_t>>();
+
+/* n events of `device` (the current device) into ev: pooled ones first, then new ones. */
+cudaError_t take_events(int device, cudaEvent_t *ev, int64_t n, int64_t *got) {
+  *got = 0;
+  const char *np = getenv("RS_STAGE_PROBE_NOPOOL"); /* PROBE */
+  if (!(np && np[0] == '1')) {
+    std::lock_guard<std::mutex> lock(g_event_mutex);
+    for (size_t i = g_events.size(); i > 0 && *got < n; --i) {
+      if (g_events[i - 1].first != device) continue;
+      ev[(*got)++] = g_events[i - 1].second;
+      g_events[i - 1] = g_events.back();
+      g_events.pop_back();
+    }
+  }
+  for (; *got < n; ++*got) {
+    const cudaError_t e = cudaEventCreateWithFlags(&ev[*got], cudaEventDisableTiming);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+void give_events(int device, const cudaEvent_t *ev, int64_t n) {
+  int64_t kept = 0;
+  const char *np = getenv("RS_STAGE_PROBE_NOPOOL"); /* PROBE */
+  if (!(np && np[0] == '1')) {
+    std::lock_guard<std::mutex> lock(g_event_mutex);
+    for (; kept < n && g_events.size() < kPooledEvents; ++kept)
+      g_events.emplace_back(device, ev[kept]);
+  }
+  for (int64_t i = kept; i < n; ++i) cudaEventDestroy(ev[i]);
+}
+
 /* One call's shared state. Chunk k (slot k mod slots) is packed in sub-chunks that any worker
  * claims in order; the worker that finishes the last sub-chunk of chunk k issues its DMA (and
  * scatter), records the slot's event and marks the chunk issued. A worker about to pack into
@@ -463,13 +506,8 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
   int64_t created = 0;
   rs_status s = RS_OK;
-  for (; created < q.slots + 1; ++created) {
-    cudaError_t e = cudaEventCreateWithFlags(&q.ev[created], cudaEventDisableTiming);
-    if (e != cudaSuccess) {
-      s = rs_cuda_fail(err, "stage_h2d: cudaEventCreateWithFlags", e);
-      break;
-    }
-  }
+  const cudaError_t made = take_events(q.device, q.ev, q.slots + 1, &created);
+  if (made != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: cudaEventCreateWithFlags", made);
   if (s == RS_OK) {
     /* any CUDA call of a worker, or a worker's own thread start, may fail: each failure is
      * kept (the first one is returned) and stops the others at their next sub-chunk */
@@ -493,7 +531,7 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
     rs_stage_probe_ns[5] = probe_now() - g_probe_t0.load();
     rs_stage_probe_ns[6] = q.host_waits.load();
   }
-  for (int64_t i = 0; i < created; ++i) cudaEventDestroy(q.ev[i]);
+  give_events(q.device, q.ev, created);
   return s;
 }
 
