@@ -527,7 +527,7 @@ def main(argv=None):
             json.dump(rec, f, indent=1, default=str)
 
     rec["models"] = []
-    for m in args.models.split(","):
+    for m in filter(None, args.models.split(",")):
         rec["models"].append(run_model(m, names, args.rounds, before_cls, bw, args.device))
         save()
     if args.stage:
