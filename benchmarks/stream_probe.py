@@ -8,6 +8,9 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 - transfer_thread15: the same from a worker thread whose intra-op threads are set to 15;
 - buckets_main / buckets_thread: the stream's bucket Transfers back to back, no iteration
   protocol, on the caller's thread / on one worker thread;
+- buckets_h2d / buckets_op: the same buckets' `reshard.h2d` calls alone (no preflight, no
+  executor), and the `stage_h2d` calls those make, alone (no h2d); buckets_h2d_before: the
+  h2d of another revision (--before-h2d FILE, that revision's h2d.py) over the same calls;
 - stream: the current `rs.Stream`; stream_before: the Stream of another revision (--before
   DIR: that revision's stream*.py, loaded as reshard._before_*);
 - stream_inline: the current Stream, its buckets moved on the caller's thread;
@@ -17,13 +20,16 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
 --stage N:P1,P2,..: `stage_h2d` of N elements in one call and in P equal calls (the op's own
-cost per call). --ordering: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run
+cost per call); with a build that exports `rs_stage_probe_ns` (stage.cu instrumented with host
+timestamps per queued call, as in this file's history) also where each call's time goes and a
+variant whose calls skip their final wait (what overlapping one call's tail with the next
+call's start could give). --ordering: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run
 against the current Stream and against one whose worker ignores the caller's event; the second
 must fail.
 
     python benchmarks/stream_probe.py --json out/stream_probe.json [--before DIR] \\
-        [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...] [--ordering] \\
-        [--stage 123551232:1,4,11]
+        [--before-h2d FILE] [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...] \\
+        [--ordering] [--stage 123551232:1,4,11]
 """
 
 from __future__ import annotations
@@ -146,17 +152,6 @@ STREAMS = {
 }
 
 
-def _env_step(step, var):
-    def run(bufs):
-        os.environ[var] = "1"
-        try:
-            return step(bufs)
-        finally:
-            os.environ.pop(var, None)
-
-    return run
-
-
 def s_path(transfer):
     """The reshard.h2d path of a Transfer that ran once (None: it has none)."""
     return transfer._engine._local_paths[1][0] if transfer._engine._local_paths[1] else None
@@ -271,10 +266,6 @@ def make_variants(case, names, before_cls):
         elif nthreads is not None:
             threads[label] = nthreads
         out[label] = stream_step(label, s, write)
-    for name in names:  # probe builds: the stage op without its event pool
-        base = name.removesuffix("_nopool")
-        if name.endswith("_nopool") and out.get(base) is not None:
-            out[name] = _env_step(out[base], "RS_STAGE_PROBE_NOPOOL")
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
 
@@ -374,7 +365,8 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
 
 
 def _probe_ns():
-    """The stage op's probe timestamps of its last queued call (probe builds only), or None."""
+    """A reader of the stage op's timestamps of its last queued call (builds that export
+    `rs_stage_probe_ns`, see the module doc), or None."""
     import ctypes
     import glob
 
@@ -403,7 +395,7 @@ def stage_calls(elements, parts_list, rounds):
         cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
     variants = [("op", p) for p in parts_list]
     if probe is not None:
-        variants += [("nopool", p) for p in parts_list]
+        variants += [("nowait", p) for p in parts_list if p > 1]
     times = {v: [] for v in variants}
     marks = {v: [] for v in variants}
     for r in range(rounds + 2):
@@ -413,8 +405,6 @@ def stage_calls(elements, parts_list, rounds):
             torch.cuda.synchronize()
             if kind == "nowait":
                 os.environ["RS_STAGE_PROBE_NOWAIT"] = "1"
-            if kind == "nopool":
-                os.environ["RS_STAGE_PROBE_NOPOOL"] = "1"
             done = []
             t0 = time.perf_counter()
             for i, (a, b, d) in enumerate(cuts[parts]):
@@ -433,7 +423,6 @@ def stage_calls(elements, parts_list, rounds):
             if r >= 2:
                 times[v].append(time.perf_counter() - t0)
             os.environ.pop("RS_STAGE_PROBE_NOWAIT", None)
-            os.environ.pop("RS_STAGE_PROBE_NOPOOL", None)
             ok = bool(torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)))
             assert ok, f"stage_h2d {v} differs from torch's cast"
     out = []

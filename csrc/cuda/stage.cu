@@ -15,15 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <stdlib.h>
-#include <time.h>
-
 #include <atomic>
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <utility>
-#include <vector>
 
 #include "cuda_check.h"
 #include "reshard_cuda.h"
@@ -278,62 +273,7 @@ extern "C" rs_status rs_cuda_stage(rs_direction dir, const rs_stage_table *t,
 
 /* ---- H2D as one queue of sub-chunks over the host's threads ------------------------------ */
 
-/* PROBE (not for landing): host ns since the call's entry: [0] first worker start, [1] last
- * worker start, [2] first chunk issued, [3] last chunk issued, [4] workers joined, [5] after
- * the final wait, [6] slot waits. RS_STAGE_PROBE_NOWAIT=1 skips the final wait. */
-extern "C" {
-int64_t rs_stage_probe_ns[8];
-}
-static int64_t probe_now() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-static std::atomic<int64_t> g_probe_t0{0}, g_probe_first_start{0}, g_probe_last_start{0},
-    g_probe_first_issue{0}, g_probe_last_issue{0};
-
 namespace {
-
-/* The queued calls' events, kept across calls per device: creating and destroying a call's
- * slots + 1 events costs about what packing its first chunk does, once per call (a stream of
- * 64 MiB buckets makes one call per bucket). A call takes its events here and gives them
- * back when it no longer waits on them; the next call records them again. */
-constexpr size_t kPooledEvents = 4 * (RS_STAGE_QUEUE_MAX_SLOTS + 1);
-std::mutex g_event_mutex;
-/* never destroyed: at process exit the driver may be gone before static destructors run */
-std::vector<std::pair<int, cudaEvent_t>> &g_events =
-    *new std::vector<std::pair<int, cudaEvent_t>>();
-
-/* n events of `device` (the current device) into ev: pooled ones first, then new ones. */
-cudaError_t take_events(int device, cudaEvent_t *ev, int64_t n, int64_t *got) {
-  *got = 0;
-  const char *np = getenv("RS_STAGE_PROBE_NOPOOL"); /* PROBE */
-  if (!(np && np[0] == '1')) {
-    std::lock_guard<std::mutex> lock(g_event_mutex);
-    for (size_t i = g_events.size(); i > 0 && *got < n; --i) {
-      if (g_events[i - 1].first != device) continue;
-      ev[(*got)++] = g_events[i - 1].second;
-      g_events[i - 1] = g_events.back();
-      g_events.pop_back();
-    }
-  }
-  for (; *got < n; ++*got) {
-    const cudaError_t e = cudaEventCreateWithFlags(&ev[*got], cudaEventDisableTiming);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
-void give_events(int device, const cudaEvent_t *ev, int64_t n) {
-  int64_t kept = 0;
-  const char *np = getenv("RS_STAGE_PROBE_NOPOOL"); /* PROBE */
-  if (!(np && np[0] == '1')) {
-    std::lock_guard<std::mutex> lock(g_event_mutex);
-    for (; kept < n && g_events.size() < kPooledEvents; ++kept)
-      g_events.emplace_back(device, ev[kept]);
-  }
-  for (int64_t i = kept; i < n; ++i) cudaEventDestroy(ev[i]);
-}
 
 /* One call's shared state. Chunk k (slot k mod slots) is packed in sub-chunks that any worker
  * claims in order; the worker that finishes the last sub-chunk of chunk k issues its DMA (and
@@ -412,14 +352,6 @@ rs_status queue_wait_slot(Queue *q, int64_t k, rs_error *err) {
 void queue_worker(void *arg, int64_t /*worker*/) {
   Queue *q = static_cast<Queue *>(arg);
   const rs_stage_table *t = q->t;
-  {
-    const int64_t now = probe_now() - g_probe_t0.load();
-    int64_t z = 0;
-    g_probe_first_start.compare_exchange_strong(z, now);
-    int64_t cur = g_probe_last_start.load();
-    while (now > cur && !g_probe_last_start.compare_exchange_weak(cur, now)) {
-    }
-  }
   int prev_device = -1;
   rs_error err;
   if (cudaGetDevice(&prev_device) != cudaSuccess || prev_device != q->device) {
@@ -458,9 +390,6 @@ void queue_worker(void *arg, int64_t /*worker*/) {
         break;
       }
       q->issued[k].store(1, std::memory_order_release);
-      const int64_t now = probe_now() - g_probe_t0.load();
-      if (k == 0) g_probe_first_issue.store(now);
-      if (k == q->chunks - 1) g_probe_last_issue.store(now);
     }
   }
   if (prev_device >= 0 && prev_device != q->device) cudaSetDevice(prev_device);
@@ -506,13 +435,17 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
   int64_t created = 0;
   rs_status s = RS_OK;
-  const cudaError_t made = take_events(q.device, q.ev, q.slots + 1, &created);
-  if (made != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: cudaEventCreateWithFlags", made);
+  for (; created < q.slots + 1; ++created) {
+    cudaError_t e = cudaEventCreateWithFlags(&q.ev[created], cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      s = rs_cuda_fail(err, "stage_h2d: cudaEventCreateWithFlags", e);
+      break;
+    }
+  }
   if (s == RS_OK) {
     /* any CUDA call of a worker, or a worker's own thread start, may fail: each failure is
      * kept (the first one is returned) and stops the others at their next sub-chunk */
     parallel(ctx, workers, queue_worker, &q);
-    rs_stage_probe_ns[4] = probe_now() - g_probe_t0.load();
     if (q.first_status != RS_OK) {
       *err = q.first_err;
       s = q.first_status;
@@ -525,13 +458,10 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
     /* every chunk was issued by the worker that packed its last sub-chunk; one wait covers
      * them all: the ring and the source may be rewritten once this returns */
     cudaError_t e = cudaEventRecord(q.ev[q.slots], stream);
-    const char *nw = getenv("RS_STAGE_PROBE_NOWAIT");
-    if (e == cudaSuccess && !(nw && nw[0] == '1')) e = cudaEventSynchronize(q.ev[q.slots]);
+    if (e == cudaSuccess) e = cudaEventSynchronize(q.ev[q.slots]);
     if (e != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: final event", e);
-    rs_stage_probe_ns[5] = probe_now() - g_probe_t0.load();
-    rs_stage_probe_ns[6] = q.host_waits.load();
   }
-  give_events(q.device, q.ev, created);
+  for (int64_t i = 0; i < created; ++i) cudaEventDestroy(q.ev[i]);
   return s;
 }
 
@@ -557,18 +487,9 @@ extern "C" rs_status rs_cuda_stage_h2d_queued(const rs_stage_table *t, const rs_
   if (!t || !buf || !parallel || workers < 1)
     return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: null argument or no workers");
   if (t->total == 0) return RS_OK;
-  g_probe_t0.store(probe_now());
-  g_probe_first_start.store(0);
-  g_probe_last_start.store(0);
-  g_probe_first_issue.store(0);
-  g_probe_last_issue.store(0);
   Queue q;
   rs_status s = stage_h2d_queued_impl(q, t, buf, workers, parallel, ctx, so, err);
   if (s != RS_OK) cudaStreamSynchronize(static_cast<cudaStream_t>(buf->stream));
-  rs_stage_probe_ns[0] = g_probe_first_start.load();
-  rs_stage_probe_ns[1] = g_probe_last_start.load();
-  rs_stage_probe_ns[2] = g_probe_first_issue.load();
-  rs_stage_probe_ns[3] = g_probe_last_issue.load();
   return s;
 }
 

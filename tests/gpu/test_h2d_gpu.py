@@ -387,44 +387,6 @@ def test_stage_h2d_queue_ordered_on_the_current_stream():
     assert torch.equal(_bits(dst.cpu()), _bits(want))
 
 
-def test_stage_h2d_queue_calls_from_two_threads():
-    """Queued calls back to back from two threads at once, each on its own stream and ring (2
-    and 16 slots), targets poisoned before every call and the next call queued behind a slow
-    kernel: every call lands bit for bit (the calls' slot events are reused across calls and
-    threads)."""
-    import threading
-
-    from reshard import _ops as ops
-
-    n = 3_000_001
-    desc = np.array([[0, 0, 0, 0, n, 1]], np.int64)
-    errors = []
-
-    def worker(seed, ring_bytes):
-        try:
-            src = _values(n, seed)
-            want = _bits(_host_cast(src, torch.bfloat16))
-            ring = torch.empty(ring_bytes, dtype=torch.uint8, pin_memory=True)
-            dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-            s = torch.cuda.Stream()
-            with torch.cuda.stream(s):
-                for k in range(6):
-                    if k % 2:
-                        torch.cuda._sleep(20_000_000)
-                    dst.fill_(POISON)
-                    ops.stage_h2d(src, desc, ring, dst)
-                    assert torch.equal(_bits(dst.cpu()), want), f"call {k}"
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=a) for a in ((1, 1 << 20), (2, 64 << 20))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-
-
 def test_stage_only_calls_return_with_sources_read():
     """reshard.h2d with pageable sources whose spans each fill a ring slot or more (stage ops
     only: no side stream, no final wait of its own): the sources are rewritten as soon as the
