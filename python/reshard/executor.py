@@ -144,9 +144,9 @@ class _Engine:
             )
         }
         # every target location this rank writes: their version counters move after a call
-        self.written_locations = frozenset(self.message_locations[RECV]) | {
-            dloc for _, dloc in self.local_pairs
-        }
+        self.written_locations = tuple(
+            frozenset(self.message_locations[RECV]) | {dloc for _, dloc in self.local_pairs}
+        )
         self._written = None
         self.staging = self.make_staging(self.arena_device, sched.num_rounds)
         self.sched = sched
@@ -431,7 +431,10 @@ def _bump_versions(engine, dst_ok) -> None:
     """Autograd sees the writes: the version counter of every target this rank's schedule
     writes moves, as after a torch in-place op (zero-copy receives write targets outside any
     op)."""
-    written = [dst_ok[loc] for loc in engine.written_locations if loc in dst_ok]
+    try:  # a cleared call passed every target this rank writes
+        written = list(map(dst_ok.__getitem__, engine.written_locations))
+    except KeyError:
+        written = [dst_ok[loc] for loc in engine.written_locations if loc in dst_ok]
     if written:
         torch.autograd.graph.increment_version(written)
 

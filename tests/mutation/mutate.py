@@ -180,6 +180,17 @@ MUTANTS = (
         "the rounds are told the buffers are the last cleared call's when they are not",
     ),
     Mutant(
+        "registry_told_unchanged_always",
+        PKG,
+        "        unchanged = key is not None and key is self._registered_key",
+        "        unchanged = key is not None",
+        (
+            "tests/test_hostreg_cpu.py::"
+            "test_transfer_tells_the_registry_unchanged_only_for_the_storages_it_last_saw",
+        ),
+        "a storage swapped under a registered location is not re-registered (stale DMA source)",
+    ),
+    Mutant(
         "dtensor_locals_unchecked",
         PKG,
         "            if self._key is not None and _locals_key(locals_, self._mine) == self._key:",

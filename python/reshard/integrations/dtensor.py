@@ -85,7 +85,8 @@ def _locals_key(locals_, mine) -> tuple | None:
     import torch
 
     try:
-        ts = list(map(locals_.__getitem__, [i for i, _, _ in mine]))
+        # an entry has at most one storage on a rank, so as many as entries: every one, in order
+        ts = locals_ if len(mine) == len(locals_) else [locals_[i] for i, _, _ in mine]
         storages = list(map(torch.Tensor.untyped_storage, ts))
         return (
             tuple(map(type, ts)),
