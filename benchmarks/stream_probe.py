@@ -8,6 +8,9 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 - transfer_thread15: the same from a worker thread whose intra-op threads are set to 15;
 - buckets_main / buckets_thread: the stream's bucket Transfers back to back, no iteration
   protocol, on the caller's thread / on one worker thread;
+- buckets_h2d / buckets_op: the same buckets' `reshard.h2d` calls alone (no preflight, no
+  executor), and the `stage_h2d` calls those make, alone (no h2d); buckets_h2d_before: the
+  h2d of another revision (--before-h2d FILE, that revision's h2d.py) over the same calls;
 - stream: the current `rs.Stream`; stream_before: the Stream of another revision (--before
   DIR: that revision's stream*.py, loaded as reshard._before_*);
 - stream_inline: the current Stream, its buckets moved on the caller's thread;
@@ -17,13 +20,16 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
 --stage N:P1,P2,..: `stage_h2d` of N elements in one call and in P equal calls (the op's own
-cost per call). --ordering: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run
+cost per call); with a build that exports `rs_stage_probe_ns` (stage.cu instrumented with host
+timestamps per queued call, as in this file's history) also where each call's time goes and a
+variant whose calls skip their final wait (what overlapping one call's tail with the next
+call's start could give). --ordering: the GPU test of queued reads (tests/gpu/test_stream_gpu.py) run
 against the current Stream and against one whose worker ignores the caller's event; the second
 must fail.
 
     python benchmarks/stream_probe.py --json out/stream_probe.json [--before DIR] \\
-        [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...] [--ordering] \\
-        [--stage 123551232:1,4,11]
+        [--before-h2d FILE] [--models gpt-125m,gpt-350m] [--rounds 12] [--variants a,b,...] \\
+        [--ordering] [--stage 123551232:1,4,11]
 """
 
 from __future__ import annotations
@@ -48,8 +54,17 @@ import _scenarios as S  # noqa: E402
 import reshard as rs  # noqa: E402
 
 MiB = 1 << 20
+H2D_BEFORE = None  # --before-h2d: another revision's reshard.h2d module
 BEFORE_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
-ALL = ("transfer", "transfer_thread", "transfer_thread15", "buckets_main", "buckets_thread")
+ALL = (
+    "transfer",
+    "transfer_thread",
+    "transfer_thread15",
+    "buckets_main",
+    "buckets_thread",
+    "buckets_h2d",
+    "buckets_op",
+)
 
 
 def load_before(path):
@@ -137,6 +152,68 @@ STREAMS = {
 }
 
 
+def s_path(transfer):
+    """The reshard.h2d path of a Transfer that ran once (None: it has none)."""
+    return transfer._engine._local_paths[1][0] if transfer._engine._local_paths[1] else None
+
+
+def bucket_parts(sb, run_buckets):
+    """buckets_h2d / buckets_op steps (see the module doc)."""
+    out = {}
+    # the same buckets' reshard.h2d calls alone (no preflight / executor), and the stage
+    # ops those calls make, alone (no h2d): each bucket's arguments caught in one call
+    calls = {}
+    paths = [s_path(sb.mover._transfer(b)) for b in sb.buckets]
+    for k, path in enumerate(paths if all(p is not None for p in paths) else ()):
+
+        def grab(*a, k=k, orig=path.run):
+            calls[k] = (orig, a)
+            return orig(*a)
+
+        path.run = grab
+    run_buckets()
+    for path in paths if calls else ():
+        del path.run
+    if calls:
+        out["buckets_h2d"] = lambda bufs: [fn(*a) for fn, a in calls.values()]
+    if calls and H2D_BEFORE:
+        # another revision's reshard.h2d over the same tables and arguments
+        old = [
+            (
+                H2D_BEFORE.HostToDevice(
+                    [H2D_BEFORE.LocalSpans(t, t.spans) for t in fn.__self__.tables]
+                ),
+                a,
+            )
+            for fn, a in calls.values()
+        ]
+        out["buckets_h2d_before"] = lambda bufs: [h.run(*a) for h, a in old]
+    ops = [] if calls else None
+    for fn, (src, dst, ring, _) in calls.values() if calls else ():
+        h = fn.__self__
+        (r,) = h._routes.values()
+        if r.small or r.direct or r.dev_chunks:
+            ops = None
+            break
+        for ti, j, first, n in r.big:
+            t = h.tables[ti]
+            sa = int(t.spans[j, 0]) + first if j is not None else 0
+            da = int(t.spans[j, 1]) + first if j is not None else 0
+            d = h._desc(n) if j is not None else t.desc
+            ops.append((src[t.src_location][sa:], d, ring, dst[t.dst_location][da:], n, j))
+    if ops is not None:
+
+        def run_ops():
+            for sv, d, ring, dv, n, j in ops:
+                if j is None:
+                    torch.ops.reshard.stage_h2d(sv, d, ring, dv)
+                else:
+                    torch.ops.reshard.stage_h2d(sv[:n], d, ring, dv[:n])
+
+        out["buckets_op"] = lambda bufs: run_ops()
+    return out
+
+
 def make_variants(case, names, before_cls):
     out, keep, streams, threads = {}, [], {}, {}
     kw = dict(dtype=case.dst.dtype, device=case.dst_device)
@@ -165,7 +242,7 @@ def make_variants(case, names, before_cls):
         out["transfer_thread"] = lambda bufs: pool.submit(sync, case.src_buffers, bufs).result()
         out["transfer_thread15"] = None  # made after every other thread started (see main)
         out["_sync"] = sync
-    if {"buckets_main", "buckets_thread"} & set(names):
+    if {"buckets_main", "buckets_thread", "buckets_h2d", "buckets_op"} & set(names):
         sb = new_stream()
         list(sb(case.src_buffers))  # buffer, views, Transfers
 
@@ -176,6 +253,10 @@ def make_variants(case, names, before_cls):
 
         out["buckets_main"] = lambda bufs: run_buckets()
         out["buckets_thread"] = lambda bufs: pool.submit(run_buckets).result()
+        try:
+            out |= bucket_parts(sb, run_buckets)
+        except Exception as exc:  # a probe variant's own bug: the others still run
+            print(f"buckets_h2d / buckets_op dropped: {type(exc).__name__}: {exc}", flush=True)
     for label, (which, write, nthreads) in STREAMS.items():
         if label not in names or (which == "before" and before_cls is None):
             continue
@@ -194,10 +275,14 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
     steps, keep, pool, streams, worker_threads = make_variants(case, names, before_cls)
     sync = steps.pop("_sync", None)
     bufs = {m: case.targets() for m in steps}
-    for m, step in steps.items():
+    for m, step in list(steps.items()):
         if step is not None:
-            for _ in range(2):
-                step(bufs[m])
+            try:
+                for _ in range(2):
+                    step(bufs[m])
+            except Exception as exc:  # a probe variant's own bug: the others still run
+                print(f"{model} {m} dropped: {type(exc).__name__}: {exc}", flush=True)
+                del steps[m]
     _sync()
     threads = torch.get_num_threads()
     for label, n in worker_threads.items():  # the workers exist now: set their own teams
@@ -279,37 +364,82 @@ def run_model(model, names, rounds, before_cls, floor_bw, device):
     return res
 
 
+def _probe_ns():
+    """A reader of the stage op's timestamps of its last queued call (builds that export
+    `rs_stage_probe_ns`, see the module doc), or None."""
+    import ctypes
+    import glob
+
+    try:
+        lib = ctypes.CDLL(glob.glob(os.path.join(os.path.dirname(rs.__file__), "_C*.so"))[0])
+        arr = (ctypes.c_int64 * 8).in_dll(lib, "rs_stage_probe_ns")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return lambda: list(arr)
+
+
 def stage_calls(elements, parts_list, rounds):
     """stage_h2d of `elements` pageable fp32 -> one dense bf16 CUDA target through a 64 MiB
     ring, on the caller's thread, as one call or as `parts` equal calls back to back
-    (interleaved rounds): the op's own cost per call."""
+    (interleaved rounds): the op's own cost per call. Variants: op (as built); nowait (probe
+    builds: the op skips its final wait, two rings alternate, a ring is reused after the call
+    two back completed: what pipelining across calls could give)."""
     src = torch.rand(elements)
     dst = torch.empty(elements, dtype=torch.bfloat16, device="cuda")
-    ring = torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True)
+    rings = [torch.empty(64 * MiB, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     ref = src.to(torch.bfloat16)
+    probe = _probe_ns()
     cuts = {}
     for parts in parts_list:
         edges = [elements * i // parts for i in range(parts + 1)]
         cuts[parts] = [(a, b, _dense(b - a)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
-    times = {p: [] for p in parts_list}
+    variants = [("op", p) for p in parts_list]
+    if probe is not None:
+        variants += [("nowait", p) for p in parts_list if p > 1]
+    times = {v: [] for v in variants}
+    marks = {v: [] for v in variants}
     for r in range(rounds + 2):
-        for parts in parts_list:
+        for v in variants:
+            kind, parts = v
             dst.fill_(0)
             torch.cuda.synchronize()
+            if kind == "nowait":
+                os.environ["RS_STAGE_PROBE_NOWAIT"] = "1"
+            done = []
             t0 = time.perf_counter()
-            for a, b, d in cuts[parts]:
-                torch.ops.reshard.stage_h2d(src[a:b], d, ring, dst[a:b])
+            for i, (a, b, d) in enumerate(cuts[parts]):
+                if kind == "nowait" and i >= 2:
+                    done[i - 2].synchronize()
+                c0 = time.perf_counter()
+                torch.ops.reshard.stage_h2d(src[a:b], d, rings[i % 2], dst[a:b])
+                c1 = time.perf_counter()
+                if kind == "nowait":
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    done.append(ev)
+                if probe is not None and r >= 2:
+                    marks[v].append([i, c1 - c0, *probe()])
             torch.cuda.synchronize()
             if r >= 2:
-                times[parts].append(time.perf_counter() - t0)
+                times[v].append(time.perf_counter() - t0)
+            os.environ.pop("RS_STAGE_PROBE_NOWAIT", None)
             ok = bool(torch.equal(dst.cpu().view(torch.int16), ref.view(torch.int16)))
-            assert ok, f"stage_h2d in {parts} calls differs from torch's cast"
+            assert ok, f"stage_h2d {v} differs from torch's cast"
     out = []
-    for parts in parts_list:
-        med = statistics.median(times[parts])
-        row = {"elements": elements, "parts": parts, "median_s": med, "min_s": min(times[parts])}
-        row["g_elem_per_s"] = elements / med / 1e9
-        print(f"stage {elements} elements in {parts} calls: {med * 1e3:.2f} ms", flush=True)
+    for v in variants:
+        med = statistics.median(times[v])
+        row = {"variant": v[0], "elements": elements, "parts": v[1], "median_s": med}
+        row |= {"min_s": min(times[v]), "g_elem_per_s": elements / med / 1e9}
+        if marks[v]:
+            cols = list(zip(*marks[v], strict=True))
+            # per call, medians: op seconds, then probe marks in ms since the op's entry
+            row["call_s"] = statistics.median(cols[1])
+            row["marks_ms"] = [statistics.median(c) / 1e6 for c in cols[2:9]]
+            row["first_call_marks_ms"] = [
+                statistics.median(c) / 1e6
+                for c in list(zip(*[m for m in marks[v] if m[0] == 0], strict=True))[2:9]
+            ]
+        print(f"stage {v[0]} {elements} elements in {v[1]} calls: {med * 1e3:.2f} ms {row}")
         out.append(row)
     return out
 
@@ -360,7 +490,13 @@ def main(argv=None):
     ap.add_argument("--ordering", action="store_true", help="run the ordering check too")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the harness")
     ap.add_argument("--stage", default="", help="elements:parts,parts,...: the stage section")
+    ap.add_argument("--before-h2d", default=None, help="another revision's h2d.py")
     args = ap.parse_args(argv)
+    if args.before_h2d:
+        global H2D_BEFORE
+        spec = importlib.util.spec_from_file_location("reshard._before_h2d", args.before_h2d)
+        H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
     before_cls = load_before(args.before) if args.before else None
     rec = {
@@ -380,7 +516,7 @@ def main(argv=None):
             json.dump(rec, f, indent=1, default=str)
 
     rec["models"] = []
-    for m in args.models.split(","):
+    for m in filter(None, args.models.split(",")):
         rec["models"].append(run_model(m, names, args.rounds, before_cls, bw, args.device))
         save()
     if args.stage:

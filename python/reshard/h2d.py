@@ -25,8 +25,9 @@ path moves every qualifying table in one pipeline instead:
 
 Direct copies (one call for all of them) and device casts are queued first on two side streams
 (after the caller's queued work), so they share the link with the host's copies from the start.
-The call returns after every copy completed (the caller may rewrite sources at once); it keeps
-no reference to the buffers. Device memory: at most the stage ops' device staging for the same
+The call returns after every copy that reads a source or the ring completed (the caller may
+rewrite sources at once; a stage op's device-side scatter may still be queued on the current
+stream); it keeps no reference to the buffers. Device memory: at most the stage ops' device staging for the same
 ring (`stage_device_bytes`), allocated per call from the caching allocator: the device casts'
 scratch, or a whole table's `stage_h2d` staging (whole tables are staged only in calls without
 device casts; staged pieces land straight in their targets); host: the ring. How each span
@@ -378,26 +379,35 @@ class HostToDevice:
         if self.link_bytes_per_s is None and cast_spans and dev.type == "cuda":
             self.link_bytes_per_s = _probe_link(self.tables, cast_spans, src, q, dev, device_bytes)
         t_start = time.perf_counter()
-        timed = dev.type == "cuda" and bool(dev_chunks or direct)
-        side_start, side_end = q.event(timed), q.event(timed)
-        scratch = None
-        if dev_chunks:
-            scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
-            self._warm_tables(src, dst, dev_chunks, scratch, chunk * src_isz)
-        q.record(side_start, cur)  # the side streams start after the caller's queued work
-        q.wait(side, side_start)
-        q.wait(cast_stream, side_start)
-        self._direct_copies(q, src, dst, r.direct_bytes)
-        self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
-        if timed:  # the side streams' end: the cast stream after the side stream's last copy
-            side_done = q.event()
-            q.record(side_done, side)
-            q.wait(cast_stream, side_done)
-            q.record(side_end, cast_stream)
+        # the side streams and their events only where direct copies or device casts use
+        # them, the final wait only where copies are still in flight: a call of stage ops
+        # alone (each returns once its bytes were read) makes no other CUDA call
+        side_work = bool(dev_chunks or direct)
+        timed = dev.type == "cuda" and side_work
+        if side_work:
+            side_start, side_end = q.event(timed), q.event(timed)
+            scratch = None
+            if dev_chunks:
+                scratch = torch.empty(2 * chunk * src_isz, dtype=torch.uint8, device=dev)
+                self._warm_tables(src, dst, dev_chunks, scratch, chunk * src_isz)
+            q.record(side_start, cur)  # the side streams start after the caller's queued work
+            q.wait(side, side_start)
+            q.wait(cast_stream, side_start)
+            self._direct_copies(q, src, dst, r.direct_bytes)
+            self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
+            if timed:  # the side streams' end: the cast stream after the side stream's last copy
+                side_done = q.event()
+                q.record(side_done, side)
+                q.wait(cast_stream, side_done)
+                q.record(side_end, cast_stream)
         self._staged_pieces(q, src, dst, ring, big)
-        pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
+        pack_s = 0.0
+        if small:
+            pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
         host_s = time.perf_counter() - t_start
-        q.finish()  # every source byte read, every target byte written
+        if side_work or small:
+            # every source and ring byte read, every target byte written
+            q.finish(side=side_work)
         total_s = time.perf_counter() - t_start
         side_s = q.elapsed(side_start, side_end) if timed else 0.0
         share = self.host_share
@@ -610,9 +620,11 @@ class _Streams:
     def stage(self, src, desc, ring, dst):
         torch.ops.reshard.stage_h2d(src, desc, ring, dst)
 
-    def finish(self):
+    def finish(self, side=True):
+        """Waits for every copy queued: the side streams' (when `side`), then the current
+        stream's."""
         cur = self.current()
-        for st in (self.side, self.cast):
+        for st in (self.side, self.cast) if side else ():
             done = torch.cuda.Event()
             done.record(st)
             cur.wait_event(done)
@@ -648,7 +660,7 @@ class _Ordered:
     def stage(self, src, desc, ring, dst):
         torch.ops.reshard.copy_runs(src, desc, dst)
 
-    def finish(self):
+    def finish(self, side=True):
         pass
 
 

@@ -385,3 +385,50 @@ def test_stage_h2d_queue_ordered_on_the_current_stream():
             total = _bits(dst).to(torch.int64).sum().item()
             assert total == _bits(want).to(torch.int64).sum().item()
     assert torch.equal(_bits(dst.cpu()), _bits(want))
+
+
+def test_stage_only_calls_return_with_sources_read():
+    """reshard.h2d with pageable sources whose spans each fill a ring slot or more (stage ops
+    only: no side stream, no final wait of its own): the sources are rewritten as soon as the
+    call returns and the targets still hold the cast of the values they had; work queued after
+    the call on the caller's stream sees every target byte, work queued before it (a slow fill
+    of the targets) comes first. One dense span and one table of several spans into a target
+    with gaps (the op's device scatter)."""
+    from typing import NamedTuple
+
+    from reshard.h2d import HostToDevice, LocalSpans, contiguous_spans
+
+    class Table(NamedTuple):
+        src_location: int
+        dst_location: int
+        desc: torch.Tensor
+
+    n = 2_000_003
+    dense = torch.tensor([[3, 0, 1, 0, n, 1]], dtype=torch.int64)
+    m, gap = 400_001, 5
+    rows = torch.tensor([[k * m, 0, 2 + k * (m + gap), 0, m, 1] for k in range(4)])
+    tables = [Table(0, 10, dense), Table(1, 11, rows)]
+    path = HostToDevice([LocalSpans(t, contiguous_spans(t.desc.numpy())) for t in tables])
+    ring = torch.empty(4 << 20, dtype=torch.uint8, pin_memory=True)
+    src = {0: _values(n + 5, 3), 1: _values(4 * m, 4)}
+    dst = {
+        10: torch.empty(n + 2, dtype=torch.bfloat16, device="cuda"),
+        11: torch.empty(2 + 4 * (m + gap), dtype=torch.bfloat16, device="cuda"),
+    }
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for call in range(3):
+            want = {k: torch.full(v.shape, POISON, dtype=torch.bfloat16) for k, v in dst.items()}
+            for t in tables:
+                torch.ops.reshard.copy_runs(src[t.src_location], t.desc, want[t.dst_location])
+            torch.cuda._sleep(50_000_000)
+            for v in dst.values():
+                v.fill_(POISON)
+            path.run(src, dst, ring, 0)
+            for v in src.values():
+                v.fill_(float(call + 1))  # read already: the targets keep the old values
+            got = {k: v.cpu() for k, v in dst.items()}  # .cpu() waits on stream s
+            for k in dst:
+                assert torch.equal(_bits(got[k]), _bits(want[k])), f"call {call}, target {k}"
+            assert path.last["staged_pieces"] == 1 and path.last["staged_tables"] == 1
+            assert path.last["ring_pieces"] == path.last["direct_copies"] == 0
