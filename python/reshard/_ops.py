@@ -132,13 +132,14 @@ _FACT_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
 def facts_key(tensors: list) -> tuple | None:
     """(the tensors' types, their `FACT_COLUMNS` as bytes), read in one `tensor_facts` call:
     two keys are equal exactly when every tensor, in order, has the same type and facts. None
-    when one is not a plain tensor or parameter, or has no storage (or without a build)."""
+    when one is not a plain tensor or parameter, or has no storage (or without a build, or
+    with one older than the op)."""
     types = tuple(map(type, tensors))
     if not _FACT_TYPES.issuperset(types):
         return None
     try:
         facts = torch.ops.reshard.tensor_facts.default(tensors)
-    except RuntimeError:
+    except (RuntimeError, AttributeError):
         return None
     return types, facts.numpy().tobytes()
 
