@@ -389,3 +389,21 @@ def test_strided_run_is_not_extended_across_a_different_target_gap():
     db = {10: torch.full((24,), S.POISON)}
     rs.execute(rs.plan(src, dst), {0: w.reshape(-1).clone()}, db)
     assert torch.equal(db[10], want), db[10].tolist()
+
+
+def test_local_paths_are_kept_whichever_way_a_call_reaches_them():
+    """The local copy paths (and what their CPU -> CUDA pipeline has measured) are built once
+    for a set of devices and dtypes: a lookup without preflight's key between short-path calls
+    returns the same paths, and a target of another dtype builds new ones."""
+    sync, sb, db = _passed_once()
+    sync(sb, db)  # the short path: the paths are looked up by preflight's key object
+    engine = sync._engine
+    key = engine.verified_buffers[0]  # the object the short path hands the executor
+    paths = engine.local_paths(sb, db, key)
+    assert engine.local_paths(sb, db) is paths
+    assert engine.local_paths(sb, db, key) is paths
+    sync(sb, db)
+    assert engine.local_paths(sb, db) is paths
+    assert torch.equal(db[10], sb[0])
+    other = {10: torch.full((6,), S.POISON, dtype=torch.float64)}
+    assert engine.local_paths(sb, other) is not paths

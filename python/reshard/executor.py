@@ -105,7 +105,10 @@ class _Engine:
         self._direct_key = None  # the preflight key `direct_locations` was made for
         self.inflight = ()  # the rounds in flight: (round, p2p works, the tensors they use)
         self.broken = False  # a call failed after the agreement: never reuse these arenas
-        self._local_paths = (None, None)  # (key, (HostToDevice or None, other local tables))
+        # (devices and dtypes, the preflight key object last seen with them, (HostToDevice or
+        # None, other local tables)): the paths and what their HostToDevice learned are kept
+        # while the devices and dtypes stay, whichever way a call reaches them
+        self._local_paths = (None, None, None)
         self._spans = None  # per local table: its contiguous spans, or None
         self._bound = None  # (ring held, the bound with / without it)
 
@@ -190,17 +193,20 @@ class _Engine:
         buffers_key: the preflight key these buffers cleared with (`verified_buffers`); the
         same object as the last call's means the same devices and dtypes, location by
         location, so the paths are that call's."""
+        cached_key, cached_buffers_key, cached = self._local_paths
+        if buffers_key is not None and buffers_key is cached_buffers_key:
+            return cached
         if self.transport == "gloo":  # preflight: every buffer of a gloo transfer is on the CPU
             key = "cpu"
-        elif buffers_key is not None and buffers_key is self._local_paths[0]:
-            return self._local_paths[1]
         else:
             key = tuple(
                 (src[a].device, src[a].dtype, dst[b].device, dst[b].dtype)
                 for a, b in self.local_pairs
             )
-        if self._local_paths[0] == key:
-            return self._local_paths[1]
+        if cached_key == key:
+            if buffers_key is not None:
+                self._local_paths = (key, buffers_key, cached)
+            return cached
         if self._spans is None:
             self._spans = [contiguous_spans(t.desc.numpy()) for t in self.local]
         here = torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -217,7 +223,7 @@ class _Engine:
             )
             (batched if ok else rest).append(LocalSpans(t, spans) if ok else t)
         paths = (HostToDevice(batched) if batched else None, tuple(rest))
-        self._local_paths = (key if buffers_key is None else buffers_key, paths)
+        self._local_paths = (key, buffers_key, paths)
         return paths
 
     def allocate(self, src: dict, dst: dict, need_ring: bool, buffers_key=None) -> None:
