@@ -626,7 +626,7 @@ def section_policy(models, before, iters):
     return out
 
 
-def _direct_copies_loop(self, q, src, dst, direct_bytes):
+def _direct_copies_loop(self, q, src, dst, direct_bytes, whole=None):
     """reshard.h2d's direct copies as one Python `copy_` call each (the earlier code)."""
     for s, d, a, b, n in direct_bytes:
         with q.on(q.side):

@@ -246,3 +246,37 @@ def test_direct_copies_follow_new_buffers():
         want = torch.where(ref[k] == -7.0, ref[k], -ref[k])  # unwritten elements stay poisoned
         assert torch.equal(_bits(dst2[k]), _bits(want)), k
         assert torch.equal(_bits(dst[k]), _bits(old[k])), k  # the old targets untouched
+
+
+def test_direct_copies_largest_first_whole_and_partial():
+    """Many direct copies (several doubling batches): whole buffers copied without views and
+    spans of larger buffers through byte views, each bitwise, the elements outside the spans
+    untouched, queued largest first."""
+    rng = np.random.default_rng(5)
+    tables, src, dst, ref = [], {}, {}, {}
+    for i in range(23):
+        n = int(rng.integers(1, 4000))
+        partial = i % 3 == 0
+        n_src, n_dst = (n + 7, n + 5) if partial else (n, n)
+        so, do = (3, 2) if partial else (0, 0)
+        desc = np.array([[so, 0, do, 0, n, 1]], np.int64)
+        src[i] = _values(n_src, 900 + i)
+        dst[1000 + i] = torch.full((n_dst,), -7.0)
+        ref[1000 + i] = dst[1000 + i].clone()
+        ref[1000 + i][do : do + n] = src[i][so : so + n]
+        t = LocalTable(i, 1000 + i, torch.from_numpy(desc), n)
+        tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc)))
+    path = h2d.HostToDevice(tables)
+    ring = torch.empty(4096, dtype=torch.uint8)
+    pinned = dict.fromkeys(src, True)
+    for _ in range(2):
+        for v in dst.values():
+            v.fill_(-7.0)
+        path.run(src, dst, ring, device_bytes=1024, pinned=pinned)
+        assert path.last["direct_copies"] == 23 and path.last["host_elements"] == 0
+        for k in ref:
+            assert torch.equal(_bits(dst[k]), _bits(ref[k])), k
+    (route,) = path._routes.values()
+    sizes = [c[4] for c in route.direct_bytes]
+    assert sizes == sorted(sizes, reverse=True)
+    assert route.direct_whole == [c[0] % 3 != 0 for c in route.direct_bytes]

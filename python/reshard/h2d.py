@@ -23,7 +23,7 @@ path moves every qualifying table in one pipeline instead:
   memory slow the host's cast, which the model does not see) decide; the fastest is kept for
   good, all on the host unless a split won by MIN_GAIN.
 
-Direct copies (one call for all of them) and device casts are queued first on two side streams
+Direct copies (largest first, in batches that double) and device casts are queued first on two side streams
 (after the caller's queued work), so they share the link with the host's copies from the start.
 The call returns after every copy that reads a source or the ring completed (the caller may
 rewrite sources at once; a stage op's device-side scatter may still be queued on the current
@@ -260,7 +260,10 @@ class _Route(NamedTuple):
     slots: list  # the small pieces cut into ring slots (slot_pieces)
     n_slots: int
     slot_bytes: int
-    direct_bytes: list  # per direct copy: (source, target, source byte, target byte, bytes)
+    direct_bytes: (
+        list  # per direct copy, largest first: (source, target, source byte, target byte, bytes)
+    )
+    direct_whole: list  # per direct copy: it is the whole source and the whole target
 
 
 class HostToDevice:
@@ -352,6 +355,12 @@ class HostToDevice:
             isz = src[t.src_location].element_size()
             so, do, n = (int(v) * isz for v in t.spans[j])
             direct_bytes.append((t.src_location, t.dst_location, so, do, n))
+        # largest first: the copy engine starts on it while the rest are queued
+        direct_bytes.sort(key=lambda c: -c[4])
+        direct_whole = [
+            a == 0 and b == 0 and n == _nbytes(src[s]) and n == _nbytes(dst[d])
+            for s, d, a, b, n in direct_bytes
+        ]
         if len(self._routes) >= MAX_DESCS:
             self._routes.clear()
         r = self._routes[key] = _Route(
@@ -367,6 +376,7 @@ class HostToDevice:
             n_slots,
             slot_bytes,
             direct_bytes,
+            direct_whole,
         )
         return r
 
@@ -393,7 +403,7 @@ class HostToDevice:
             q.record(side_start, cur)  # the side streams start after the caller's queued work
             q.wait(side, side_start)
             q.wait(cast_stream, side_start)
-            self._direct_copies(q, src, dst, r.direct_bytes)
+            self._direct_copies(q, src, dst, r.direct_bytes, r.direct_whole)
             self._device_casts(q, src, dst, dev_chunks, scratch, chunk * src_isz)
             if timed:  # the side streams' end: the cast stream after the side stream's last copy
                 side_done = q.event()
@@ -428,17 +438,31 @@ class HostToDevice:
             "split": self.split,
         }
 
-    def _direct_copies(self, q, src, dst, direct_bytes):
-        """Same-dtype spans in page-locked memory: the copy engine reads the source itself,
-        all queued by one call."""
-        if not direct_bytes:
-            return
-        sb = {k: src[k].view(torch.uint8) for k in {c[0] for c in direct_bytes}}
-        db = {k: dst[k].view(torch.uint8) for k in {c[1] for c in direct_bytes}}
-        to = [db[d][b : b + n] for _, d, _, b, n in direct_bytes]
-        fro = [sb[s][a : a + n] for s, _, a, _, n in direct_bytes]
+    def _direct_copies(self, q, src, dst, direct_bytes, whole):
+        """Same-dtype spans in page-locked memory: the copy engine reads the source itself.
+        Queued largest first in batches that double (one call each), so the engine is busy
+        with the first copies while the views of the later ones are built; a copy of a whole
+        buffer into a whole buffer needs no view."""
+        sb, db = {}, {}
+        start, size = 0, 1
         with q.on(q.side):
-            torch._foreach_copy_(to, fro, non_blocking=True)
+            while start < len(direct_bytes):
+                to, fro = [], []
+                for i in range(start, min(start + size, len(direct_bytes))):
+                    s, d, a, b, n = direct_bytes[i]
+                    if whole[i]:
+                        to.append(dst[d])
+                        fro.append(src[s])
+                        continue
+                    if s not in sb:
+                        sb[s] = src[s].view(torch.uint8)
+                    if d not in db:
+                        db[d] = dst[d].view(torch.uint8)
+                    to.append(db[d][b : b + n])
+                    fro.append(sb[s][a : a + n])
+                torch._foreach_copy_(to, fro, non_blocking=True)
+                start += size
+                size *= 2
 
     def _staged_pieces(self, q, src, dst, ring, big):
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
@@ -662,6 +686,10 @@ class _Ordered:
 
     def finish(self, side=True):
         pass
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _bytes(t: torch.Tensor, first: int, n: int) -> torch.Tensor:
