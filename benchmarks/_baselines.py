@@ -139,8 +139,7 @@ def _m_transfer(case, ctx, register):
 
 def _local_h2d(sync):
     """What the batched CPU -> CUDA path did on the last call (reshard.h2d), if it ran."""
-    paths = getattr(getattr(sync, "_engine", None), "_local_paths", (None, None))[1]
-    path = paths[0] if paths else None
+    path = getattr(getattr(sync, "_engine", None), "local_h2d", None)
     if path is None:
         return None
     return {

@@ -254,8 +254,7 @@ def _bucket_timer(stream_obj, rows):
             ev.synchronize()
         t1 = time.perf_counter()
         tr = mover.transfers.get(bucket.index)
-        paths = getattr(getattr(tr, "_engine", None), "_local_paths", (None, None))[1]
-        path = paths[0] if paths else None
+        path = getattr(getattr(tr, "_engine", None), "local_h2d", None)
         rows.append(
             {
                 "bucket": bucket.index,
@@ -330,7 +329,7 @@ def section_stream(models, iters):
                 r = sync(case.src_buffers, bufs)
                 torch.cuda.synchronize()
                 ts.append(time.perf_counter() - t0)
-            paths = sync._engine._local_paths[1]
+            path = sync._engine.local_h2d
             row = {
                 "model": model,
                 "method": f"transfer_{budget >> 20}MiB",
@@ -338,7 +337,7 @@ def section_stream(models, iters):
                 "min_s": min(ts),
                 "payload_bytes": floor_bytes,
                 "seconds": {k: v for k, v in r.seconds.items() if v},
-                "h2d": dict(paths[0].last) if paths and paths[0] is not None else None,
+                "h2d": dict(path.last) if path is not None else None,
             }
             print(
                 f"stream {model} {row['method']}: {row['median_s'] * 1e3:.2f} ms {row['h2d']}",
@@ -523,9 +522,9 @@ def _patched(cls):
 def _h2d_paths(transfers):
     out = []
     for t in transfers:
-        paths = getattr(getattr(t, "_engine", None), "_local_paths", (None, None))[1]
-        if paths and paths[0] is not None:
-            out.append(paths[0])
+        path = getattr(getattr(t, "_engine", None), "local_h2d", None)
+        if path is not None:
+            out.append(path)
     return out
 
 

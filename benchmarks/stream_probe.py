@@ -124,8 +124,7 @@ def _timeline(stream_obj, t0, rows):
         out = move(bucket, *args)
         b = time.perf_counter() - t0[0]
         tr = mover.transfers.get(bucket.index)
-        paths = getattr(getattr(tr, "_engine", None), "_local_paths", (None, None))[1]
-        path = paths[0] if paths else None
+        path = getattr(getattr(tr, "_engine", None), "local_h2d", None)
         h2d = dict(path.last) if path is not None else {}
         rows.append(("moved", bucket.index, a, b, h2d.get("total_s"), h2d.get("host_s")))
         return out
@@ -154,7 +153,7 @@ STREAMS = {
 
 def s_path(transfer):
     """The reshard.h2d path of a Transfer that ran once (None: it has none)."""
-    return transfer._engine._local_paths[1][0] if transfer._engine._local_paths[1] else None
+    return transfer._engine.local_h2d
 
 
 def bucket_parts(sb, run_buckets):

@@ -187,6 +187,13 @@ class _Engine:
         out["device"] += self.staging.stage_device_bytes()
         return out
 
+    @property
+    def local_h2d(self):
+        """The batched CPU -> CUDA path (reshard.h2d) of the local tables as the last call
+        used it, or None (benchmarks read what it did: `.last`)."""
+        paths = self._local_paths[2]
+        return paths[0] if paths else None
+
     def local_paths(self, src: dict, dst: dict, buffers_key=None):
         """(the batched CPU -> CUDA path of the local tables that qualify or None, the other
         local tables), for the devices and dtypes of this call's buffers (reshard.h2d).
