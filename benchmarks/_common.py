@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -28,6 +29,14 @@ def progress_logger(name):
         print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
     return progress
+
+
+def git_output(*args) -> str:
+    """stdout of `git ARGS` in the repository (an older revision's file, a short hash)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        ["git", *args], cwd=root, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def command_line(script, argv=None) -> str:

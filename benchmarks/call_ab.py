@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 
@@ -469,24 +468,12 @@ def main(argv=None) -> int:
         if args.rev_dir:
             with open(os.path.join(args.rev_dir, "python", "reshard", path)) as f:
                 return f.read()
-        return subprocess.run(
-            ["git", "show", f"{args.rev}:python/reshard/{path}"],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
+        return C.git_output("show", f"{args.rev}:python/reshard/{path}")
 
     sources = {path: source(path) for path, _ in REV_MODULES}
     rev = args.rev
     if not args.rev_dir:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", args.rev],
-            cwd=ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
+        rev = C.git_output("rev-parse", "--short", args.rev).strip()
     cases = args.cases.split(",") if args.cases else list(CASES.get(args.world, CASES[2]))
     env = C.environment(args.device)
     cfg = {

@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,17 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as C  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _rev_module(rev):
-    text = subprocess.run(
-        ["git", "show", f"{rev}:python/reshard/hostreg.py"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    text = C.git_output("show", f"{rev}:python/reshard/hostreg.py")
     spec = importlib.util.spec_from_loader("reshard._rev_hostreg", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "reshard"
@@ -114,13 +105,7 @@ def main(argv=None) -> int:
     for mod in (rev_mod, cur_mod):
         mod.available = lambda: True
     rows = [r for n in (294, 582) for r in measure(rev_mod, cur_mod, n, args.iters)]
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", args.rev],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    rev = C.git_output("rev-parse", "--short", args.rev).strip()
     meta = {
         **C.environment("cpu"),
         "rev": rev,
