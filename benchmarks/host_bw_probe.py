@@ -56,6 +56,17 @@ def _desc(n):
     return torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64)
 
 
+def _best_wall(fn, reps=3):
+    """Fastest wall seconds of `reps` calls of a host-synchronous fn, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _dma_batch(src_pinned, dst_dev, stream, copies):
     """Queue `copies` H2D copies of the pinned buffer on `stream`; (start, end) events."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -110,13 +121,7 @@ def section_host(threads, n, dma_mib):
     for t in threads:
         torch.set_num_threads(t)
         for name, fn, named, traffic in ops:
-            fn()
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            s = min(ts)
+            s = _best_wall(fn)
             row = {"op": name, "threads": t, "elements": n, "s": s}
             row |= {"gbps_named": named / s / 1e9, "gbps_traffic": traffic / s / 1e9}
             row["g_elem_per_s"] = n / s / 1e9
@@ -206,19 +211,14 @@ def section_stage(n):
                 w = ring[sl * slot * 2 : (sl + 1) * slot * 2].view(torch.bfloat16)
                 torch.ops.reshard.copy_runs(src[k * slot : (k + 1) * slot], dr, w)
 
-        pack_only()
-        pt = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            pack_only()
-            pt.append(time.perf_counter() - t0)
+        pack_s = _best_wall(pack_only)
         row = {
             "ring_bytes": ring.numel(),
             "elements": n,
             "s": s,
             "g_elem_per_s": n / s / 1e9,
             "wire_gbps": 2 * n / s / 1e9,
-            "pack_only_g_elem_per_s": n / min(pt) / 1e9,
+            "pack_only_g_elem_per_s": n / pack_s / 1e9,
             "bitwise": ok,
         }
         print(f"stage ring {ring_mib} MiB: {row}", flush=True)
