@@ -260,10 +260,10 @@ class _Route(NamedTuple):
     slots: list  # the small pieces cut into ring slots (slot_pieces)
     n_slots: int
     slot_bytes: int
-    direct_bytes: (
-        list  # per direct copy, largest first: (source, target, source byte, target byte, bytes)
-    )
+    # per direct copy, largest first: (source, target, source byte, target byte, bytes)
+    direct_bytes: list
     direct_whole: list  # per direct copy: it is the whole source and the whole target
+    counts: dict  # what a call on this route moves, by path (the fixed part of `last`)
 
 
 class HostToDevice:
@@ -377,6 +377,15 @@ class HostToDevice:
             slot_bytes,
             direct_bytes,
             direct_whole,
+            {
+                "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
+                "direct_copies": len(direct),
+                "device_cast_elements": sum(n for _, _, n in dev_chunks),
+                "host_elements": sum(n for _, _, _, n in host),
+                "staged_pieces": sum(1 for _, j, _, _ in big if j is not None),
+                "staged_tables": sum(1 for _, j, _, _ in big if j is None),
+                "ring_pieces": len(small),
+            },
         )
         return r
 
@@ -423,13 +432,7 @@ class HostToDevice:
         share = self.host_share
         self._balance(cast_spans, host, src, dst, host_s, total_s)
         self.last = {
-            "direct_elements": sum(int(self.tables[ti].spans[j, 2]) for ti, j in direct),
-            "direct_copies": len(direct),
-            "device_cast_elements": sum(n for _, _, n in dev_chunks),
-            "host_elements": sum(n for _, _, _, n in host),
-            "staged_pieces": sum(1 for _, j, _, _ in big if j is not None),
-            "staged_tables": sum(1 for _, j, _, _ in big if j is None),
-            "ring_pieces": len(small),
+            **r.counts,
             "host_share": share,  # this call's (self.host_share: the next call's)
             "host_s": host_s,
             "host_pack_s": pack_s,
