@@ -846,3 +846,63 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
   free(prefix);
   return st;
 }
+
+/* ---------------------------------------------------------------- staging lines */
+
+rs_lines rs_lines_mode(void) {
+  const char *m = getenv("RESHARD_RING_LINES");
+  if (!m) return RS_LINES_KEEP;
+  if (strcmp(m, "demote") == 0) return RS_LINES_DEMOTE;
+  if (strcmp(m, "writeback") == 0) return RS_LINES_WRITEBACK;
+  if (strcmp(m, "stream") == 0) return RS_LINES_STREAM;
+  return RS_LINES_KEEP;
+}
+
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <cpuid.h>
+static int have_clwb(void) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+  return (b >> 24) & 1u;
+}
+static void lines_demote(unsigned char *p, unsigned char *end) {
+  /* CLDEMOTE [rdi] (0F 1C /0): a hint-NOP on CPUs without it */
+  for (; p < end; p += 64) __asm__ volatile(".byte 0x0f, 0x1c, 0x07" : : "D"(p) : "memory");
+}
+static void lines_writeback(unsigned char *p, unsigned char *end) {
+  /* CLWB [rdi] (66 0F AE /6) */
+  for (; p < end; p += 64) __asm__ volatile(".byte 0x66, 0x0f, 0xae, 0x37" : : "D"(p) : "memory");
+  __asm__ volatile("sfence" ::: "memory");
+}
+#else
+static int have_clwb(void) { return 0; }
+static void lines_demote(unsigned char *p, unsigned char *end) { (void)p, (void)end; }
+static void lines_writeback(unsigned char *p, unsigned char *end) { (void)p, (void)end; }
+#endif
+
+void rs_lines_release(void *p, int64_t bytes, rs_lines how) {
+  unsigned char *b = (unsigned char *)((uintptr_t)p & ~(uintptr_t)63);
+  unsigned char *e = (unsigned char *)p + (bytes > 0 ? bytes : 0);
+  if (bytes <= 0) return;
+  if (how == RS_LINES_DEMOTE) lines_demote(b, e);
+  if (how == RS_LINES_WRITEBACK && have_clwb()) lines_writeback(b, e);
+}
+
+rs_status rs_pack_streamed(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
+                           const rs_run *runs, int64_t n, const int64_t *prefix, int64_t begin,
+                           int64_t end, void *scratch, int64_t scratch_bytes) {
+  const int64_t dsz = (int64_t)rs_dtype_size(dst_dtype);
+  const int64_t step = dsz ? scratch_bytes / dsz : 0;
+  unsigned char *d = (unsigned char *)dst;
+  int64_t k;
+  if (step < 1) return RS_EINVAL;
+  for (k = begin; k < end; k += step) {
+    const int64_t e = end - k < step ? end : k + step;
+    rs_status s = rs_copy_slice(src, src_dtype, scratch, dst_dtype, runs, n, prefix, k, e,
+                                RS_MODE_PACK);
+    if (s != RS_OK) return s;
+    copy_stream(d + (k - begin) * dsz, (const unsigned char *)scratch, (size_t)((e - k) * dsz));
+  }
+  store_fence();
+  return RS_OK;
+}

@@ -285,6 +285,7 @@ struct Queue {
   rs_dtype wire;
   int64_t wes, slots, slot_bytes, slot_elems, sub_elems, subs_per_chunk, chunks, subs;
   int device;
+  rs_lines lines;
   cudaEvent_t ev[RS_STAGE_QUEUE_MAX_SLOTS + 1];
   std::atomic<int64_t> next_sub{0};
   std::unique_ptr<std::atomic<int64_t>[]> left; /* per chunk: sub-chunks not yet packed */
@@ -376,8 +377,16 @@ void queue_worker(void *arg, int64_t /*worker*/) {
       break;
     }
     char *ring_slot = static_cast<char *>(q->buf->ring) + (k % q->slots) * q->slot_bytes;
-    s = rs_copy_slice(q->buf->src, q->buf->src_dtype, ring_slot + (b - cb) * q->wes, q->wire,
-                      t->runs, t->n, t->prefix, b, e, RS_MODE_PACK);
+    char *to = ring_slot + (b - cb) * q->wes;
+    if (q->lines == RS_LINES_STREAM) {
+      alignas(64) static thread_local unsigned char scratch[32 << 10];
+      s = rs_pack_streamed(q->buf->src, q->buf->src_dtype, to, q->wire, t->runs, t->n, t->prefix,
+                           b, e, scratch, sizeof scratch);
+    } else {
+      s = rs_copy_slice(q->buf->src, q->buf->src_dtype, to, q->wire, t->runs, t->n, t->prefix, b,
+                        e, RS_MODE_PACK);
+      if (s == RS_OK) rs_lines_release(to, (e - b) * q->wes, q->lines);
+    }
     if (s != RS_OK) {
       rs_fail(&err, s, -1, -1, "stage_h2d: host pack of a chunk failed (%s)", rs_status_name(s));
       queue_fail(q, s, err);
@@ -402,6 +411,7 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   q.buf = buf;
   q.wire = rs_stage_wire_dtype(RS_H2D, buf->src_dtype, buf->dst_dtype);
   q.wes = (int64_t)rs_dtype_size(q.wire);
+  q.lines = rs_lines_mode();
   if (!q.wes || !rs_dtype_pair_ok(buf->src_dtype, buf->dst_dtype))
     return rs_fail(err, RS_EDTYPE, -1, -1, "stage_h2d: unsupported dtype pair %s -> %s",
                    rs_dtype_name(buf->src_dtype), rs_dtype_name(buf->dst_dtype));
