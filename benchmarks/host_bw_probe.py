@@ -243,60 +243,47 @@ def section_stage(n):
     return out
 
 
-LINE_MODES = ("keep", "demote", "writeback", "stream")
-
-
-def _thp_tensor(n):
-    """n fp32 zeros in an anonymous mapping advised for transparent huge pages."""
-    import mmap
-
-    m = mmap.mmap(-1, n * 4)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(m, dtype=torch.float32), m
-
-
-def section_lines(n, rounds):
-    """stage_h2d of n pageable fp32 elements -> a dense bf16 target, with each way of leaving
-    the ring's packed lines (RESHARD_RING_LINES), 16 and 64 MiB rings, a 4 KiB-page and a
-    huge-page source: interleaved rounds, the order rotated per round."""
-    thp, keep_map = _thp_tensor(n)
-    thp.copy_(torch.rand(n))
-    srcs = {"4k": torch.rand(n), "thp": thp}
+def section_rings(n, rounds, rings_mib, threads):
+    """stage_h2d of n pageable fp32 elements -> a dense bf16 target through rings of several
+    sizes (the queued H2D cuts each into at least four slots) and host thread counts:
+    interleaved rounds, the order rotated per round; the first round checks bits."""
+    src = torch.rand(n)
+    ref = src.to(torch.bfloat16)
     dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
     d = _desc(n)
-    rings = {r: torch.empty(r * MiB, dtype=torch.uint8, pin_memory=True) for r in (16, 64)}
-    cells = [(sk, r, m) for sk in srcs for r in rings for m in LINE_MODES]
+    rings = {r: torch.empty(int(r * MiB), dtype=torch.uint8, pin_memory=True) for r in rings_mib}
+    cells = [(r, t) for t in threads for r in rings_mib]
     times = {c: [] for c in cells}
-    ok = {}
-    old = os.environ.get("RESHARD_RING_LINES")
+    ok, stats = {}, {}
+    before = torch.get_num_threads()
     for rnd in range(rounds + 1):
         k = rnd % len(cells)
         for c in cells[k:] + cells[:k]:
-            sk, r, m = c
-            os.environ["RESHARD_RING_LINES"] = m
+            r, t = c
+            torch.set_num_threads(t)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            torch.ops.reshard.stage_h2d(srcs[sk], d, rings[r], dst)
-            t = time.perf_counter() - t0
+            st = torch.ops.reshard.stage_h2d(src, d, rings[r], dst)
+            dt = time.perf_counter() - t0
             if rnd:
-                times[c].append(t)
+                times[c].append(dt)
             else:
-                ok[c] = bool(torch.equal(dst.cpu(), srcs[sk].to(torch.bfloat16)))
-    if old is None:
-        os.environ.pop("RESHARD_RING_LINES", None)
-    else:
-        os.environ["RESHARD_RING_LINES"] = old
+                ok[c] = bool(torch.equal(dst.cpu(), ref))
+                stats[c] = [int(x) for x in st.tolist()]
+                dst.fill_(0)
+    torch.set_num_threads(before)
     out = []
     for c in cells:
-        sk, r, m = c
+        r, t = c
         med = statistics.median(times[c])
-        row = {"source": sk, "ring_mib": r, "lines": m, "elements": n, "median_s": med}
-        row |= {"min_s": min(times[c]), "g_elem_per_s": n / med / 1e9, "bitwise": ok[c]}
-        print(f"lines {sk:>3} ring {r:>2} MiB {m:>9}: {row['g_elem_per_s']:.2f} G elem/s "
-              f"(best {n / row['min_s'] / 1e9:.2f}) bitwise {ok[c]}", flush=True)
+        row = {"ring_mib": r, "threads": t, "elements": n, "median_s": med, "min_s": min(times[c])}
+        row |= {"g_elem_per_s": n / med / 1e9, "bitwise": ok[c], "stats": stats[c]}
+        print(
+            f"ring {r:>5} MiB threads {t:>2}: {row['g_elem_per_s']:.2f} G elem/s "
+            f"(best {n / row['min_s'] / 1e9:.2f}) bitwise {ok[c]} stats {stats[c]}",
+            flush=True,
+        )
         out.append(row)
-    del keep_map
     return out
 
 
@@ -798,6 +785,8 @@ def main(argv=None):
     )
     ap.add_argument("--split-elements", type=int, default=64 << 20)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rings", default="1,2,4,8,16,32,64", help="ring MiB (rings section)")
+    ap.add_argument("--ring-threads", default="16,14", help="host threads (rings section)")
     ap.add_argument("--shares", default="0.0,0.1,0.2,0.3,0.4,1.0", help="device shares (split)")
     args = ap.parse_args(argv)
     sections = args.sections.split(",")
@@ -811,8 +800,10 @@ def main(argv=None):
         rec["dma"] = section_dma(512)
     if "stage" in sections:
         rec["stage"] = section_stage(2 * args.elements)
-    if "lines" in sections:
-        rec["lines"] = section_lines(2 * args.elements, args.rounds)
+    if "rings" in sections:
+        rings = [float(r) for r in args.rings.split(",")]
+        threads = [int(t) for t in args.ring_threads.split(",")]
+        rec["rings"] = section_rings(2 * args.elements, args.rounds, rings, threads)
     if "stream" in sections:
         rec["stream"] = section_stream(args.models.split(","), args.iters)
     before = _load_h2d(args.before) if args.before else None

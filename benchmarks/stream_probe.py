@@ -265,32 +265,22 @@ def make_variants(case, names, before_cls):
         elif nthreads is not None:
             threads[label] = nthreads
         out[label] = stream_step(label, s, write)
-    for label in names:  # the contract's default bucket size, 256 MiB, beside the case's
-        if label in ("stream_b256", "stream_b256_nowrite"):
-            s = rs.Stream(case.src_layout, [0], 256 * MiB, **kw)
+    for label in names:
+        # stream_b256[_nowrite][_rN]: the contract's default bucket size, 256 MiB (staging:
+        # the Stream's default, or N MiB per rank); transfer_rN: one Transfer of budget N MiB
+        base, _, ring = label.partition("_r")
+        mib = int(ring) if ring.isdigit() else None
+        if base in ("stream_b256", "stream_b256_nowrite") and (mib or not ring):
+            staging = mib * MiB if mib else None
+            s = rs.Stream(case.src_layout, [0], 256 * MiB, staging_bytes_per_rank=staging, **kw)
             keep.append(s)
-            out[label] = stream_step(label, s, write=label == "stream_b256")
-    for label in names:  # VARIANT@MODE: VARIANT with RESHARD_RING_LINES=MODE
-        base, _, mode = label.partition("@")
-        if mode and out.get(base) is not None:
-            out[label] = _with_lines(out[base], mode)
+            out[label] = stream_step(label, s, write=base == "stream_b256")
+        elif base == "transfer" and mib:
+            t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=mib * MiB)
+            keep.append(t)
+            out[label] = lambda bufs, t=t: t(case.src_buffers, bufs)
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
-
-
-def _with_lines(step, mode):
-    def run(bufs):
-        old = os.environ.get("RESHARD_RING_LINES")
-        os.environ["RESHARD_RING_LINES"] = mode
-        try:
-            return step(bufs)
-        finally:
-            if old is None:
-                os.environ.pop("RESHARD_RING_LINES", None)
-            else:
-                os.environ["RESHARD_RING_LINES"] = old
-
-    return run
 
 
 def run_model(model, names, rounds, before_cls, floor_bw, device):
@@ -521,7 +511,6 @@ def main(argv=None):
         H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
-    names += [n.partition("@")[0] for n in names if "@" in n and n.partition("@")[0] not in names]
     before_cls = load_before(args.before) if args.before else None
     rec = {
         "command": C.command_line("benchmarks/stream_probe.py", argv),

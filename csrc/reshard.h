@@ -137,22 +137,6 @@ rs_status rs_copy_slice(const void *src, rs_dtype src_dtype, void *dst, rs_dtype
                         const rs_run *runs, int64_t n, const int64_t *prefix, int64_t begin,
                         int64_t end, rs_mode mode);
 
-/* What a packer does with the lines of a staging chunk it just wrote, which a DMA reads next:
- * KEEP leaves them in this core's cache; DEMOTE pushes them to the shared last-level cache
- * (CLDEMOTE, a no-op hint where the CPU lacks it), where a device's read is served without
- * snooping the core; WRITEBACK writes them to memory and keeps them cached (CLWB, KEEP where
- * the CPU lacks it); STREAM packs through a small per-thread buffer and writes the chunk with
- * streaming stores (memory, no read for ownership), fenced. rs_lines_mode(): the mode from
- * RESHARD_RING_LINES=keep|demote|writeback|stream (default keep). */
-typedef enum { RS_LINES_KEEP = 0, RS_LINES_DEMOTE = 1, RS_LINES_WRITEBACK = 2, RS_LINES_STREAM = 3 } rs_lines;
-rs_lines rs_lines_mode(void);
-void rs_lines_release(void *p, int64_t bytes, rs_lines how);
-/* rs_copy_slice in RS_MODE_PACK (a cast or not) whose dense destination is written with
- * streaming stores through `scratch` (scratch_bytes, 64-byte aligned), fenced. */
-rs_status rs_pack_streamed(const void *src, rs_dtype src_dtype, void *dst, rs_dtype dst_dtype,
-                           const rs_run *runs, int64_t n, const int64_t *prefix, int64_t begin,
-                           int64_t end, void *scratch, int64_t scratch_bytes);
-
 /* Single-threaded convenience: validate (with flags), then copy the whole table.
  * Allocates the prefix array (RS_ENOMEM on failure). Nothing is written on error. */
 rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, void *dst,
