@@ -29,6 +29,8 @@ exactly what they do (the same code as above where it is the same thing):
 - reshard_transfer (stream_offload): one rs.Transfer straight into the engine's weights (no
   stream, no full tensors by name): the executor's own path on the same bytes.
 - reshard_registered (stream_offload): the stream with `register_host_sources=True`.
+- reshard_b64 (stream_offload, CUDA): the stream with 64 MiB buckets instead of the Stream's
+  default 256 MiB (more buckets: more per-bucket starts, a smaller receiver buffer).
 - stream_before (rollout_stream, stream_offload; sync_latency.py --stream-before PATH): the
   same stream built by `Stream` from another revision's stream.py (ctx["stream_before"]), for a
   before/after comparison in one run.
@@ -45,7 +47,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _scenarios import TP_STREAM_BUCKET_BYTES
+from _scenarios import STREAM_GPU_SMALL_BUCKET_BYTES, TP_STREAM_BUCKET_BYTES
 
 import reshard as rs
 
@@ -94,6 +96,10 @@ def m_reshard(case, ctx, register=False):
     if case.stream is not None:
         return _m_stream(case, ctx, register=register, **case.stream)
     return _m_transfer(case, ctx, register)
+
+
+def m_reshard_b64(case, ctx):
+    return _m_stream(case, ctx, **{**case.stream, "bucket_bytes": STREAM_GPU_SMALL_BUCKET_BYTES})
 
 
 def m_reshard_transfer(case, ctx):
@@ -454,6 +460,7 @@ METHODS = {
     "whole_model_allgather": m_whole_model_allgather,
     "per_tensor_to_device": m_per_tensor_to_device,
     "reshard_transfer": m_reshard_transfer,
+    "reshard_b64": m_reshard_b64,
     "stream_before": m_stream_before,
 }
 
@@ -476,7 +483,8 @@ def methods_for(world, device, scenario=None):
         return ["reshard", "stream_then_shard", "full_gather"]
     if scenario == "stream_offload":
         registered = ["reshard_registered"] if device == "cuda" else []
-        return ["reshard", *registered, "reshard_transfer", "per_tensor_to_device"]
+        small = ["reshard_b64"] if device == "cuda" else []
+        return ["reshard", *registered, *small, "reshard_transfer", "per_tensor_to_device"]
     if world > 1:
         return ["reshard", "gather_broadcast", "full_gather"]
     out = ["reshard"]

@@ -276,8 +276,10 @@ def rollout_stream(model, rank, world, device="cpu"):
 # 50k-row embedding (74 MiB at 124M) is more than two 32 MiB buckets, so the buffer is that
 # tensor, the floor of any by-name path.
 STREAM_BUCKET_BYTES = 32 << 20
-# GPU receivers: device memory is plentiful; larger buckets mean fewer per-bucket preflights.
-STREAM_GPU_BUCKET_BYTES = 64 << 20
+# GPU receivers: the Stream's default (256 MiB): device memory is plentiful, and each bucket
+# costs a preflight and a pipeline start; sync_latency's reshard_b64 row keeps 64 MiB buckets.
+STREAM_GPU_BUCKET_BYTES = 256 << 20
+STREAM_GPU_SMALL_BUCKET_BYTES = 64 << 20
 
 
 def stream_offload(model, rank, world, device="cpu"):

@@ -279,8 +279,25 @@ def make_variants(case, names, before_cls):
             t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=mib * MiB)
             keep.append(t)
             out[label] = lambda bufs, t=t: t(case.src_buffers, bufs)
+    for label in names:  # VARIANT_cringN: VARIANT with reshard.h2d.CAST_PIECE_RING_BYTES N MiB
+        base, _, mib = label.rpartition("_cring")
+        if base and mib.isdigit() and out.get(base) is not None:
+            out[label] = _with_cast_ring(out[base], int(mib) * MiB)
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
+
+
+def _with_cast_ring(step, nbytes):
+    from reshard import h2d
+
+    def run(bufs):
+        old, h2d.CAST_PIECE_RING_BYTES = h2d.CAST_PIECE_RING_BYTES, nbytes
+        try:
+            return step(bufs)
+        finally:
+            h2d.CAST_PIECE_RING_BYTES = old
+
+    return run
 
 
 def run_model(model, names, rounds, before_cls, floor_bw, device):
@@ -511,6 +528,8 @@ def main(argv=None):
         H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
+    names += [n.rpartition("_cring")[0] for n in names if "_cring" in n]
+    names = list(dict.fromkeys(names))
     before_cls = load_before(args.before) if args.before else None
     rec = {
         "command": C.command_line("benchmarks/stream_probe.py", argv),

@@ -179,15 +179,13 @@ typedef void (*rs_parallel_fn)(void *ctx, int64_t workers, rs_worker_fn body, vo
 #define RS_STAGE_QUEUE_SLOT_BYTES ((int64_t)4 << 20)
 /* ... at most this many of them ... */
 #define RS_STAGE_QUEUE_MAX_SLOTS 16
-/* ... each packed in sub-chunks of at most this many bytes, one host thread per sub-chunk. */
+/* ... each packed in sub-chunks of this many bytes, one host thread per sub-chunk. */
 #define RS_STAGE_QUEUE_SUB_BYTES ((int64_t)256 << 10)
-/* A ring is cut in at least four slots where that leaves each at least this large. */
-#define RS_STAGE_QUEUE_MIN_SLOT_BYTES ((int64_t)64 << 10)
 
 /* How the queued H2D cuts a ring: *slots of *slot_bytes (a multiple of 64, at most
- * RS_STAGE_QUEUE_SLOT_BYTES and a quarter of the ring; slots * slot_bytes <= ring_bytes, so
+ * RS_STAGE_QUEUE_SLOT_BYTES and half the ring; slots * slot_bytes <= ring_bytes, so
  * rs_stage_device_bytes(ring_bytes) of device staging holds them). 0 when the ring is too
- * small for four slots of RS_STAGE_QUEUE_MIN_SLOT_BYTES. */
+ * small for two slots of at least one sub-chunk. */
 int rs_stage_h2d_queued_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes);
 
 /* The H2D staging loop of rs_cuda_stage for a table of ring rows only (no direct rows), with

@@ -285,6 +285,7 @@ struct Queue {
   rs_dtype wire;
   int64_t wes, slots, slot_bytes, slot_elems, sub_elems, subs_per_chunk, chunks, subs;
   int device;
+  rs_lines lines;
   cudaEvent_t ev[RS_STAGE_QUEUE_MAX_SLOTS + 1];
   std::atomic<int64_t> next_sub{0};
   std::unique_ptr<std::atomic<int64_t>[]> left; /* per chunk: sub-chunks not yet packed */
@@ -376,8 +377,16 @@ void queue_worker(void *arg, int64_t /*worker*/) {
       break;
     }
     char *ring_slot = static_cast<char *>(q->buf->ring) + (k % q->slots) * q->slot_bytes;
-    s = rs_copy_slice(q->buf->src, q->buf->src_dtype, ring_slot + (b - cb) * q->wes, q->wire,
-                      t->runs, t->n, t->prefix, b, e, RS_MODE_PACK);
+    char *to = ring_slot + (b - cb) * q->wes;
+    if (q->lines == RS_LINES_STREAM) {
+      alignas(64) static thread_local unsigned char scratch[32 << 10];
+      s = rs_pack_streamed(q->buf->src, q->buf->src_dtype, to, q->wire, t->runs, t->n, t->prefix,
+                           b, e, scratch, sizeof scratch);
+    } else {
+      s = rs_copy_slice(q->buf->src, q->buf->src_dtype, to, q->wire, t->runs, t->n, t->prefix, b,
+                        e, RS_MODE_PACK);
+      if (s == RS_OK) rs_lines_release(to, (e - b) * q->wes, q->lines);
+    }
     if (s != RS_OK) {
       rs_fail(&err, s, -1, -1, "stage_h2d: host pack of a chunk failed (%s)", rs_status_name(s));
       queue_fail(q, s, err);
@@ -402,6 +411,7 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   q.buf = buf;
   q.wire = rs_stage_wire_dtype(RS_H2D, buf->src_dtype, buf->dst_dtype);
   q.wes = (int64_t)rs_dtype_size(q.wire);
+  q.lines = rs_lines_mode();
   if (!q.wes || !rs_dtype_pair_ok(buf->src_dtype, buf->dst_dtype))
     return rs_fail(err, RS_EDTYPE, -1, -1, "stage_h2d: unsupported dtype pair %s -> %s",
                    rs_dtype_name(buf->src_dtype), rs_dtype_name(buf->dst_dtype));
@@ -415,12 +425,7 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
     return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: ring and staging must be 16-byte aligned");
   RS_CUDA_TRY("stage_h2d: cudaGetDevice", cudaGetDevice(&q.device), err);
   q.slot_elems = q.slot_bytes / q.wes;
-  /* at least four sub-chunks per slot, so a small slot is still packed by several threads */
-  const int64_t sub_bytes = q.slot_bytes / 4 < RS_STAGE_QUEUE_SUB_BYTES
-                                ? (q.slot_bytes / 4) & ~(int64_t)63
-                                : RS_STAGE_QUEUE_SUB_BYTES;
-  q.sub_elems = sub_bytes / q.wes;
-  if (q.sub_elems < 1) q.sub_elems = 1;
+  q.sub_elems = RS_STAGE_QUEUE_SUB_BYTES / q.wes;
   if (q.sub_elems > q.slot_elems) q.sub_elems = q.slot_elems;
   q.subs_per_chunk = (q.slot_elems + q.sub_elems - 1) / q.sub_elems;
   q.chunks = (t->total + q.slot_elems - 1) / q.slot_elems;
@@ -474,8 +479,8 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
 
 extern "C" int rs_stage_h2d_queued_slots(int64_t ring_bytes, int64_t *slots, int64_t *slot_bytes) {
   int64_t b = RS_STAGE_QUEUE_SLOT_BYTES;
-  if (ring_bytes / 4 < b) b = (ring_bytes / 4) & ~(int64_t)63;
-  if (b < RS_STAGE_QUEUE_MIN_SLOT_BYTES) return 0;
+  if (ring_bytes / 2 < b) b = (ring_bytes / 2) & ~(int64_t)63;
+  if (b < RS_STAGE_QUEUE_SUB_BYTES) return 0;
   int64_t s = ring_bytes / b;
   if (s > RS_STAGE_QUEUE_MAX_SLOTS) s = RS_STAGE_QUEUE_MAX_SLOTS;
   *slots = s;
