@@ -279,6 +279,10 @@ def make_variants(case, names, before_cls):
             t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=mib * MiB)
             keep.append(t)
             out[label] = lambda bufs, t=t: t(case.src_buffers, bufs)
+    if "stream_noearly" in names:  # every bucket waited for whole (no landing reports)
+        s = new_stream()
+        s.mover.watches = False
+        out["stream_noearly"] = stream_step("stream_noearly", s)
     for label in names:  # VARIANT_cringN: VARIANT with reshard.h2d.CAST_PIECE_RING_BYTES N MiB
         base, _, mib = label.rpartition("_cring")
         if base and mib.isdigit() and out.get(base) is not None:
@@ -495,8 +499,8 @@ def ordering_check():
         out["current"] = f"FAILED {exc}"
     orig = stream_mover.BucketMover._move_now
 
-    def no_wait(self, bucket, src, dst, checks, caller_done, host_sync):
-        return orig(self, bucket, src, dst, checks, None, host_sync)
+    def no_wait(self, bucket, src, dst, checks, caller_done, host_sync, watch=None):
+        return orig(self, bucket, src, dst, checks, None, host_sync, watch)
 
     stream_mover.BucketMover._move_now = no_wait
     try:

@@ -280,3 +280,45 @@ def test_direct_copies_largest_first_whole_and_partial():
     sizes = [c[4] for c in route.direct_bytes]
     assert sizes == sorted(sizes, reverse=True)
     assert route.direct_whole == [c[0] % 3 != 0 for c in route.direct_bytes]
+
+
+def _one_table(rows, n_src, n_dst):
+    desc = np.array(rows, np.int64).reshape(-1, 6)
+    t = LocalTable(0, 1000, torch.from_numpy(desc), int((desc[:, 4] * desc[:, 5]).sum()))
+    src = {0: _values(n_src, 3)}
+    dst = {1000: torch.full((n_dst,), -7.0, dtype=torch.bfloat16)}
+    return h2d.HostToDevice([h2d.LocalSpans(t, h2d.contiguous_spans(desc))]), src, dst
+
+
+@pytest.mark.parametrize(
+    "rows,n_dst,watched",
+    [
+        ([[0, 0, 0, 0, 3000, 1]], 3000, True),  # one span: a piece of its own
+        ([[0, 0, 0, 0, 1000, 1], [1010, 0, 1000, 0, 2000, 1]], 3000, True),  # fills in order
+        ([[0, 0, 2000, 0, 1000, 1], [1010, 0, 0, 0, 2000, 1]], 3000, False),  # back to front
+        ([[0, 0, 0, 0, 1000, 1], [1010, 0, 1005, 0, 1995, 1]], 3000, False),  # a gap
+    ],
+)
+def test_watch_reports_a_call_that_fills_its_target_front_to_back(rows, n_dst, watched):
+    """A call that moves everything as one stage pipeline writing its target front to back
+    reports its landing to the Watch on this thread (the Stream then takes tensors as they
+    land); any other call leaves the Watch's target unset."""
+    path, src, dst = _one_table(rows, 3100, n_dst)
+    ring = torch.empty(4096, dtype=torch.uint8)  # 2 KiB slots: each table is a stage call
+    w = h2d.Watch()
+    with h2d.watching(w):
+        path.run(src, dst, ring, device_bytes=1024, pinned={0: False})
+    assert (w.target is not None) == watched
+    if watched:
+        assert w.target.data_ptr() == dst[1000].data_ptr() and w.target.numel() == n_dst
+        assert w.elements() == n_dst
+    path.run(src, dst, ring, device_bytes=1024, pinned={0: False})  # outside: untouched
+    assert getattr(h2d._watch, "current", None) is None
+
+
+def test_watch_ignores_calls_of_several_tables():
+    tables, src, dst, _ = _case(7, 3, torch.bfloat16)
+    w = h2d.Watch()
+    with h2d.watching(w):
+        h2d.HostToDevice(tables).run(src, dst, torch.empty(4096, dtype=torch.uint8), 1024, {})
+    assert w.target is None and w.elements() == 0

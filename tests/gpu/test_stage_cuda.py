@@ -393,3 +393,63 @@ def test_dense_device_side(pair, ring_bytes):
     packed = random_values(rng, int(lens.sum()), sdt)
     out, ref, _ = d2h(packed, back, ddt, 200 * 400 + 400, ring_bytes)
     assert_same(out, ref)
+
+
+@pytest.mark.parametrize("threads", [0, 1], ids=["queued", "one_thread"])
+def test_landed_is_a_front_of_the_target_that_a_reader_may_use(threads):
+    """stage_h2d(..., landed): while the op runs on a worker thread (its own CUDA stream),
+    this thread reads the count and, at every new value, compares that front of the target
+    with torch's cast, on its own stream, without synchronizing with the op's: a count ahead
+    of the copies would show the poison. The count only grows and ends at the table's total.
+    One host thread: the chunk-at-a-time loop sets it once, at the end."""
+    import threading
+
+    n = (96 << 20) + 13  # 96 M elements: ~25 chunks of 4 MiB bf16 through a 16 MiB ring
+    src = torch.randn(n)
+    ref = src.to(DEV).to(torch.bfloat16).view(torch.int16)
+    dst = poison(n, torch.bfloat16, DEV)
+    landed = torch.full((1,), -1, dtype=torch.int64)
+    d, r = torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64), ring(16 << 20)
+    work = torch.cuda.Stream()
+    before = torch.get_num_threads()
+
+    def run():
+        torch.set_num_threads(threads or before)
+        with torch.cuda.stream(work):
+            ops.stage_h2d(src, d, r, dst, landed)
+
+    t = threading.Thread(target=run)
+    t.start()
+    seen, bad = [], []
+    while True:
+        running = t.is_alive()
+        v = landed.item()
+        if v > 0 and (not seen or v != seen[-1]):
+            seen.append(v)
+            if not torch.equal(dst[:v].view(torch.int16), ref[:v]):
+                bad.append(v)
+        if not running:
+            break
+    t.join()
+    assert bad == [] and seen == sorted(seen) and seen[-1] == n, (bad, seen[:5])
+    if threads == 0:
+        assert any(0 < v < n for v in seen), seen  # counted while the call ran
+    else:
+        assert seen == [n]
+    torch.cuda.synchronize()
+    assert torch.equal(dst.view(torch.int16), ref)
+
+
+def test_landed_refuses_a_bad_counter_before_writing():
+    n = 4096
+    src, dst = torch.randn(n), poison(n, torch.bfloat16, DEV)
+    d = torch.tensor([[0, 0, 0, 0, n, 1]], dtype=torch.int64)
+    for bad in (
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64, device=DEV),
+    ):
+        with pytest.raises(RuntimeError, match="landed must be a contiguous CPU int64"):
+            ops.stage_h2d(src, d, ring(1 << 16), dst, bad)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.view(torch.int16), poison(n, torch.bfloat16, DEV).view(torch.int16))
