@@ -283,23 +283,23 @@ def make_variants(case, names, before_cls):
         s = new_stream()
         s.mover.watches = False
         out["stream_noearly"] = stream_step("stream_noearly", s)
-    for label in names:  # VARIANT_cringN: VARIANT with reshard.h2d.CAST_PIECE_RING_BYTES N MiB
-        base, _, mib = label.rpartition("_cring")
-        if base and mib.isdigit() and out.get(base) is not None:
-            out[label] = _with_cast_ring(out[base], int(mib) * MiB)
+    for label in names:  # stream_pollN: the current Stream, looking at a landing every N us
+        base, _, us = label.partition("_poll")
+        if base == "stream" and us.isdigit():
+            out[label] = _with_poll(stream_step(label, new_stream()), int(us) * 1e-6)
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
 
 
-def _with_cast_ring(step, nbytes):
-    from reshard import h2d
+def _with_poll(step, seconds):
+    from reshard import stream_iter
 
     def run(bufs):
-        old, h2d.CAST_PIECE_RING_BYTES = h2d.CAST_PIECE_RING_BYTES, nbytes
+        old, stream_iter.LANDED_POLL_S = stream_iter.LANDED_POLL_S, seconds
         try:
             return step(bufs)
         finally:
-            h2d.CAST_PIECE_RING_BYTES = old
+            stream_iter.LANDED_POLL_S = old
 
     return run
 
@@ -532,7 +532,6 @@ def main(argv=None):
         H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
-    names += [n.rpartition("_cring")[0] for n in names if "_cring" in n]
     names = list(dict.fromkeys(names))
     before_cls = load_before(args.before) if args.before else None
     rec = {

@@ -59,11 +59,6 @@ MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
-# A casting piece's stage_h2d call packs through at most this much of the ring: four 4 MiB
-# queue slots, which stay in the host's caches while the link reads them. On the H200 host a
-# 16 MiB ring cast fp32 -> bf16 9-23% faster than a 64 MiB one in four same-run comparisons,
-# and rings of 1-8 MiB (slots of 1-2 MiB, or fewer) were slower (benchmarks/results/h200/rings).
-CAST_PIECE_RING_BYTES = 16 << 20
 
 
 class Watch:
@@ -532,10 +527,9 @@ class HostToDevice:
             so, do, _ = (int(v) for v in t.spans[j])
             a, b = so + first, do + first
             sv, dv = src[t.src_location][a : a + n], dst[t.dst_location][b : b + n]
-            piece_ring = ring if sv.dtype == dv.dtype else ring[:CAST_PIECE_RING_BYTES]
             if watch is not None:
                 watch.target = dv
-            q.stage(sv, self._desc(n), piece_ring, dv, watch.landed if watch else None)
+            q.stage(sv, self._desc(n), ring, dv, watch.landed if watch else None)
 
     def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
         """The device op validates and uploads a new table with a synchronous copy on the

