@@ -16,7 +16,11 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 - stream_inline: the current Stream, its buckets moved on the caller's thread;
 - stream_full / stream_t14 / stream_t15 / stream_before_t15: a Stream whose worker's intra-op
   threads are set to the caller's count / 14 / 15 (the current Stream, or the one of --before);
-- stream_nowrite: the current Stream, iterated without copying the tensors anywhere.
+- stream_nowrite: the current Stream, iterated without copying the tensors anywhere;
+- stream_bN / stream_bN_nowrite: the same with N MiB buckets (the case's: the Stream's default,
+  256 MiB); transfer_rN: one Transfer whose per-peer budget (and so its pinned ring) is N MiB;
+- VARIANT_castN: VARIANT with `reshard.h2d`'s casting stage pieces given only N MiB of the
+  ring (N / 4 queue slots of 4 MiB; the rest of the ring unused).
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
 --stage N:P1,P2,..: `stage_h2d` of N elements in one call and in P equal calls (the op's own
@@ -39,6 +43,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -266,40 +271,44 @@ def make_variants(case, names, before_cls):
             threads[label] = nthreads
         out[label] = stream_step(label, s, write)
     for label in names:
-        # stream_b256[_nowrite][_rN]: the contract's default bucket size, 256 MiB (staging:
-        # the Stream's default, or N MiB per rank); transfer_rN: one Transfer of budget N MiB
-        base, _, ring = label.partition("_r")
-        mib = int(ring) if ring.isdigit() else None
-        if base in ("stream_b256", "stream_b256_nowrite") and (mib or not ring):
-            staging = mib * MiB if mib else None
-            s = rs.Stream(case.src_layout, [0], 256 * MiB, staging_bytes_per_rank=staging, **kw)
+        # stream_bN[_nowrite]: a Stream of N MiB buckets; transfer_rN: one Transfer of N MiB
+        # per peer (its pinned ring)
+        m = re.fullmatch(r"stream_b(\d+)(_nowrite)?", label)
+        if m:
+            s = rs.Stream(case.src_layout, [0], int(m[1]) * MiB, **kw)
             keep.append(s)
-            out[label] = stream_step(label, s, write=base == "stream_b256")
-        elif base == "transfer" and mib:
-            t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=mib * MiB)
+            out[label] = stream_step(label, s, write=not m[2])
+        m = re.fullmatch(r"transfer_r(\d+)", label)
+        if m:
+            t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=int(m[1]) * MiB)
             keep.append(t)
             out[label] = lambda bufs, t=t: t(case.src_buffers, bufs)
-    if "stream_noearly" in names:  # every bucket waited for whole (no landing reports)
-        s = new_stream()
-        s.mover.watches = False
-        out["stream_noearly"] = stream_step("stream_noearly", s)
-    for label in names:  # stream_pollN: the current Stream, looking at a landing every N us
-        base, _, us = label.partition("_poll")
-        if base == "stream" and us.isdigit():
-            out[label] = _with_poll(stream_step(label, new_stream()), int(us) * 1e-6)
+    for label in names:  # VARIANT_castN: VARIANT whose casting stage pieces use N MiB of ring
+        m = re.fullmatch(r"(.+)_cast(\d+)", label)
+        if m and out.get(m[1]) is not None:
+            out[label] = _with_cast_ring(out[m[1]], int(m[2]) * MiB)
     steps = {k: v for k, v in out.items() if k in names or k == "_sync"}
     return steps, keep, pool, streams, threads
 
 
-def _with_poll(step, seconds):
-    from reshard import stream_iter
+def _with_cast_ring(step, nbytes):
+    """`step` with reshard.h2d's stage pieces cut to `nbytes` of the ring when they cast (the
+    stage op's queue then takes nbytes / 4 MiB slots)."""
+    from reshard import h2d
+
+    orig = h2d.HostToDevice._staged_pieces
+
+    def staged(self, q, src, dst, ring, big):
+        t = self.tables[big[0][0]] if big else None
+        casts = t is not None and src[t.src_location].dtype != dst[t.dst_location].dtype
+        return orig(self, q, src, dst, ring[:nbytes] if casts else ring, big)
 
     def run(bufs):
-        old, stream_iter.LANDED_POLL_S = stream_iter.LANDED_POLL_S, seconds
+        h2d.HostToDevice._staged_pieces = staged
         try:
             return step(bufs)
         finally:
-            stream_iter.LANDED_POLL_S = old
+            h2d.HostToDevice._staged_pieces = orig
 
     return run
 
@@ -499,8 +508,8 @@ def ordering_check():
         out["current"] = f"FAILED {exc}"
     orig = stream_mover.BucketMover._move_now
 
-    def no_wait(self, bucket, src, dst, checks, caller_done, host_sync, watch=None):
-        return orig(self, bucket, src, dst, checks, None, host_sync, watch)
+    def no_wait(self, bucket, src, dst, checks, caller_done, host_sync):
+        return orig(self, bucket, src, dst, checks, None, host_sync)
 
     stream_mover.BucketMover._move_now = no_wait
     try:
@@ -532,6 +541,7 @@ def main(argv=None):
         H2D_BEFORE = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(H2D_BEFORE)
     names = args.variants.split(",")
+    names += [m[1] for n in names if (m := re.fullmatch(r"(.+)_cast\d+", n))]
     names = list(dict.fromkeys(names))
     before_cls = load_before(args.before) if args.before else None
     rec = {

@@ -573,12 +573,8 @@ at::Tensor stats_tensor(const rs_stage_stats& s) {
   return out;
 }
 
-// landed (H2D): a CPU int64 tensor whose first element the call sets to how many leading
-// elements of the table's work order are on the device, raised as its chunks complete, so a
-// caller on another thread can use a target's front while the rest still moves.
 at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
-                      const at::Tensor& ring, const at::Tensor& dst,
-                      const std::optional<at::Tensor>& landed = std::nullopt) {
+                      const at::Tensor& ring, const at::Tensor& dst) {
   const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
   const at::Tensor& host = dir == RS_H2D ? src : dst;
   const at::Tensor& dev = dir == RS_H2D ? dst : src;
@@ -590,14 +586,6 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   at::Tensor desc = check_common(op, src, desc_in, dst);
   check_storage(op, "ring", ring);
   check_ring(op, ring, host);
-  int64_t* landed_ptr = nullptr;
-  if (landed.has_value()) {
-    const at::Tensor& l = *landed;
-    TORCH_CHECK(l.is_cpu() && l.scalar_type() == at::kLong && l.numel() >= 1 && l.is_contiguous(),
-                op, ": landed must be a contiguous CPU int64 tensor of at least one element, got ",
-                l.scalar_type(), " of ", l.numel(), " on ", l.device());
-    landed_ptr = l.mutable_data_ptr<int64_t>();
-  }
   const c10::cuda::CUDAGuard guard(dev.device());
   auto entry = lookup(op, desc, src.numel(), dst.numel(), dev.get_device());
   // Direct copies need a pinned (or registered) host buffer and no cast.
@@ -639,7 +627,6 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.ring_bytes = ring_bytes;
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
-  buf.landed = landed_ptr;
   rs_stage_stats stats{};
   rs_error err;
   // H2D of ring rows only, more than one sub-chunk of them: the host's threads pack the
@@ -654,14 +641,13 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
       queued ? rs_cuda_stage_h2d_queued(&table, &buf, workers, run_workers, nullptr, &stats, &err)
              : rs_cuda_stage(dir, &table, &buf, host_copy_threaded, nullptr, &stats, &err);
   TORCH_CHECK(st == RS_OK, op, ": ", err.msg);
-  if (landed_ptr) __atomic_store_n(landed_ptr, t->total, __ATOMIC_RELEASE);
   record_use(*t, stream);
   return stats_tensor(stats);
 }
 
 at::Tensor stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                          const at::Tensor& dst, const std::optional<at::Tensor>& landed) {
-  return stage_cuda(RS_H2D, src, desc, ring, dst, landed);
+                          const at::Tensor& dst) {
+  return stage_cuda(RS_H2D, src, desc, ring, dst);
 }
 
 at::Tensor stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
@@ -708,7 +694,7 @@ void copy_runs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   built_without_cuda("reshard::copy_runs");
 }
 at::Tensor stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const std::optional<at::Tensor>&) {
+                          const at::Tensor&) {
   built_without_cuda("reshard::stage_h2d");
 }
 at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -727,9 +713,7 @@ int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_
 TORCH_LIBRARY(reshard, m) {
   m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
   // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
-  m.def(
-      "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst, Tensor(c!)? landed=None)"
-      " -> Tensor");
+  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
@@ -763,9 +747,7 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
   std::vector<at::Tensor> written;
   for (size_t i = 0; i < n; ++i) {
     if (!schema.is_mutable({c10::SchemaArgType::input, i})) continue;
-    const c10::IValue& v = (*stack)[stack->size() - n + i];
-    if (v.isNone()) continue;  // an optional argument left out
-    const at::Tensor& t = v.toTensor();
+    const at::Tensor& t = (*stack)[stack->size() - n + i].toTensor();
     TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), schema.name(), ": ",
                 schema.arguments()[i].name(),
                 " is an inference tensor: an in-place update to it outside InferenceMode is not "

@@ -122,9 +122,6 @@ typedef struct rs_stage_buffers {
   void *staging; /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes);
                     NULL allowed when table->device_dense */
   void *stream;  /* cudaStream_t: every copy and kernel is ordered on it */
-  int64_t *landed; /* H2D, or NULL: set to how many leading elements of the table's work order
-                      are on the device, raised while the call runs as its chunks complete
-                      (the queued H2D; the chunk-at-a-time loop sets it once, at the end) */
 } rs_stage_buffers;
 
 typedef struct rs_stage_stats {

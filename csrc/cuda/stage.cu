@@ -292,46 +292,10 @@ struct Queue {
   std::unique_ptr<std::atomic<int>[]> freed;    /* per chunk: its DMA completed */
   std::atomic<int64_t> host_waits{0};
   std::atomic<int> failed{0};
-  /* buf->landed: a host function per chunk, on `notes` after the chunk's event, marks it
-   * landed and publishes the completed prefix (host functions of one stream run in order,
-   * one at a time, so only they touch `landed_flags` and `landed_prefix`) */
-  cudaStream_t notes = nullptr;
-  std::unique_ptr<struct LandedNote[]> note;
-  std::unique_ptr<unsigned char[]> landed_flags;
-  int64_t landed_prefix = 0;
   std::mutex err_mutex;
   rs_error first_err;
   rs_status first_status = RS_OK;
 };
-
-struct LandedNote {
-  Queue *q;
-  int64_t chunk;
-};
-
-void CUDART_CB chunk_landed(void *arg) {
-  const LandedNote *n = static_cast<const LandedNote *>(arg);
-  Queue *q = n->q;
-  q->landed_flags[n->chunk] = 1;
-  while (q->landed_prefix < q->chunks && q->landed_flags[q->landed_prefix]) ++q->landed_prefix;
-  int64_t e = q->landed_prefix * q->slot_elems;
-  if (e > q->t->total) e = q->t->total;
-  __atomic_store_n(q->buf->landed, e, __ATOMIC_RELEASE);
-}
-
-/* One stream per device for the landing notes, made once and kept (like the table cache). */
-rs_status notes_stream(int device, cudaStream_t *out, rs_error *err) {
-  static std::mutex mu;
-  static cudaStream_t streams[64] = {};
-  if (device < 0 || device >= 64)
-    return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: device %d out of range", device);
-  std::lock_guard<std::mutex> lock(mu);
-  if (!streams[device])
-    RS_CUDA_TRY("stage_h2d: cudaStreamCreateWithFlags (landing notes)",
-                cudaStreamCreateWithFlags(&streams[device], cudaStreamNonBlocking), err);
-  *out = streams[device];
-  return RS_OK;
-}
 
 void queue_fail(Queue *q, rs_status s, const rs_error &e) {
   std::lock_guard<std::mutex> lock(q->err_mutex);
@@ -364,12 +328,6 @@ rs_status queue_issue(Queue *q, int64_t k, rs_error *err) {
     if (s != RS_OK) return s;
   }
   RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(q->ev[sl], stream), err);
-  if (q->notes) {
-    RS_CUDA_TRY("stage_h2d: cudaStreamWaitEvent (landing note)",
-                cudaStreamWaitEvent(q->notes, q->ev[sl], 0), err);
-    RS_CUDA_TRY("stage_h2d: cudaLaunchHostFunc (landing note)",
-                cudaLaunchHostFunc(q->notes, chunk_landed, &q->note[k]), err);
-  }
   return RS_OK;
 }
 
@@ -477,14 +435,6 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   const cudaStream_t stream = static_cast<cudaStream_t>(buf->stream);
   int64_t created = 0;
   rs_status s = RS_OK;
-  if (buf->landed) {
-    s = notes_stream(q.device, &q.notes, err);
-    if (s != RS_OK) return s;
-    q.note.reset(new LandedNote[q.chunks]);
-    q.landed_flags.reset(new unsigned char[q.chunks]());
-    for (int64_t k = 0; k < q.chunks; ++k) q.note[k] = LandedNote{&q, k};
-    __atomic_store_n(buf->landed, (int64_t)0, __ATOMIC_RELEASE);
-  }
   for (; created < q.slots + 1; ++created) {
     cudaError_t e = cudaEventCreateWithFlags(&q.ev[created], cudaEventDisableTiming);
     if (e != cudaSuccess) {
@@ -510,11 +460,6 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
     cudaError_t e = cudaEventRecord(q.ev[q.slots], stream);
     if (e == cudaSuccess) e = cudaEventSynchronize(q.ev[q.slots]);
     if (e != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: final event", e);
-  }
-  /* the notes refer to this call's state: every one has run before it goes */
-  if (q.notes) {
-    cudaError_t e = cudaStreamSynchronize(q.notes);
-    if (e != cudaSuccess && s == RS_OK) s = rs_cuda_fail(err, "stage_h2d: landing notes", e);
   }
   for (int64_t i = 0; i < created; ++i) cudaEventDestroy(q.ev[i]);
   return s;

@@ -40,8 +40,7 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 # only for the stand-ins registered when the extension is missing.
 SCHEMAS = (
     "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
-    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst, Tensor(c!)? landed=None)"
-    " -> Tensor",
+    "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "host_register(Tensor t) -> int",
     "host_unregister(Tensor t) -> ()",
@@ -187,15 +186,9 @@ class StageStats(NamedTuple):
     host_waits: int  # event waits on the host (one per reused slot, plus the final one)
 
 
-def stage_h2d(
-    src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor, landed=None
-) -> StageStats:
-    """Runs of a CPU `src` into a CUDA `dst` through the pinned host `ring` (CUDA builds).
-    landed: a CPU int64 tensor whose first element the call keeps at how many leading elements
-    of the table's work order are on the device, raised as they land (another thread may use
-    that front of the target while the call still runs); all of them when it returns."""
-    out = torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst, landed)
-    return StageStats(*out.tolist())
+def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
+    """Runs of a CPU `src` into a CUDA `dst` through the pinned host `ring` (CUDA builds)."""
+    return StageStats(*torch.ops.reshard.stage_h2d(src, as_desc(desc), ring, dst).tolist())
 
 
 def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
@@ -263,7 +256,7 @@ def _register_fakes() -> None:
         _check_runs_meta(op, src, desc, dst)
 
     @torch.library.register_fake("reshard::stage_h2d")
-    def _stage_h2d_fake(src, desc, ring, dst, landed=None):
+    def _stage_h2d_fake(src, desc, ring, dst):
         op = "reshard::stage_h2d"
         _check_devices(op, {"src": src, "ring": ring}, {"dst": dst}, desc)
         _check_runs_meta(op, src, desc, dst)

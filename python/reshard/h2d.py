@@ -40,7 +40,6 @@ contiguous spans; every other table goes through `stage_h2d`.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -59,36 +58,6 @@ MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
-
-
-class Watch:
-    """How far one call's target has landed, for another thread to use its front early. Set
-    around a call on the calling thread (`watching`); when that call moves everything as one
-    `stage_h2d` pipeline into one target span (a stream bucket from a contiguous CPU source),
-    `target` is that span and `elements()` how many of its leading elements are on the device,
-    raised as the op's chunks complete (their copies done: any stream may read them). Otherwise
-    `target` stays None and nothing lands early."""
-
-    def __init__(self):
-        self.landed = torch.zeros(1, dtype=torch.int64)
-        self._count = self.landed.numpy()  # read without a torch call, while the op runs
-        self.target = None
-
-    def elements(self) -> int:
-        return int(self._count[0])
-
-
-_watch = threading.local()
-
-
-@contextlib.contextmanager
-def watching(watch: Watch):
-    """Calls on this thread inside the block report their landing to `watch` (see `Watch`)."""
-    _watch.current = watch
-    try:
-        yield watch
-    finally:
-        _watch.current = None
 
 
 def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
@@ -207,14 +176,6 @@ class _Table:
     dst_location: int
     spans: np.ndarray  # [m, 3] (src_offset, dst_offset, length)
     desc: torch.Tensor  # the schedule's table (a whole-table stage_h2d call)
-
-
-def _fills_in_order(spans: np.ndarray, n: int) -> bool:
-    """The spans, in work order, write target elements 0, 1, ..., n - 1 in turn: what has
-    landed of a whole-table call is a front of its target."""
-    lengths = spans[:, 2]
-    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    return int(lengths.sum()) == n and bool((spans[:, 1] == starts).all())
 
 
 def _dense_desc(n: int) -> torch.Tensor:
@@ -458,14 +419,7 @@ class HostToDevice:
                 q.record(side_done, side)
                 q.wait(cast_stream, side_done)
                 q.record(side_end, cast_stream)
-        watch = getattr(_watch, "current", None)
-        if watch is not None and (side_work or small or len(big) != 1):
-            watch = None  # several pipelines, or copies beside one: nothing lands in order
-        if watch is not None and big[0][1] is None:
-            t = self.tables[big[0][0]]
-            if not _fills_in_order(t.spans, dst[t.dst_location].numel()):
-                watch = None
-        self._staged_pieces(q, src, dst, ring, big, watch)
+        self._staged_pieces(q, src, dst, ring, big)
         pack_s = 0.0
         if small:
             pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
@@ -513,23 +467,19 @@ class HostToDevice:
                 start += size
                 size *= 2
 
-    def _staged_pieces(self, q, src, dst, ring, big, watch=None):
+    def _staged_pieces(self, q, src, dst, ring, big):
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
-        call each. watch: the one piece's landing is reported there."""
+        call each."""
         for ti, j, first, n in big:
             t = self.tables[ti]
             if j is None:
-                if watch is not None:
-                    watch.target = dst[t.dst_location]
-                landed = watch.landed if watch is not None else None
-                q.stage(src[t.src_location], t.desc, ring, dst[t.dst_location], landed)
+                q.stage(src[t.src_location], t.desc, ring, dst[t.dst_location])
                 continue
             so, do, _ = (int(v) for v in t.spans[j])
             a, b = so + first, do + first
-            sv, dv = src[t.src_location][a : a + n], dst[t.dst_location][b : b + n]
-            if watch is not None:
-                watch.target = dv
-            q.stage(sv, self._desc(n), ring, dv, watch.landed if watch else None)
+            q.stage(
+                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
+            )
 
     def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
         """The device op validates and uploads a new table with a synchronous copy on the
@@ -694,8 +644,8 @@ class _Streams:
     def host_wait(self, event):
         event.synchronize()
 
-    def stage(self, src, desc, ring, dst, landed=None):
-        torch.ops.reshard.stage_h2d(src, desc, ring, dst, landed)
+    def stage(self, src, desc, ring, dst):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst)
 
     def finish(self, side=True):
         """Waits for every copy queued: the side streams' (when `side`), then the current
@@ -734,10 +684,8 @@ class _Ordered:
     def host_wait(self, event):
         pass
 
-    def stage(self, src, desc, ring, dst, landed=None):
+    def stage(self, src, desc, ring, dst):
         torch.ops.reshard.copy_runs(src, desc, dst)
-        if landed is not None:
-            landed[0] = dst.numel()
 
     def finish(self, side=True):
         pass

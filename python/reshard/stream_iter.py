@@ -20,12 +20,7 @@ from collections import deque
 
 import torch
 
-from . import h2d
 from .report import PHASES, STAGING_KINDS, Report
-
-# How long the caller sleeps between looks at a bucket's landing (a 4 MiB chunk of bf16 lands
-# every 75-150 us on the H200 host)
-LANDED_POLL_S = 50e-6
 
 
 class Call:
@@ -36,7 +31,7 @@ class Call:
         self.s, self.bufs, self.hooks = stream, bufs, hooks
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
         self.cuda = stream.mover.cuda_device is not None
-        self.pending = deque()  # (bucket index, Future, Watch or None) of the buckets queued
+        self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
         self.next = 0  # the next bucket to queue
         self.reports = []
         self.waited = 0.0  # seconds the caller blocked on a bucket still in flight
@@ -56,10 +51,7 @@ class Call:
             done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
         host_sync = s.device.type != "cuda"
-        # a receiver may take a bucket's first tensors while the rest still lands
-        watch = h2d.Watch() if self.receiving and s.mover.watches else None
-        fut = s.mover.submit(b, src, s.targets(k), checks, done, host_sync, watch)
-        self.pending.append((k, fut, watch))
+        self.pending.append((k, s.mover.submit(b, src, s.targets(k), checks, done, host_sync)))
         self.next = k + 1
 
     def advance(self, consumed: int) -> None:
@@ -72,7 +64,7 @@ class Call:
     def finish(self) -> None:
         """Wait for the oldest queued bucket to land."""
         t0 = time.perf_counter()
-        _, fut, _ = self.pending.popleft()
+        _, fut = self.pending.popleft()
         try:
             rep, self.landed = fut.result()
             self.reports.append(rep)
@@ -92,64 +84,18 @@ class Call:
             consumed = 0  # tensors of the stream the caller is done with
             for k in range(nb):
                 self.advance(consumed if self.receiving else everything)
+                self.finish()  # bucket k has landed
                 if not self.receiving:
-                    self.finish()
                     continue
-                early = self.early_ends(k)  # per tensor: its end within the bucket's target
-                if early is None:
-                    self.finish()  # bucket k has landed
-                    if self.landed is not None:
-                        torch.cuda.current_stream(s.mover.cuda_device).wait_event(self.landed)
-                for i, item in enumerate(s.views(k)):
-                    if early is not None and not self.wait_landed(early[i]):
-                        early = None  # the move ended (landed, or failed: this raises)
-                        self.finish()
+                if self.landed is not None:
+                    torch.cuda.current_stream(s.mover.cuda_device).wait_event(self.landed)
+                for item in s.views(k):
                     self.advance(consumed)
                     yield item
                     consumed += 1
-                if early is not None:
-                    self.finish()
             completed = True
         finally:
             self.drain(completed)
-
-    def early_ends(self, k):
-        """For a bucket whose tensors may be taken as they land: per tensor, how many
-        elements of the bucket's target must have landed first; else None (the whole bucket
-        is waited for). Known once the move has started its one pipeline into the target
-        (`h2d.Watch`), so this waits for that or for the move's end."""
-        _, fut, watch = self.pending[0]
-        targets = self.s.targets(k)
-        if watch is None or len(targets) != 1:
-            return None
-        (target,) = targets.values()
-        t0 = time.perf_counter()
-        while watch.target is None and not fut.done():
-            time.sleep(LANDED_POLL_S)
-        self.waited += time.perf_counter() - t0
-        got = watch.target
-        if got is None or got.data_ptr() != target.data_ptr() or got.numel() != target.numel():
-            return None
-        b = self.s.buckets[k]
-        lo = b.groups[target.dtype][0]
-        size = target.element_size()
-        return [(e.offset - lo + e.nbytes + size - 1) // size for e in b.entries]
-
-    def wait_landed(self, need: int) -> bool:
-        """Waits until `need` leading elements of the oldest queued bucket's target landed:
-        True; False once its move ended first (the caller then finishes it)."""
-        _, fut, watch = self.pending[0]
-        if watch.elements() >= need:
-            return True
-        t0 = time.perf_counter()
-        try:
-            while watch.elements() < need:
-                if fut.done():
-                    return False
-                time.sleep(LANDED_POLL_S)
-            return True
-        finally:
-            self.waited += time.perf_counter() - t0
 
     def report(self, total: float) -> Report:
         """The call's Report: sums over its buckets; staging held and bound are the

@@ -18,11 +18,10 @@ bytes the caller used, the worker's stream waits on an event recorded on the cal
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 
 import torch
 
-from . import h2d, staging
+from . import staging
 from .hostreg import HostRegistry
 from .report import STAGING_KINDS
 from .rounds import RECV, SEND
@@ -130,8 +129,6 @@ class BucketMover:
         self.pool = StagingPool(self.plans, rank)
         self.transfers: dict = {}  # bucket index -> Transfer, created on its first move
         self.cuda_device = cuda_device
-        # moves report their landing (h2d.Watch): the CPU -> CUDA pipeline is what reports
-        self.watches = cuda_device is not None
         self.registry = HostRegistry() if register_host_sources else None
         self.registration = None  # what the last call's registration did
         self._worker = None
@@ -142,20 +139,17 @@ class BucketMover:
         """A new call: nothing is queued (the previous call waited for all of its buckets)."""
         self._failed = None
 
-    def submit(self, bucket, src, dst, checks, caller_done=None, host_sync=False, watch=None):
+    def submit(self, bucket, src, dst, checks, caller_done=None, host_sync=False):
         """Move `bucket` from `src` into `dst` ({location: tensor}) on the worker. checks: the
         preflight's extra checks. caller_done: a CUDA event the move waits for before writing.
-        host_sync: the targets are read by the host once the Future is done. watch: an
-        `h2d.Watch` the move reports its landing to (CUDA)."""
+        host_sync: the targets are read by the host once the Future is done."""
         if self._worker is None:
             # one worker thread for the Stream's life: its allocator arena (CPU staging) and
             # CUDA stream are reused by every call
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="reshard-stream"
             )
-        return self._worker.submit(
-            self._move, bucket, src, dst, checks, caller_done, host_sync, watch
-        )
+        return self._worker.submit(self._move, bucket, src, dst, checks, caller_done, host_sync)
 
     def _transfer(self, bucket):
         t = self.transfers.get(bucket.index)
@@ -167,19 +161,19 @@ class BucketMover:
             )
         return t
 
-    def _move(self, bucket, src, dst, checks, caller_done, host_sync, watch=None):
+    def _move(self, bucket, src, dst, checks, caller_done, host_sync):
         if self._failed is not None:
             raise RuntimeError(
                 f"bucket {bucket.index} was not moved: an earlier bucket of this call failed "
                 f"({type(self._failed).__name__}: {self._failed})"
             )
         try:
-            return self._move_now(bucket, src, dst, checks, caller_done, host_sync, watch)
+            return self._move_now(bucket, src, dst, checks, caller_done, host_sync)
         except BaseException as exc:
             self._failed = exc
             raise
 
-    def _move_now(self, bucket, src, dst, checks, caller_done, host_sync, watch=None):
+    def _move_now(self, bucket, src, dst, checks, caller_done, host_sync):
         transfer = self._transfer(bucket)
         if self.cuda_device is None:
             return transfer(src, dst, checks=checks), None
@@ -190,8 +184,7 @@ class BucketMover:
         with torch.cuda.stream(stream):
             if caller_done is not None:
                 stream.wait_event(caller_done)
-            with h2d.watching(watch) if watch is not None else contextlib.nullcontext():
-                rep = transfer(src, dst, checks=checks)
+            rep = transfer(src, dst, checks=checks)
             landed = torch.cuda.Event()
             landed.record(stream)
         if host_sync:

@@ -5,7 +5,6 @@ compared bitwise."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -216,73 +215,6 @@ def test_a_failed_bucket_stops_the_ones_queued_behind_it():
     s.mover.submit(b1, src, s.targets(1), [], None, True).result()
     for name, t in s.views(1):
         assert torch.equal(t, values[name].to(torch.bfloat16))
-
-
-def _landing_move(s, events, fail_after=None, pieces=5, pause=0.003):
-    """A move (in place of the mover's) that writes the bucket into a copy of its target, then
-    lands it into the poisoned target front to back, raising its Watch after each piece, as
-    the CPU -> CUDA pipeline does (or raises after `fail_after` pieces)."""
-    orig = s.mover._move_now
-
-    def move(bucket, src, dst, checks, caller_done, host_sync, watch=None):
-        ((loc, target),) = dst.items()
-        full = {loc: torch.empty_like(target)}
-        rep, _ = orig(bucket, src, full, checks, caller_done, host_sync)
-        target.view(torch.uint8).fill_(0xFF)
-        watch.target = target
-        n = target.numel()
-        for i in range(pieces):
-            if fail_after == i:
-                raise RuntimeError(f"lost the link in bucket {bucket.index}")
-            lo, hi = n * i // pieces, n * (i + 1) // pieces
-            target[lo:hi].copy_(full[loc][lo:hi])
-            watch.landed[0] = hi
-            time.sleep(pause)
-        events.append(("landed", bucket.index))
-        return rep, None
-
-    return move
-
-
-def test_tensors_are_taken_as_their_bytes_land():
-    """With a move that reports its landing, each tensor is yielded once its own bytes are in
-    the buffer (bitwise right, never the poison beneath), most before their bucket finished;
-    a move that reports nothing is waited for whole."""
-    values, layout, bufs = _local()
-    s = rs.Stream(layout, [0], 1 << 12, dtype=torch.float32)
-    assert len(s.buckets) >= 2
-    want = {n: v.to(torch.float32) for n, v in values.items()}
-    list(s(bufs))
-    s.mover.watches = True
-    events = []
-    s.mover._move_now = _landing_move(s, events)
-    bucket_of = {n: b.index for b in s.buckets for n in b.names}
-    for _ in range(2):
-        events.clear()
-        for name, t in s(bufs):
-            assert torch.equal(t, want[name]), name
-            events.append(("yield", bucket_of[name]))
-    early = [
-        k for k in range(len(s.buckets)) if events.index(("yield", k)) < events.index(("landed", k))
-    ]
-    assert early == list(range(len(s.buckets))), events
-    del s.mover._move_now  # the real move on the CPU reports nothing: whole buckets
-    assert W.consume(s, bufs, want, True, "no landing reports") == []
-
-
-def test_a_move_failing_midway_raises_after_the_tensors_that_landed():
-    values, layout, bufs = _local()
-    s = rs.Stream(layout, [0], 1 << 20, dtype=torch.float32)
-    assert len(s.buckets) == 1
-    list(s(bufs))
-    s.mover.watches = True
-    s.mover._move_now = _landing_move(s, [], fail_after=3)
-    got = []
-    with pytest.raises(RuntimeError, match="lost the link in bucket 0"):
-        for name, t in s(bufs):
-            assert torch.equal(t, values[name].to(torch.float32)), name
-            got.append(name)
-    assert 0 < len(got) < len(s.buckets[0].names)
 
 
 def test_plans_are_built_once_and_reused():
