@@ -19,8 +19,8 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
 - stream_nowrite: the current Stream, iterated without copying the tensors anywhere;
 - stream_bN / stream_bN_nowrite: the same with N MiB buckets (the case's: the Stream's default,
   256 MiB); transfer_rN: one Transfer whose per-peer budget (and so its pinned ring) is N MiB;
-- VARIANT_castN: VARIANT with `reshard.h2d`'s casting stage pieces given only N MiB of the
-  ring (N / 4 queue slots of 4 MiB; the rest of the ring unused).
+- VARIANT_castN: VARIANT with `reshard.h2d`'s casting stage calls given N MiB of the ring
+  (`h2d.CAST_RING_BYTES`: N / 4 queue slots of 4 MiB in flight), whatever the ring's size.
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
 --stage N:P1,P2,..: `stage_h2d` of N elements in one call and in P equal calls (the op's own
@@ -292,23 +292,16 @@ def make_variants(case, names, before_cls):
 
 
 def _with_cast_ring(step, nbytes):
-    """`step` with reshard.h2d's stage pieces cut to `nbytes` of the ring when they cast (the
-    stage op's queue then takes nbytes / 4 MiB slots)."""
+    """`step` with reshard.h2d's casting stage calls given `nbytes` of the ring (the stage op's
+    queue then keeps nbytes / 4 MiB slots in flight)."""
     from reshard import h2d
 
-    orig = h2d.HostToDevice._staged_pieces
-
-    def staged(self, q, src, dst, ring, big):
-        t = self.tables[big[0][0]] if big else None
-        casts = t is not None and src[t.src_location].dtype != dst[t.dst_location].dtype
-        return orig(self, q, src, dst, ring[:nbytes] if casts else ring, big)
-
     def run(bufs):
-        h2d.HostToDevice._staged_pieces = staged
+        old, h2d.CAST_RING_BYTES = h2d.CAST_RING_BYTES, nbytes
         try:
             return step(bufs)
         finally:
-            h2d.HostToDevice._staged_pieces = orig
+            h2d.CAST_RING_BYTES = old
 
     return run
 

@@ -58,6 +58,11 @@ MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
+# A casting stage_h2d call packs through at most this much of the ring: eight 4 MiB queue slots
+# in flight. On the H200 host, 32 MiB moved CPU fp32 -> GPU bf16 8-10% faster than the whole
+# 64 MiB ring, both as one Transfer and as a stream's buckets; 16 MiB was slower in the stream
+# (benchmarks/results/h200/rings).
+CAST_RING_BYTES = 32 << 20
 
 
 def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
@@ -472,14 +477,14 @@ class HostToDevice:
         call each."""
         for ti, j, first, n in big:
             t = self.tables[ti]
+            s, d = src[t.src_location], dst[t.dst_location]
+            r = ring[:CAST_RING_BYTES] if s.dtype != d.dtype else ring
             if j is None:
-                q.stage(src[t.src_location], t.desc, ring, dst[t.dst_location])
+                q.stage(s, t.desc, r, d)
                 continue
             so, do, _ = (int(v) for v in t.spans[j])
             a, b = so + first, do + first
-            q.stage(
-                src[t.src_location][a : a + n], self._desc(n), ring, dst[t.dst_location][b : b + n]
-            )
+            q.stage(s[a : a + n], self._desc(n), r, d[b : b + n])
 
     def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
         """The device op validates and uploads a new table with a synchronous copy on the
