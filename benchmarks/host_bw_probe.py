@@ -245,7 +245,8 @@ def section_stage(n):
 
 def section_rings(n, rounds, rings_mib, threads):
     """stage_h2d of n pageable fp32 elements -> a dense bf16 target through rings of several
-    sizes (the queued H2D cuts each into at least four slots) and host thread counts:
+    sizes (the queued H2D cuts each into slots of at most 4 MiB and half the ring) and host
+    thread counts:
     interleaved rounds, the order rotated per round; the first round checks bits."""
     src = torch.rand(n)
     ref = src.to(torch.bfloat16)

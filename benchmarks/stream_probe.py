@@ -283,7 +283,7 @@ def make_variants(case, names, before_cls):
             t = rs.Transfer(case.src_layout, case.dst_layout, budget_bytes_per_peer=int(m[1]) * MiB)
             keep.append(t)
             out[label] = lambda bufs, t=t: t(case.src_buffers, bufs)
-    for label in names:  # VARIANT_castN: VARIANT whose casting stage pieces use N MiB of ring
+    for label in names:  # VARIANT_castN: VARIANT whose casting stage calls use N MiB of ring
         m = re.fullmatch(r"(.+)_cast(\d+)", label)
         if m and out.get(m[1]) is not None:
             out[label] = _with_cast_ring(out[m[1]], int(m[2]) * MiB)

@@ -280,3 +280,28 @@ def test_direct_copies_largest_first_whole_and_partial():
     sizes = [c[4] for c in route.direct_bytes]
     assert sizes == sorted(sizes, reverse=True)
     assert route.direct_whole == [c[0] % 3 != 0 for c in route.direct_bytes]
+
+
+def test_casting_stage_calls_get_a_bounded_share_of_the_ring(monkeypatch):
+    """A stage call that casts packs through the ring's first CAST_RING_BYTES (queue slots in
+    flight, measured faster on the H200 host); one that copies keeps the whole ring."""
+    n = (9 << 20) + 5  # bf16 pieces over one 16 MiB slot of a 64 MiB ring: stage calls
+    src = {0: _values(n, 1), 1: _values(n, 2)}
+    dst = {1000: torch.empty(n, dtype=torch.bfloat16), 1001: torch.empty(n)}
+    tables = []
+    for i, loc in enumerate((1000, 1001)):
+        desc = np.array([[0, 0, 0, 0, n, 1]], np.int64)
+        t = LocalTable(i, loc, torch.from_numpy(desc), n)
+        tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc)))
+    rings = {}
+
+    def stage(self, s, desc, ring, d):
+        rings[d.dtype] = ring.numel()
+        torch.ops.reshard.copy_runs(s, desc, d)
+
+    monkeypatch.setattr(h2d._Ordered, "stage", stage)
+    ring = torch.empty(64 << 20, dtype=torch.uint8)
+    h2d.HostToDevice(tables).run(src, dst, ring, device_bytes=1024, pinned={0: False, 1: False})
+    assert rings == {torch.bfloat16: h2d.CAST_RING_BYTES, torch.float32: 64 << 20}
+    assert torch.equal(_bits(dst[1000]), _bits(src[0].to(torch.bfloat16)))
+    assert torch.equal(_bits(dst[1001]), _bits(src[1]))

@@ -59,9 +59,9 @@ STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's 
 PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
 # A casting stage_h2d call packs through at most this much of the ring: eight 4 MiB queue slots
-# in flight. On the H200 host, 32 MiB moved CPU fp32 -> GPU bf16 8-10% faster than the whole
-# 64 MiB ring, both as one Transfer and as a stream's buckets; 16 MiB was slower in the stream
-# (benchmarks/results/h200/rings).
+# in flight. On the H200 host, 32 MiB moved CPU fp32 -> GPU bf16 4-10% faster than the whole
+# 64 MiB ring (one Transfer and a stream's buckets) in two of three same-run comparisons; 16 MiB
+# was slower in the stream (benchmarks/results/h200/rings).
 CAST_RING_BYTES = 32 << 20
 
 
