@@ -314,6 +314,27 @@ def _bucket_timer(stream_obj, rows):
     mover._move = timed
 
 
+def _case_stream(case, bufs, synchronize=False, **kw):
+    """(the case's rs.Stream, one sync: every tensor handed to the 'engine' weights in bufs,
+    then the device synchronized where `synchronize`)."""
+    st = rs.Stream(
+        case.src_layout,
+        [0],
+        case.stream["bucket_bytes"],
+        dtype=case.dst.dtype,
+        device=case.dst_device,
+        **kw,
+    )
+
+    def step():
+        for name, full in st(case.src_buffers):
+            case.write(name, full, bufs)
+        if synchronize:
+            torch.cuda.synchronize()
+
+    return st, step
+
+
 def section_stream(models, iters):
     out = []
     for model in models:
@@ -321,19 +342,7 @@ def section_stream(models, iters):
         bufs = case.targets()
         floor_bytes = case.payload_bytes
         for label, kw in (("stream", {}), ("stream_registered", {"register_host_sources": True})):
-            st = rs.Stream(
-                case.src_layout,
-                [0],
-                case.stream["bucket_bytes"],
-                dtype=case.dst.dtype,
-                device=case.dst_device,
-                **kw,
-            )
-
-            def step(st=st, case=case, bufs=bufs):
-                for name, full in st(case.src_buffers):
-                    case.write(name, full, bufs)
-                torch.cuda.synchronize()
+            st, step = _case_stream(case, bufs, synchronize=True, **kw)
 
             for _ in range(2):
                 step()
@@ -595,18 +604,7 @@ def section_policy(models, before, iters):
             steps, objs, closers = {}, {}, []
             for label, cls in classes.items():
                 if scen == "stream_offload":
-                    st = rs.Stream(
-                        case.src_layout,
-                        [0],
-                        case.stream["bucket_bytes"],
-                        dtype=case.dst.dtype,
-                        device=case.dst_device,
-                        register_host_sources=True,
-                    )
-
-                    def step(st=st, case=case, bufs=bufs):
-                        for name, full in st(case.src_buffers):
-                            case.write(name, full, bufs)
+                    st, step = _case_stream(case, bufs, register_host_sources=True)
 
                     def trs(st=st):
                         return list(st.mover.transfers.values())
