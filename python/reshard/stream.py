@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from . import stream_buckets as sb
 from .layout import Layout
+from .layout.values import row_major
 from .stream_iter import Call, check_sources
 from .stream_mover import BucketMover, StagingPool
 
@@ -245,7 +246,7 @@ class Stream:
                     e.name,
                     typed[e.dtype],
                     e.shape,
-                    _contiguous_strides(e.shape),
+                    row_major(e.shape),
                     (b.start + e.offset) // e.dtype.itemsize,
                 )
                 for e in b.entries
@@ -262,14 +263,6 @@ class Stream:
         """Bucket k's tensors as (name, view of the buffer), in stream order."""
         for name, typed, shape, strides, offset in self._yields[k]:
             yield name, typed.as_strided(shape, strides, offset)
-
-
-def _contiguous_strides(shape) -> tuple:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(out))
 
 
 def _group_info(group):
