@@ -5,7 +5,9 @@ and shared) and "dev" (more examples). Select with HYPOTHESIS_PROFILE=dev.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -17,3 +19,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, max_examples=1000, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# DeepSpeed JIT-builds its CPU ops under TORCH_EXTENSIONS_DIR: the tests keep them in this
+# checkout's build/, so no state from other runs on the machine (a killed build's lock) reaches them.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    str(Path(__file__).resolve().parents[1] / "build" / "torch_extensions"),
+)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops():
+    """DeepSpeed's CPU comm op, built once before the first test that spawns DeepSpeed ranks."""
+    from reshard.integrations import deepspeed_cpu_ops as ops
+
+    ops.prepare()

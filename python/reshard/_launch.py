@@ -12,6 +12,11 @@ Rules (docs/internals.md):
   reads half of one, and a rank that dies hard cannot wedge the parent on a pipe); the record
   is written before the process-group teardown, so a teardown stuck on a failed peer cannot
   lose it;
+- every rank gets MASTER_ADDR=127.0.0.1 and MASTER_PORT=<the launching process's pid> (unless
+  `env` names them): the group never reads them, but DeepSpeed's CPU allreduce names a 69 MB
+  /dev/shm segment per rank after them and never unlinks it; so each run's segments have
+  names of their own (two concurrent runs never share one) and `spawn` removes them once the
+  ranks have ended, whether they finished, failed or were killed;
 - after its record a rank ends at once (`os._exit(0)`): interpreter finalization with torch's
   threads alive can abort a process that did its work correctly ("terminate called without an
   active exception", exit -6: a torch thread that wants the GIL while Python finalizes is
@@ -36,6 +41,8 @@ import torch
 import torch.distributed as dist
 
 FAIL_GRACE_S = 20.0  # after one rank failed, how long the others get to finish on their own
+RUN_ADDR = "127.0.0.1"
+SHM_DIR = "/dev/shm"
 
 
 class RanksFailed(RuntimeError):
@@ -98,7 +105,28 @@ def _error_record(exc):
     return ("error", tb, payload, type(exc).__name__)
 
 
+def deepspeed_shm_prefix(launcher_pid: int) -> str:
+    """The names of the /dev/shm segments DeepSpeed's CPU allreduce creates in the ranks a
+    process launched (csrc/cpu/comm/shm.cpp: `<name>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`)."""
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{RUN_ADDR}_{launcher_pid}_"
+
+
+def _remove_deepspeed_shm() -> None:
+    prefix = deepspeed_shm_prefix(os.getpid())
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:  # no /dev/shm: nothing was created there
+        return
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+
+
 def _worker(rank, world, backend, run_dir, group_timeout_s, fn, args, env):
+    os.environ.update(MASTER_ADDR=RUN_ADDR, MASTER_PORT=str(os.getppid()))
     for key, value in (env or {}).items():
         os.environ[key] = str(value)
     try:
@@ -176,6 +204,7 @@ def spawn(
                 p.kill()
         for p in procs:
             p.join(10)
+        _remove_deepspeed_shm()
     records = {r: rec for r in range(world) if (rec := _load(run_dir, r)) is not None}
     return Outcome(records, [p.exitcode for p in procs], hung)
 

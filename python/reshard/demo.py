@@ -43,17 +43,19 @@ import torch
 import reshard as rs
 from reshard import scenarios as sc
 from reshard._launch import RanksFailed, launch
+from reshard.integrations import deepspeed_cpu_ops
 
 
 class Mode(NamedTuple):
     module: str  # defines run_rank(...) and print_report(...)
     requires: str | None  # a module the mode imports (None: always available)
+    requires_deepspeed: bool = False  # its ranks run DeepSpeed engines
 
 
 MODES = {
-    "deepspeed": Mode("reshard.integrations.deepspeed_demo", "deepspeed"),
+    "deepspeed": Mode("reshard.integrations.deepspeed_demo", "deepspeed", True),
     "synthetic": Mode("reshard.demo", None),
-    "rollout": Mode("reshard.integrations.rollout_demo", "transformers"),
+    "rollout": Mode("reshard.integrations.rollout_demo", "transformers", True),
     "fsdp": Mode("reshard.integrations.fsdp_demo", None),
 }
 
@@ -136,6 +138,8 @@ def main(argv=None) -> int:
     if backend == "nccl" and world > gpus:
         print(f"--backend nccl needs {world} GPUs, found {gpus}", file=sys.stderr)
         return 2
+    if MODES[args.mode].requires_deepspeed and backend == "gloo":
+        deepspeed_cpu_ops.prepare()  # once here, not in every rank's first initialize
     keys = ("hidden", "ffn", "vocab", "layers", "budget", "steps", "mode")
     cfg = {k: getattr(args, k) for k in keys}
     t0 = time.perf_counter()

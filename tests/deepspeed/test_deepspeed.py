@@ -26,9 +26,9 @@ except ImportError as exc:  # installed by `make test` (deps-deepspeed): missing
         "tests/deepspeed needs DeepSpeed: run `make deps-deepspeed` (DS_BUILD_OPS=0)"
     ) from exc
 
-# Above every run_ranks timeout here, so on a loaded machine the launcher's error (naming the
-# ranks) fires, not pytest's.
-pytestmark = pytest.mark.timeout(600)
+# The timeout is above every run_ranks timeout here, so on a loaded machine the launcher's error
+# (naming the ranks) fires, not pytest's.
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("deepspeed_cpu_ops")]
 
 ENV = {"DS_ACCELERATOR": "cpu", "RESHARD_TEST_THREADS": "1"}
 MODELS = ("mlp", "block")
@@ -763,3 +763,48 @@ def test_sync_after_step_ignores_skipped_steps(tmp_path):
         _skipped_step_worker, 2, tmp_path, args=(STAGES_OFFLOAD,), env=ENV, timeout=400
     )[0]
     assert len(done) == len(STAGES_OFFLOAD)
+
+
+def _shm_segment_worker(rank, world, doomed):
+    """Build an engine; report this rank's DeepSpeed allreduce segment; `doomed` dies here."""
+    from _dsutil import ds_env, make_engine
+
+    from reshard._launch import SHM_DIR, deepspeed_shm_prefix
+
+    ds_env(rank, world)
+    make_engine(1, "none")
+    path = os.path.join(SHM_DIR, f"{deepspeed_shm_prefix(os.getppid())}{rank}")
+    exists = os.path.exists(path)
+    if rank == doomed:
+        from _spawn import die
+
+        die()
+    return path, exists
+
+
+def test_deepspeed_shm_segments_are_removed_after_every_run(tmp_path):
+    """DeepSpeed's CPU allreduce leaves a 69 MB /dev/shm segment per rank that it never unlinks;
+    hundreds of test runs filled a 24 GiB machine's memory. Each run's segments are named after
+    its launcher and removed when its ranks end, a killed rank's too."""
+    from reshard._launch import SHM_DIR, deepspeed_shm_prefix
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR} on this machine: DeepSpeed's CPU allreduce makes no segments")
+    prefix = deepspeed_shm_prefix(os.getpid())
+    for doomed in (None, 1):
+        out = run_ranks(
+            _shm_segment_worker,
+            2,
+            tmp_path,
+            args=(doomed,),
+            env=ENV,
+            timeout=400,
+            expect_killed=() if doomed is None else (doomed,),
+        )
+        for rank, rec in enumerate(out):
+            if rec is not None:
+                path, existed = rec
+                assert path.startswith(os.path.join(SHM_DIR, prefix)), path
+                assert existed, f"rank {rank}: DeepSpeed made no segment at {path}"
+        left = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+        assert not left, f"segments left after the run (killed rank {doomed}): {left}"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _fsdputil.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))  # _dsutil.py
@@ -25,6 +27,8 @@ except ImportError as exc:  # installed by `make test` (deps-deepspeed): missing
     raise ImportError(
         "tests/fsdp/test_deepspeed_migration.py needs DeepSpeed: run `make deps-deepspeed`"
     ) from exc
+
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")
 
 ENV = {"DS_ACCELERATOR": "cpu", "RESHARD_TEST_THREADS": "1"}
 MOMENTS = ("exp_avg", "exp_avg_sq")

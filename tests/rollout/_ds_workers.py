@@ -37,10 +37,6 @@ def make_engine(rank, world, tied, persistence):
     os.environ.update(
         LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(world)
     )
-    # DeepSpeed's CPU shared-memory allreduce names its segment after MASTER_ADDR/MASTER_PORT
-    # (unset here: the group comes from a FileStore); concurrent runs on one machine would share
-    # it and hang. The parent's pid is the same for every rank of one run, unique across runs.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(os.getppid()))
     import deepspeed
     import torch
     import transformers

@@ -28,6 +28,8 @@ except ImportError as exc:  # installed by `make test` (deps-deepspeed): missing
         "tests/rollout needs DeepSpeed: run `make deps-deepspeed` (DS_BUILD_OPS=0)"
     ) from exc
 
+pytestmark = pytest.mark.usefixtures("deepspeed_cpu_ops")
+
 ENV = {"DS_ACCELERATOR": "cpu", "RESHARD_TEST_THREADS": "1"}
 
 

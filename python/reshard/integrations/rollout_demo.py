@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 
@@ -53,10 +52,6 @@ def _engine(rank, world, backend, cfg):
     """The HF Llama under a real ZeRO-3 engine with its optimizer offloaded to CPU, as a
     launcher would make it; returns (engine, HF config)."""
     deepspeed_env(rank, world, backend)
-    # DeepSpeed's CPU shared-memory allreduce names its segment after MASTER_ADDR/PORT (unset
-    # under a FileStore): the launcher's pid keeps concurrent runs on one machine apart.
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(os.getppid()))
     import deepspeed
     import transformers
     from deepspeed.utils import logger
