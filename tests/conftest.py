@@ -28,6 +28,21 @@ os.environ.setdefault(
 )
 
 
+def pytest_sessionstart(session):
+    """DeepSpeed CPU allreduce segments left in /dev/shm by runs that were killed before their
+    launcher's cleanup hold memory until reboot: remove those, and name any others."""
+    from reshard._launch import SHM_DIR, remove_orphaned_deepspeed_shm
+
+    removed, freed, others = remove_orphaned_deepspeed_shm()
+    if removed:
+        print(f"conftest: removed {removed} orphaned DeepSpeed segments ({freed >> 20} MiB)")
+    if others:
+        print(
+            f"conftest: {len(others)} DeepSpeed segments in {SHM_DIR} not made by reshard's "
+            f"launcher hold memory (e.g. {others[0]}); remove them when no DeepSpeed job runs"
+        )
+
+
 @pytest.fixture(scope="session")
 def deepspeed_cpu_ops():
     """DeepSpeed's CPU comm op, built once before the first test that spawns DeepSpeed ranks."""

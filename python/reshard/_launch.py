@@ -111,18 +111,51 @@ def deepspeed_shm_prefix(launcher_pid: int) -> str:
     return f"deepspeed_allreduce_buffer_{os.getuid()}_{RUN_ADDR}_{launcher_pid}_"
 
 
+def _deepspeed_shm_names() -> list:
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith("deepspeed_allreduce_buffer_")]
+    except OSError:  # no /dev/shm: nothing was created there
+        return []
+
+
+def _unlink_shm(name) -> int:
+    path = os.path.join(SHM_DIR, name)
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    return size
+
+
 def _remove_deepspeed_shm() -> None:
     prefix = deepspeed_shm_prefix(os.getpid())
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:  # no /dev/shm: nothing was created there
-        return
-    for name in names:
+    for name in _deepspeed_shm_names():
         if name.startswith(prefix) and name[len(prefix) :].isdigit():
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-            except FileNotFoundError:
-                pass
+            _unlink_shm(name)
+
+
+def remove_orphaned_deepspeed_shm() -> tuple:
+    """Remove the DeepSpeed segments of runs whose launcher is gone (a launcher killed before
+    its cleanup). Returns (segments removed, their bytes, other DeepSpeed segments left: names
+    not of this scheme, whose owner cannot be told)."""
+    removed, freed, others = 0, 0, []
+    head = deepspeed_shm_prefix(0)[: -len("0_")]  # up to the launcher pid
+    for name in _deepspeed_shm_names():
+        pid, _, rank = name[len(head) :].partition("_") if name.startswith(head) else ("", "", "")
+        if not (pid.isdigit() and rank.isdigit()):
+            others.append(name)
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its launcher runs (or another process has its pid): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        removed += 1
+        freed += _unlink_shm(name)
+    return removed, freed, others
 
 
 def _worker(rank, world, backend, run_dir, group_timeout_s, fn, args, env):

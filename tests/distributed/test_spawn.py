@@ -56,3 +56,32 @@ def test_launch_reports_failures_and_keeps_finished_results():
     with pytest.raises(RanksFailed, match="rank 1 failed:(.|\n)*bad thing on rank 1") as ei:
         launch(SW.w_raise, 2)
     assert ei.value.results == [0, None]
+
+
+def test_orphaned_deepspeed_segments_are_removed_and_others_kept(tmp_path):
+    """Segments named after a launcher pid that is gone are removed; a live launcher's and
+    those of another naming scheme (owner unknown) stay."""
+    import subprocess
+
+    from reshard._launch import SHM_DIR, deepspeed_shm_prefix, remove_orphaned_deepspeed_shm
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip(f"no {SHM_DIR} on this machine")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process
+    orphan = f"{deepspeed_shm_prefix(gone.pid)}3"
+    live = f"{deepspeed_shm_prefix(os.getpid())}0"
+    foreign = f"deepspeed_allreduce_buffer_{os.getuid()}__test{os.getpid()}_0"
+    for name in (orphan, live, foreign):
+        with open(os.path.join(SHM_DIR, name), "wb") as f:
+            f.write(b"x" * 4096)
+    try:
+        removed, freed, others = remove_orphaned_deepspeed_shm()
+        assert not os.path.exists(os.path.join(SHM_DIR, orphan))
+        assert removed >= 1 and freed >= 4096
+        assert os.path.exists(os.path.join(SHM_DIR, live))
+        assert os.path.exists(os.path.join(SHM_DIR, foreign)) and foreign in others
+    finally:
+        for name in (orphan, live, foreign):
+            if os.path.exists(os.path.join(SHM_DIR, name)):
+                os.unlink(os.path.join(SHM_DIR, name))
