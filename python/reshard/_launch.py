@@ -12,8 +12,8 @@ Rules (docs/internals.md):
   reads half of one, and a rank that dies hard cannot wedge the parent on a pipe); the record
   is written before the process-group teardown, so a teardown stuck on a failed peer cannot
   lose it;
-- every rank gets MASTER_ADDR=127.0.0.1 and MASTER_PORT=<the launching process's pid> (unless
-  `env` names them): the group never reads them, but DeepSpeed's CPU allreduce names a 69 MB
+- every gloo rank gets MASTER_ADDR=127.0.0.1 and MASTER_PORT=<the launching process's pid>
+  (unless `env` names them): the group never reads them, but DeepSpeed's CPU allreduce names a 69 MB
   /dev/shm segment per rank after them and never unlinks it; so each run's segments have
   names of their own (two concurrent runs never share one) and `spawn` removes them once the
   ranks have ended, whether they finished, failed or were killed;
@@ -159,7 +159,8 @@ def remove_orphaned_deepspeed_shm() -> tuple:
 
 
 def _worker(rank, world, backend, run_dir, group_timeout_s, fn, args, env):
-    os.environ.update(MASTER_ADDR=RUN_ADDR, MASTER_PORT=str(os.getppid()))
+    if backend == "gloo":  # CPU ranks: the ones DeepSpeed's CPU allreduce runs in
+        os.environ.update(MASTER_ADDR=RUN_ADDR, MASTER_PORT=str(os.getppid()))
     for key, value in (env or {}).items():
         os.environ[key] = str(value)
     try:
