@@ -2,9 +2,16 @@
 
 Hypothesis profiles: "ci" (the default; deterministic, no deadline: CI machines are slow
 and shared) and "dev" (more examples). Select with HYPOTHESIS_PROFILE=dev.
+
+The whole session has a wall-clock budget (RESHARD_TEST_BUDGET_S, default 45 minutes; the
+suite takes about 8 on two cores): past it the session stops before the next test, naming the
+machine's free memory, so a machine that runs far slower than usual gets a report instead of
+an outside timeout.
 """
 
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -28,9 +35,41 @@ os.environ.setdefault(
 )
 
 
+SESSION_BUDGET_S = float(os.environ.get("RESHARD_TEST_BUDGET_S", 45 * 60))
+_SESSION_START = time.monotonic()
+LOW_MEMORY_BYTES = 4 << 30
+
+
+def _memory_line() -> tuple:
+    """(A line naming available memory and what /dev/shm holds, available bytes or None)."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) << 10
+    except OSError:
+        pass
+    shm = shutil.disk_usage("/dev/shm").used if os.path.isdir("/dev/shm") else 0
+    have = "unknown" if avail is None else f"{avail / 2**30:.1f} GiB"
+    return f"memory available {have}, /dev/shm holds {shm / 2**30:.1f} GiB", avail
+
+
+def pytest_runtest_setup(item):
+    spent = time.monotonic() - _SESSION_START
+    if spent > SESSION_BUDGET_S:
+        pytest.exit(
+            f"the test session passed its budget of {SESSION_BUDGET_S:.0f} s "
+            f"(RESHARD_TEST_BUDGET_S) before {item.nodeid}: this machine runs far slower than "
+            f"usual ({_memory_line()[0]})",
+            returncode=1,
+        )
+
+
 def pytest_sessionstart(session):
     """DeepSpeed CPU allreduce segments left in /dev/shm by runs that were killed before their
-    launcher's cleanup hold memory until reboot: remove those, and name any others."""
+    launcher's cleanup hold memory until reboot: remove those, and name any others. Low memory
+    is named up front: it slows every test that spawns ranks."""
     from reshard._launch import SHM_DIR, remove_orphaned_deepspeed_shm
 
     removed, freed, others = remove_orphaned_deepspeed_shm()
@@ -41,6 +80,9 @@ def pytest_sessionstart(session):
             f"conftest: {len(others)} DeepSpeed segments in {SHM_DIR} not made by reshard's "
             f"launcher hold memory (e.g. {others[0]}); remove them when no DeepSpeed job runs"
         )
+    line, avail = _memory_line()
+    if avail is not None and avail < LOW_MEMORY_BYTES:
+        print(f"conftest: low memory: {line}; tests that spawn ranks will be slow or time out")
 
 
 @pytest.fixture(scope="session")
