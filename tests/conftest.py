@@ -50,9 +50,11 @@ def _memory_line() -> tuple:
                     avail = int(line.split()[1]) << 10
     except OSError:
         pass
-    shm = shutil.disk_usage("/dev/shm").used if os.path.isdir("/dev/shm") else 0
+    from reshard._launch import SHM_DIR
+
+    shm = shutil.disk_usage(SHM_DIR).used if os.path.isdir(SHM_DIR) else 0
     have = "unknown" if avail is None else f"{avail / 2**30:.1f} GiB"
-    return f"memory available {have}, /dev/shm holds {shm / 2**30:.1f} GiB", avail
+    return f"memory available {have}, {SHM_DIR} holds {shm / 2**30:.1f} GiB", avail
 
 
 def pytest_runtest_setup(item):

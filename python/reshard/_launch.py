@@ -13,10 +13,10 @@ Rules (docs/internals.md):
   is written before the process-group teardown, so a teardown stuck on a failed peer cannot
   lose it;
 - every gloo rank gets MASTER_ADDR=127.0.0.1 and MASTER_PORT=<the launching process's pid>
-  (unless `env` names them): the group never reads them, but DeepSpeed's CPU allreduce names a 69 MB
-  /dev/shm segment per rank after them and never unlinks it; so each run's segments have
-  names of their own (two concurrent runs never share one) and `spawn` removes them once the
-  ranks have ended, whether they finished, failed or were killed;
+  (unless `env` names them): the group never reads them, but DeepSpeed's CPU allreduce names
+  a 69 MB /dev/shm segment per rank after them and never unlinks it; so each run's segments
+  have names of their own (two concurrent runs never share one) and `spawn` removes them once
+  the ranks have ended, whether they finished, failed or were killed;
 - after its record a rank ends at once (`os._exit(0)`): interpreter finalization with torch's
   threads alive can abort a process that did its work correctly ("terminate called without an
   active exception", exit -6: a torch thread that wants the GIL while Python finalizes is
@@ -143,7 +143,7 @@ def remove_orphaned_deepspeed_shm() -> tuple:
     head = deepspeed_shm_prefix(0)[: -len("0_")]  # up to the launcher pid
     for name in _deepspeed_shm_names():
         pid, _, rank = name[len(head) :].partition("_") if name.startswith(head) else ("", "", "")
-        if not (pid.isdigit() and rank.isdigit()):
+        if not (pid.isdigit() and int(pid) > 0 and rank.isdigit()):
             others.append(name)
             continue
         try:
