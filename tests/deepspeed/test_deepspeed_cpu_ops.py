@@ -51,9 +51,15 @@ def test_a_fresh_lock_is_waited_on(tmp_path):
     lock = root / ops.OP_NAME / "lock"
     lock.touch()
     proc = _start(root)
-    time.sleep(3)
-    assert proc.poll() is None, "returned while another build held the lock"
+    first = ""
+    while not first.startswith("deepspeed_cpu_ops:"):  # its first line; others may come before
+        line = proc.stderr.readline()
+        assert line, "ended without a line: " + proc.communicate(timeout=300)[1]
+        first = line
+    assert "waiting for" in first, first
+    time.sleep(2)
+    assert proc.poll() is None, "went on while another build held the lock"
     lock.unlink()  # the other build ends
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out + err
-    assert "waiting for" in err and "removing" not in err, err
+    assert proc.returncode == 0, out + first + err
+    assert "removing" not in err, err
