@@ -105,17 +105,33 @@ def _error_record(exc):
     return ("error", tb, payload, type(exc).__name__)
 
 
+DEEPSPEED_SHM_NAME = "deepspeed_allreduce_buffer"  # csrc/cpu/comm/shm.cpp's SHM_BUFFER_NAME
+
+
+def _deepspeed_shm_head() -> str:
+    return f"{DEEPSPEED_SHM_NAME}_{os.getuid()}_{RUN_ADDR}_"
+
+
 def deepspeed_shm_prefix(launcher_pid: int) -> str:
     """The names of the /dev/shm segments DeepSpeed's CPU allreduce creates in the ranks a
     process launched (csrc/cpu/comm/shm.cpp: `<name>_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`)."""
-    return f"deepspeed_allreduce_buffer_{os.getuid()}_{RUN_ADDR}_{launcher_pid}_"
+    return f"{_deepspeed_shm_head()}{launcher_pid}_"
 
 
-def _deepspeed_shm_names() -> list:
+def _deepspeed_shm_segments() -> list:
+    """[(name, launcher pid or None)] of DeepSpeed's segments in SHM_DIR; None: a name not of
+    this scheme, whose owner cannot be told."""
+    head = _deepspeed_shm_head()
     try:
-        return [n for n in os.listdir(SHM_DIR) if n.startswith("deepspeed_allreduce_buffer_")]
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(DEEPSPEED_SHM_NAME + "_")]
     except OSError:  # no /dev/shm: nothing was created there
         return []
+    out = []
+    for name in names:
+        pid, _, rank = name[len(head) :].partition("_") if name.startswith(head) else ("", "", "")
+        ok = pid.isdigit() and int(pid) > 0 and rank.isdigit()
+        out.append((name, int(pid) if ok else None))
+    return out
 
 
 def _unlink_shm(name) -> int:
@@ -129,9 +145,9 @@ def _unlink_shm(name) -> int:
 
 
 def _remove_deepspeed_shm() -> None:
-    prefix = deepspeed_shm_prefix(os.getpid())
-    for name in _deepspeed_shm_names():
-        if name.startswith(prefix) and name[len(prefix) :].isdigit():
+    me = os.getpid()
+    for name, pid in _deepspeed_shm_segments():
+        if pid == me:
             _unlink_shm(name)
 
 
@@ -140,14 +156,12 @@ def remove_orphaned_deepspeed_shm() -> tuple:
     its cleanup). Returns (segments removed, their bytes, other DeepSpeed segments left: names
     not of this scheme, whose owner cannot be told)."""
     removed, freed, others = 0, 0, []
-    head = deepspeed_shm_prefix(0)[: -len("0_")]  # up to the launcher pid
-    for name in _deepspeed_shm_names():
-        pid, _, rank = name[len(head) :].partition("_") if name.startswith(head) else ("", "", "")
-        if not (pid.isdigit() and int(pid) > 0 and rank.isdigit()):
+    for name, pid in _deepspeed_shm_segments():
+        if pid is None:
             others.append(name)
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(pid, 0)
             continue  # its launcher runs (or another process has its pid): keep
         except ProcessLookupError:
             pass
