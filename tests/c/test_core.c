@@ -507,6 +507,60 @@ static void test_copy_long_runs(void) {
   }
 }
 
+/* Casts of runs many prefetch blocks long (copy_runs.c converts a block at a time, reading
+ * ahead): lengths around the 1 KiB block of source and far past it, at unaligned offsets, as
+ * one call, in three slices, and packed in two slices into a dense destination; the bytes
+ * around every destination stay poisoned. */
+static void test_cast_long_runs(void) {
+  static const rs_dtype pairs[][2] = {{RS_F32, RS_BF16}, {RS_F32, RS_F16},  {RS_BF16, RS_F32},
+                                      {RS_F16, RS_F32},  {RS_BF16, RS_F16}, {RS_F16, RS_BF16}};
+  static const int64_t lengths[] = {1, 255, 256, 257, 511, 512, 513, 4103, 20000, 70001};
+  enum { PAD = 64 };
+  size_t p, l;
+  for (p = 0; p < sizeof pairs / sizeof *pairs; p++) {
+    for (l = 0; l < sizeof lengths / sizeof *lengths; l++) {
+      rs_dtype sd = pairs[p][0], dd = pairs[p][1];
+      size_t ss = rs_dtype_size(sd), ds = rs_dtype_size(dd);
+      int64_t len = lengths[l], so = 1 + rnd_below(33), dof = 1 + rnd_below(33), k, total = 0;
+      int64_t sn = so + len + PAD, dn = dof + len + PAD, prefix[2], cut;
+      unsigned char *src = malloc((size_t)sn * ss), *got = malloc((size_t)dn * ds);
+      unsigned char *want = malloc((size_t)dn * ds), *packed = malloc((size_t)(len + PAD) * ds);
+      unsigned char *want_packed = malloc((size_t)(len + PAD) * ds);
+      rs_run run = {so, 0, dof, 0, len, 1};
+      rs_run dense = {so, 0, 0, 0, len, 1};
+      rs_error err;
+      for (k = 0; k < sn * (int64_t)ss; k++) src[k] = (unsigned char)rnd();
+      memset(want, 0xA5, (size_t)dn * ds);
+      ref_copy(src, sd, want, dd, &run, 1);
+      memset(got, 0xA5, (size_t)dn * ds);
+      CHECK(rs_copy_runs(src, sd, sn, got, dd, dn, &run, 1, RS_CHECK_OVERLAP, &err) == RS_OK, "%s",
+            err.msg);
+      CHECK(memcmp(got, want, (size_t)dn * ds) == 0, "%s->%s length %" PRId64, rs_dtype_name(sd),
+            rs_dtype_name(dd), len);
+      CHECK(rs_prefix(&run, 1, prefix, &total, &err) == RS_OK, "%s", err.msg);
+      check_three_slices(src, sd, got, got, dd, &run, 1, prefix, want, (size_t)dn * ds, (int)len);
+      /* pack: the same elements, dense from 0, in two slices */
+      memset(want_packed, 0xA5, (size_t)(len + PAD) * ds);
+      ref_copy(src, sd, want_packed, dd, &dense, 1);
+      memset(packed, 0xA5, (size_t)(len + PAD) * ds);
+      cut = rnd_below(len + 1);
+      CHECK(rs_copy_slice(src, sd, packed + (size_t)cut * ds, dd, &run, 1, prefix, cut, len,
+                          RS_MODE_PACK) == RS_OK,
+            "pack");
+      CHECK(rs_copy_slice(src, sd, packed, dd, &run, 1, prefix, 0, cut, RS_MODE_PACK) == RS_OK,
+            "pack");
+      CHECK(memcmp(packed, want_packed, (size_t)(len + PAD) * ds) == 0,
+            "pack %s->%s length %" PRId64 " cut %" PRId64, rs_dtype_name(sd), rs_dtype_name(dd),
+            len, cut);
+      free(src);
+      free(got);
+      free(want);
+      free(packed);
+      free(want_packed);
+    }
+  }
+}
+
 static void test_copy_errors_write_nothing(void) {
   float src[8] = {1, 2, 3, 4, 5, 6, 7, 8}, dst[8];
   rs_run rows[2] = {{0, 1, 0, 1, 4, 1}, {0, 1, 6, 1, 4, 1}}; /* row 1 writes dst[9] */
@@ -546,6 +600,7 @@ int main(void) {
   test_casts();
   test_copy_random();
   test_copy_long_runs();
+  test_cast_long_runs();
   test_copy_errors_write_nothing();
   printf("test_core: %d checks, %d failures (C core %s)\n", checks, failures, RS_VERSION_STRING);
   return failures != 0;
