@@ -195,14 +195,15 @@ at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor&
   return desc.contiguous();
 }
 
-// src and dst must not share memory: the copy would read what it already wrote.
-void check_no_alias(const char* op, const at::Tensor& src, const at::Tensor& dst) {
+// What is read and dst must not share memory: the copy would read what it already wrote.
+void check_no_alias(const char* op, const at::Tensor& src, const at::Tensor& dst,
+                    const std::string& src_name = "src") {
   if (src.numel() == 0 || dst.numel() == 0) return;
   auto s0 = reinterpret_cast<uintptr_t>(src.const_data_ptr());
   auto d0 = reinterpret_cast<uintptr_t>(dst.const_data_ptr());
   uintptr_t s1 = s0 + static_cast<uintptr_t>(src.nbytes());
   uintptr_t d1 = d0 + static_cast<uintptr_t>(dst.nbytes());
-  TORCH_CHECK(s1 <= d0 || d1 <= s0, op, ": src and dst overlap in memory");
+  TORCH_CHECK(s1 <= d0 || d1 <= s0, op, ": ", src_name, " and dst overlap in memory");
 }
 
 // Validates every row before anything is written; errors name the op, the row and why.
@@ -244,6 +245,133 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     rs_status r = rs_copy_slice(s, sdt, d, ddt, runs, n, prefix.data(), begin, end, RS_MODE_RUNS);
     if (r != RS_OK) status.store(r);
+  });
+  TORCH_CHECK(status.load() == RS_OK, op, ": internal error in the C core: ",
+              rs_status_name(static_cast<rs_status>(status.load())));
+}
+
+// Pieces of many CPU sources of one dtype into one CPU destination, in one parallel pass:
+// reshard.h2d packs a ring slot of small pieces (one storage per FSDP2 parameter) with one call
+// instead of one copy_runs call (and one fan-out of the threads) per piece. Row r of `pieces`
+// (int64 [k, 4]): (source index, source offset, destination offset, length), in elements.
+// Every row is checked before anything is written; destination ranges must be disjoint and no
+// source may share memory with the destination. The destination is written as a pack (casts
+// read their source ahead, plain stores: a ring slot stays in the cache for its DMA).
+void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at::Tensor& dst) {
+  constexpr const char* op = "reshard::copy_pieces";
+  constexpr int64_t kCols = 4;
+  check_device(op, "pieces", pieces_in, pieces_in.is_cpu(), "a CPU tensor");
+  check_device(op, "dst", dst, dst.is_cpu(), "a CPU tensor");
+  std::vector<std::string> names(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    names[i] = "srcs[" + std::to_string(i) + "]";
+    check_device(op, names[i].c_str(), srcs[i], srcs[i].is_cpu(), "a CPU tensor");
+  }
+  TORCH_CHECK(pieces_in.scalar_type() == at::kLong, op, ": pieces must be int64, got ",
+              pieces_in.scalar_type());
+  TORCH_CHECK(pieces_in.dim() == 2 && pieces_in.size(1) == kCols, op,
+              ": pieces must have shape [k, 4] (source index, source offset, destination "
+              "offset, length), got ",
+              int_list(pieces_in.sizes()));
+  TORCH_CHECK(dst.dim() == 1, op, ": dst must be 1-D, got shape ", int_list(dst.sizes()));
+  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ",
+              std::to_string(dst.stride(0)), ")");
+  rs_dtype ddt, sdt = RS_RAW1;
+  TORCH_CHECK(to_rs_dtype(dst.scalar_type(), &ddt), op, ": unsupported dtype ",
+              dst.scalar_type(), " (element size must be 1, 2, 4 or 8 bytes)");
+  for (size_t i = 0; i < srcs.size(); ++i) {
+    const at::Tensor& t = srcs[i];
+    TORCH_CHECK(t.dim() == 1, op, ": ", names[i], " must be 1-D, got shape ",
+                int_list(t.sizes()));
+    TORCH_CHECK(t.is_contiguous(), op, ": ", names[i], " must be contiguous (stride ",
+                std::to_string(t.stride(0)), ")");
+    TORCH_CHECK(t.scalar_type() == srcs[0].scalar_type(), op,
+                ": every source must have one dtype: srcs[0] is ", srcs[0].scalar_type(), ", ",
+                names[i], " is ", t.scalar_type());
+    check_storage(op, names[i].c_str(), t);
+  }
+  check_storage(op, "pieces", pieces_in);
+  check_storage(op, "dst", dst);
+  if (!srcs.empty()) {
+    const auto st = srcs[0].scalar_type(), dt = dst.scalar_type();
+    TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op,
+                ": cannot copy ", st, " to ", dt,
+                " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
+                "themselves)");
+    TORCH_CHECK(to_rs_dtype(st, &sdt), op, ": unsupported dtype ", st,
+                " (element size must be 1, 2, 4 or 8 bytes)");
+  }
+  const at::Tensor pieces = pieces_in.contiguous();
+  const int64_t k = pieces.size(0);
+  const int64_t* p = pieces.const_data_ptr<int64_t>();
+  const auto n_srcs = static_cast<int64_t>(srcs.size());
+  std::vector<int64_t> prefix(static_cast<size_t>(k) + 1, 0);
+  std::vector<std::pair<int64_t, int64_t>> written;  // (destination offset, row)
+  std::vector<char> used(srcs.size(), 0);
+  for (int64_t r = 0; r < k; ++r) {
+    const int64_t idx = p[r * kCols], so = p[r * kCols + 1], off = p[r * kCols + 2],
+                  n = p[r * kCols + 3];
+    const std::string row = std::to_string(r);
+    TORCH_CHECK(idx >= 0 && idx < n_srcs, op, ": pieces row ", row, ": source index ",
+                std::to_string(idx), " is out of range for ", std::to_string(n_srcs),
+                " sources");
+    TORCH_CHECK(so >= 0 && off >= 0 && n >= 0, op, ": pieces row ", row,
+                ": offsets and length must be >= 0, got (", std::to_string(so), ", ",
+                std::to_string(off), ", ", std::to_string(n), ")");
+    const int64_t s_numel = srcs[static_cast<size_t>(idx)].numel();
+    TORCH_CHECK(so <= s_numel && n <= s_numel - so, op, ": pieces row ", row, ": elements [",
+                std::to_string(so), ", ", std::to_string(so), " + ", std::to_string(n),
+                ") are past the end of ", names[static_cast<size_t>(idx)], " (",
+                std::to_string(s_numel), " elements)");
+    TORCH_CHECK(off <= dst.numel() && n <= dst.numel() - off, op, ": pieces row ", row,
+                ": elements [", std::to_string(off), ", ", std::to_string(off), " + ",
+                std::to_string(n), ") are past the end of dst (", std::to_string(dst.numel()),
+                " elements)");
+    // the destination ranges are disjoint (checked below), so the sum stays within dst
+    prefix[static_cast<size_t>(r) + 1] = prefix[static_cast<size_t>(r)] + n;
+    if (n > 0) {
+      written.emplace_back(off, r);
+      used[static_cast<size_t>(idx)] = 1;
+    }
+  }
+  std::sort(written.begin(), written.end());
+  for (size_t i = 1; i < written.size(); ++i) {
+    const int64_t a = written[i - 1].second, b = written[i].second;
+    TORCH_CHECK(written[i - 1].first + p[a * kCols + 3] <= written[i].first, op, ": pieces rows ",
+                std::to_string(std::min(a, b)), " and ", std::to_string(std::max(a, b)),
+                " write overlapping elements of dst");
+  }
+  for (size_t i = 0; i < srcs.size(); ++i)
+    if (used[i]) check_no_alias(op, srcs[i], dst, names[i]);
+  check_no_alias(op, pieces, dst, "pieces");
+  const int64_t total = prefix[static_cast<size_t>(k)];
+  if (total == 0) return;
+  std::vector<const void*> bases(srcs.size());
+  for (size_t i = 0; i < srcs.size(); ++i) bases[i] = srcs[i].const_data_ptr();
+  auto* d = static_cast<unsigned char*>(dst.mutable_data_ptr());
+  const auto dsz = static_cast<int64_t>(dst.itemsize());
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / dsz);
+  std::atomic<int> status{RS_OK};
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    // the last row starting at or before `begin`, then row by row to `end`
+    auto r = static_cast<int64_t>(std::upper_bound(prefix.begin(), prefix.end(), begin) -
+                                  prefix.begin()) -
+             1;
+    for (int64_t w = begin; w < end; ++r) {
+      const int64_t* row = p + r * kCols;
+      const int64_t first = prefix[static_cast<size_t>(r)];
+      const int64_t stop = std::min(end, prefix[static_cast<size_t>(r) + 1]);
+      if (stop <= w) continue;  // an empty row
+      const rs_run run{row[1], 0, 0, 0, row[3], 1};
+      const int64_t run_prefix[2] = {0, row[3]};
+      // PACK: work element w of the one-run table lands at dst + w, so the pointer given is
+      // the piece's destination at its first element of this slice
+      rs_status st = rs_copy_slice(bases[static_cast<size_t>(row[0])], sdt,
+                                   d + (row[2] + (w - first)) * dsz, ddt, &run, 1, run_prefix,
+                                   w - first, stop - first, RS_MODE_PACK);
+      if (st != RS_OK) status.store(st);
+      w = stop;
+    }
   });
   TORCH_CHECK(status.load() == RS_OK, op, ": internal error in the C core: ",
               rs_status_name(static_cast<rs_status>(status.load())));
@@ -712,6 +840,7 @@ int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_
 // Every schema, in every build: the op set does not depend on which backends were built.
 TORCH_LIBRARY(reshard, m) {
   m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
+  m.def("copy_pieces(Tensor[] srcs, Tensor pieces, Tensor(a!) dst) -> ()");
   // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
   m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
@@ -725,12 +854,15 @@ TORCH_LIBRARY(reshard, m) {
 // argument that should be on the GPU.
 TORCH_LIBRARY_IMPL(reshard, CPU, m) {
   m.impl("copy_runs", &copy_runs_cpu);
+  m.impl("copy_pieces", &copy_pieces_cpu);
   m.impl("stage_h2d", &stage_h2d_cuda);
   m.impl("stage_d2h", &stage_d2h_cuda);
 }
 
+// copy_pieces is a CPU op: called with a CUDA tensor, its device checks name the argument.
 TORCH_LIBRARY_IMPL(reshard, CUDA, m) {
   m.impl("copy_runs", &copy_runs_cuda);
+  m.impl("copy_pieces", &copy_pieces_cpu);
   m.impl("stage_h2d", &stage_h2d_cuda);
   m.impl("stage_d2h", &stage_d2h_cuda);
 }
@@ -784,6 +916,11 @@ void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet 
   std::vector<at::Tensor> requiring_grad, written;
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = (*stack)[stack->size() - n + i];
+    if (v.isTensorList()) {  // copy_pieces' sources: read, never written
+      for (const at::Tensor& t : v.toTensorList())
+        if (at::GradMode::is_enabled() && t.requires_grad()) requiring_grad.push_back(t);
+      continue;
+    }
     if (!v.isTensor()) continue;
     if (at::GradMode::is_enabled() && v.toTensor().requires_grad())
       requiring_grad.push_back(v.toTensor());
@@ -812,12 +949,12 @@ void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet 
 // torch's refusals, no silent gradient through overwritten values. torch's boxed fallbacks for
 // custom ops do this only for returned tensors, and these ops return nothing.
 TORCH_LIBRARY_IMPL(reshard, ADInplaceOrView, m) {
-  for (const char* op : {"copy_runs", "stage_h2d", "stage_d2h"})
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 TORCH_LIBRARY_IMPL(reshard, Autograd, m) {
-  for (const char* op : {"copy_runs", "stage_h2d", "stage_d2h"})
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autograd_inplace_writes>());
 }
 

@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "StageStats",
     "as_desc",
+    "copy_pieces",
     "copy_runs",
     "is_built",
     "require_built",
@@ -40,6 +41,7 @@ BUILD_COMMAND = "pip install --no-build-isolation -e ."
 # only for the stand-ins registered when the extension is missing.
 SCHEMAS = (
     "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
+    "copy_pieces(Tensor[] srcs, Tensor pieces, Tensor(a!) dst) -> ()",
     "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "host_register(Tensor t) -> int",
@@ -174,6 +176,25 @@ def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+PIECE_COLUMNS = ("source", "src_offset", "dst_offset", "length")
+
+
+def copy_pieces(srcs: list, pieces, dst: torch.Tensor) -> torch.Tensor:
+    """For every row `(source, src_offset, dst_offset, length)` of `pieces` (int64 [k, 4], in
+    elements): `dst[dst_offset : +length] = srcs[source][src_offset : +length]`, cast to
+    `dst.dtype` as copy_runs casts, in one parallel pass over all rows. CPU tensors only: the
+    sources 1-D contiguous of one dtype, dst 1-D contiguous. Every row is validated before any
+    write; destination ranges must be disjoint and no source may share memory with dst.
+    Returns dst."""
+    t = (
+        torch.as_tensor(np.asarray(pieces, dtype=np.int64))
+        if not torch.is_tensor(pieces)
+        else pieces
+    )
+    torch.ops.reshard.copy_pieces(list(srcs), t.reshape(-1, len(PIECE_COLUMNS)), dst)
+    return dst
+
+
 class StageStats(NamedTuple):
     """What one stage_h2d / stage_d2h call did (the ops return these as an int64 tensor)."""
 
@@ -254,6 +275,26 @@ def _register_fakes() -> None:
         else:
             _check_device(op, "desc", desc, desc.device.type == "cpu", "a CPU tensor")
         _check_runs_meta(op, src, desc, dst)
+
+    @torch.library.register_fake("reshard::copy_pieces")
+    def _copy_pieces_fake(srcs, pieces, dst):
+        op = "reshard::copy_pieces"
+        meta = all(t.device.type == "meta" for t in (*srcs, pieces, dst))
+        want = ("cpu", "meta") if meta else ("cpu",)
+        for i, t in enumerate(srcs):
+            _check_device(op, f"srcs[{i}]", t, t.device.type in want, "a CPU tensor")
+            _check_1d(op, f"srcs[{i}]", t)
+        _check_device(op, "pieces", pieces, pieces.device.type in want, "a CPU tensor")
+        _check_device(op, "dst", dst, dst.device.type in want, "a CPU tensor")
+        torch._check(
+            pieces.dtype == torch.int64,
+            lambda: f"{op}: pieces must be int64, got {pieces.dtype}",
+        )
+        torch._check(
+            pieces.dim() == 2 and pieces.shape[1] == len(PIECE_COLUMNS),
+            lambda: f"{op}: pieces must have shape [k, 4], got {tuple(pieces.shape)}",
+        )
+        _check_1d(op, "dst", dst)
 
     @torch.library.register_fake("reshard::stage_h2d")
     def _stage_h2d_fake(src, desc, ring, dst):

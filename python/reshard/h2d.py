@@ -8,11 +8,13 @@ path moves every qualifying table in one pipeline instead:
 - source spans in page-locked memory (pinned, or registered in place: reshard.hostreg) with
   the target's dtype are copied straight from the source by the copy engine (no host work);
 - other spans are packed by the host (a cast to the target dtype on the way: the C core's
-  `copy_runs`): a table of several such spans and at least a ring slot of bytes in one
+  copy loop): a table of several such spans and at least a ring slot of bytes in one
   `stage_h2d` call with its own descriptor table, pieces of a ring slot or more through
   `stage_h2d` too (its pipeline packs on all host threads as one queue), smaller ones together
-  through the slots of the same pinned ring, each slot copied to the device while the host
-  packs the next, its pieces landing straight in their targets (no device staging);
+  through the slots of the same pinned ring, a slot's pieces packed by one `copy_pieces` call
+  (one pass over all host threads, whatever the number of source buffers), each slot copied to
+  the device while the host packs the next, its pieces landing straight in their targets (no
+  device staging);
 - fp32 spans in page-locked memory bound for narrower targets are split between the host-side
   cast (half the bytes on the link, the host's time) and a copy of the source dtype to device
   scratch followed by the device-side cast (`copy_runs` on the device: the same casts.h code,
@@ -56,7 +58,6 @@ TRIAL_CALLS = 2  # calls measured per candidate share before one is kept
 SMALLER_SHARE = 0.6  # the second candidate's device share, of the model's
 MIN_GAIN = 0.03
 STAGE_MIN_SLOTS = 1  # a piece of this many ring slots goes through stage_h2d's own pipeline
-PACK_CALL_BYTES = (4 << 20) - 4096  # a pack call below the C core's streaming threshold
 MAX_DESCS = 256
 # A casting stage_h2d call packs through at most this much of the ring: eight 4 MiB queue slots
 # in flight. On the H200 host, 32 MiB moved CPU fp32 -> GPU bf16 4-10% faster than the whole
@@ -167,6 +168,30 @@ def slot_pieces(pieces, itemsizes, slot_bytes: int):
     return slots
 
 
+def slot_packs(tables, src, dst, small, slots) -> list:
+    """Per ring slot, the `copy_pieces` calls that pack it: [(source locations, pieces, target
+    dtype)], one per (source dtype, target dtype) among the slot's pieces; pieces (int64 [k, 4]:
+    index into the locations, source element, element in the slot viewed as the target dtype,
+    length). slots: `slot_pieces` of `small` (pieces (table, span, first, n))."""
+    out = []
+    for slot in slots:
+        groups: dict = {}
+        for key, first, n, at in slot:
+            ti, j, _, _ = small[key]
+            t = tables[ti]
+            s, d = src[t.src_location], dst[t.dst_location]
+            locs, rows = groups.setdefault((s.dtype, d.dtype), ({}, []))
+            idx = locs.setdefault(t.src_location, len(locs))
+            rows.append((idx, int(t.spans[j, 0]) + first, at // d.element_size(), n))
+        out.append(
+            [
+                (tuple(locs), torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), ddt)
+                for (_, ddt), (locs, rows) in groups.items()
+            ]
+        )
+    return out
+
+
 class LocalSpans(NamedTuple):
     """What the executor hands this path per local table: the schedule's table and its
     contiguous spans (`contiguous_spans`)."""
@@ -263,6 +288,7 @@ class _Route(NamedTuple):
     big: list
     small: list
     slots: list  # the small pieces cut into ring slots (slot_pieces)
+    packs: list  # per slot, its copy_pieces calls (slot_packs)
     n_slots: int
     slot_bytes: int
     # per direct copy, largest first: (source, target, source byte, target byte, bytes)
@@ -378,6 +404,7 @@ class HostToDevice:
             big,
             small,
             slots,
+            slot_packs(self.tables, src, dst, small, slots),
             n_slots,
             slot_bytes,
             direct_bytes,
@@ -427,7 +454,7 @@ class HostToDevice:
         self._staged_pieces(q, src, dst, ring, big)
         pack_s = 0.0
         if small:
-            pack_s = self._ring_pieces(q, src, dst, ring, small, r.slots, r.n_slots, r.slot_bytes)
+            pack_s = self._ring_pieces(q, src, dst, ring, small, r)
         host_s = time.perf_counter() - t_start
         if side_work or small:
             # every source and ring byte read, every target byte written
@@ -523,31 +550,20 @@ class HostToDevice:
                 torch.ops.reshard.copy_runs(buf, self._desc(n), d[do + first : do + first + n])
             q.record(cast_done, q.cast)
 
-    def _ring_pieces(self, q, src, dst, ring, pieces, slots, n_slots, slot_bytes) -> float:
-        """Pieces packed by the host into ring slots (cast to the target dtype on the way),
-        each slot copied to the device while the next is packed; returns the packing time.
-        slots: the pieces cut into ring slots (slot_pieces)."""
-        events = [q.event() for _ in range(n_slots)]
+    def _ring_pieces(self, q, src, dst, ring, pieces, r: _Route) -> float:
+        """Pieces packed by the host into ring slots (cast to the target dtype on the way, one
+        `copy_pieces` call per slot and dtype pair), each slot copied to the device while the
+        next is packed; returns the packing time. r: the route (its slots and their packs)."""
+        events = [q.event() for _ in range(r.n_slots)]
         pack_s = 0.0
-        for k, slot in enumerate(slots):
-            sl = k % n_slots
-            if k >= n_slots:
+        for k, (slot, packs) in enumerate(zip(r.slots, r.packs, strict=True)):
+            sl = k % r.n_slots
+            if k >= r.n_slots:
                 q.host_wait(events[sl])  # the copy that last read this slot
-            base = ring[sl * slot_bytes : (sl + 1) * slot_bytes]
+            base = ring[sl * r.slot_bytes : (sl + 1) * r.slot_bytes]
             t0 = time.perf_counter()
-            for key, first, n, at in slot:
-                ti, j, _, _ = pieces[key]
-                t = self.tables[ti]
-                so = int(t.spans[j, 0]) + first
-                s, d = src[t.src_location], dst[t.dst_location]
-                isz = d.element_size()
-                # pack calls under the C core's streaming-store threshold: the DMA reads the
-                # slot right away, so it should stay in the cache
-                step = max(1, (PACK_CALL_BYTES // isz))
-                for a in range(0, n, step):
-                    m = min(step, n - a)
-                    w = base[at + a * isz : at + (a + m) * isz].view(d.dtype)
-                    torch.ops.reshard.copy_runs(s[so + a : so + a + m], _dense_desc(m), w)
+            for locs, rows, ddt in packs:
+                torch.ops.reshard.copy_pieces([src[loc] for loc in locs], rows, base.view(ddt))
             pack_s += time.perf_counter() - t0
             for key, first, n, at in slot:
                 ti, j, _, _ = pieces[key]
