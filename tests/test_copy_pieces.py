@@ -219,3 +219,19 @@ def test_writes_are_in_place_writes_to_autograd():
     assert dst2.requires_grad
     with pytest.raises(RuntimeError, match="copy_pieces"):
         dst2.sum().backward()
+
+
+def test_torch_compile_fullgraph():
+    def pack(a, b, pieces, dst):
+        torch.ops.reshard.copy_pieces([a * 2, b], pieces, dst)
+        return dst + 1
+
+    compiled = torch.compile(pack, fullgraph=True, backend="inductor")
+    pieces = torch.tensor([[0, 1, 0, 4], [1, 0, 6, 3]])
+    for _ in range(2):
+        a, b = torch.randn(6), torch.randn(3)
+        x, y = torch.zeros(10), torch.zeros(10)
+        np.testing.assert_array_equal(
+            compiled(a, b, pieces, x).numpy(), pack(a, b, pieces, y).numpy()
+        )
+        np.testing.assert_array_equal(x.numpy(), y.numpy())
