@@ -277,12 +277,11 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
   TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ",
               std::to_string(dst.stride(0)), ")");
   rs_dtype ddt, sdt = RS_RAW1;
-  TORCH_CHECK(to_rs_dtype(dst.scalar_type(), &ddt), op, ": unsupported dtype ",
-              dst.scalar_type(), " (element size must be 1, 2, 4 or 8 bytes)");
+  TORCH_CHECK(to_rs_dtype(dst.scalar_type(), &ddt), op, ": unsupported dtype ", dst.scalar_type(),
+              " (element size must be 1, 2, 4 or 8 bytes)");
   for (size_t i = 0; i < srcs.size(); ++i) {
     const at::Tensor& t = srcs[i];
-    TORCH_CHECK(t.dim() == 1, op, ": ", names[i], " must be 1-D, got shape ",
-                int_list(t.sizes()));
+    TORCH_CHECK(t.dim() == 1, op, ": ", names[i], " must be 1-D, got shape ", int_list(t.sizes()));
     TORCH_CHECK(t.is_contiguous(), op, ": ", names[i], " must be contiguous (stride ",
                 std::to_string(t.stride(0)), ")");
     TORCH_CHECK(t.scalar_type() == srcs[0].scalar_type(), op,
@@ -294,8 +293,8 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
   check_storage(op, "dst", dst);
   if (!srcs.empty()) {
     const auto st = srcs[0].scalar_type(), dt = dst.scalar_type();
-    TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op,
-                ": cannot copy ", st, " to ", dt,
+    TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
+                st, " to ", dt,
                 " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
                 "themselves)");
     TORCH_CHECK(to_rs_dtype(st, &sdt), op, ": unsupported dtype ", st,
@@ -313,8 +312,7 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
                   n = p[r * kCols + 3];
     const std::string row = std::to_string(r);
     TORCH_CHECK(idx >= 0 && idx < n_srcs, op, ": pieces row ", row, ": source index ",
-                std::to_string(idx), " is out of range for ", std::to_string(n_srcs),
-                " sources");
+                std::to_string(idx), " is out of range for ", std::to_string(n_srcs), " sources");
     TORCH_CHECK(so >= 0 && off >= 0 && n >= 0, op, ": pieces row ", row,
                 ": offsets and length must be >= 0, got (", std::to_string(so), ", ",
                 std::to_string(off), ", ", std::to_string(n), ")");
@@ -366,9 +364,9 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
       const int64_t run_prefix[2] = {0, row[3]};
       // PACK: work element w of the one-run table lands at dst + w, so the pointer given is
       // the piece's destination at its first element of this slice
-      rs_status st = rs_copy_slice(bases[static_cast<size_t>(row[0])], sdt,
-                                   d + (row[2] + (w - first)) * dsz, ddt, &run, 1, run_prefix,
-                                   w - first, stop - first, RS_MODE_PACK);
+      rs_status st =
+          rs_copy_slice(bases[static_cast<size_t>(row[0])], sdt, d + (row[2] + (w - first)) * dsz,
+                        ddt, &run, 1, run_prefix, w - first, stop - first, RS_MODE_PACK);
       if (st != RS_OK) status.store(st);
       w = stop;
     }
