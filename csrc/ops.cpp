@@ -310,23 +310,20 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
   for (int64_t r = 0; r < k; ++r) {
     const int64_t idx = p[r * kCols], so = p[r * kCols + 1], off = p[r * kCols + 2],
                   n = p[r * kCols + 3];
-    const std::string row = std::to_string(r);
-    TORCH_CHECK(idx >= 0 && idx < n_srcs, op, ": pieces row ", row, ": source index ",
+    TORCH_CHECK(idx >= 0 && idx < n_srcs, op, ": pieces row ", std::to_string(r), ": source index ",
                 std::to_string(idx), " is out of range for ", std::to_string(n_srcs), " sources");
-    TORCH_CHECK(so >= 0 && off >= 0 && n >= 0, op, ": pieces row ", row,
+    TORCH_CHECK(so >= 0 && off >= 0 && n >= 0, op, ": pieces row ", std::to_string(r),
                 ": offsets and length must be >= 0, got (", std::to_string(so), ", ",
                 std::to_string(off), ", ", std::to_string(n), ")");
     const int64_t s_numel = srcs[static_cast<size_t>(idx)].numel();
-    TORCH_CHECK(so <= s_numel && n <= s_numel - so, op, ": pieces row ", row, ": elements [",
-                std::to_string(so), ", ", std::to_string(so), " + ", std::to_string(n),
-                ") are past the end of ", names[static_cast<size_t>(idx)], " (",
+    TORCH_CHECK(so <= s_numel && n <= s_numel - so, op, ": pieces row ", std::to_string(r),
+                ": elements [", std::to_string(so), ", ", std::to_string(so), " + ",
+                std::to_string(n), ") are past the end of ", names[static_cast<size_t>(idx)], " (",
                 std::to_string(s_numel), " elements)");
-    TORCH_CHECK(off <= dst.numel() && n <= dst.numel() - off, op, ": pieces row ", row,
-                ": elements [", std::to_string(off), ", ", std::to_string(off), " + ",
-                std::to_string(n), ") are past the end of dst (", std::to_string(dst.numel()),
-                " elements)");
-    // the destination ranges are disjoint (checked below), so the sum stays within dst
-    prefix[static_cast<size_t>(r) + 1] = prefix[static_cast<size_t>(r)] + n;
+    TORCH_CHECK(off <= dst.numel() && n <= dst.numel() - off, op, ": pieces row ",
+                std::to_string(r), ": elements [", std::to_string(off), ", ", std::to_string(off),
+                " + ", std::to_string(n), ") are past the end of dst (",
+                std::to_string(dst.numel()), " elements)");
     if (n > 0) {
       written.emplace_back(off, r);
       used[static_cast<size_t>(idx)] = 1;
@@ -339,6 +336,9 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
                 std::to_string(std::min(a, b)), " and ", std::to_string(std::max(a, b)),
                 " write overlapping elements of dst");
   }
+  // the destination ranges are disjoint and inside dst: the sum of lengths is at most its size
+  for (int64_t r = 0; r < k; ++r)
+    prefix[static_cast<size_t>(r) + 1] = prefix[static_cast<size_t>(r)] + p[r * kCols + 3];
   for (size_t i = 0; i < srcs.size(); ++i)
     if (used[i]) check_no_alias(op, srcs[i], dst, names[i]);
   check_no_alias(op, pieces, dst, "pieces");
