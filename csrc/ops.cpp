@@ -164,6 +164,25 @@ void check_device(const char* op, const char* name, const at::Tensor& t, bool ok
   TORCH_CHECK(ok, op, ": ", name, " must be ", want, ", got a tensor on ", t.device().str());
 }
 
+// `name` is 1-D and contiguous, as every buffer of every op is.
+void check_1d_contiguous(const char* op, const std::string& name, const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 1, op, ": ", name, " must be 1-D, got shape ", int_list(t.sizes()));
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous (stride ",
+              std::to_string(t.stride(0)), ")");
+}
+
+// A copy from st to dt is supported; returns the C core's dtype of st.
+rs_dtype check_dtype_pair(const char* op, at::ScalarType st, at::ScalarType dt) {
+  TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
+              st, " to ", dt,
+              " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
+              "themselves)");
+  rs_dtype out;
+  TORCH_CHECK(to_rs_dtype(st, &out), op, ": unsupported dtype ", st,
+              " (element size must be 1, 2, 4 or 8 bytes)");
+  return out;
+}
+
 // Checks shared by every impl of every op: `desc` is an int64 [n, 6] table, src and dst
 // are 1-D contiguous, the dtype pair is supported, every storage holds its tensor. Returns
 // the contiguous table.
@@ -175,20 +194,9 @@ at::Tensor check_common(const char* op, const at::Tensor& src, const at::Tensor&
               ": desc must have shape [n, 6] (src_offset, src_stride, dst_offset, dst_stride, "
               "length, count), got ",
               int_list(desc.sizes()));
-  TORCH_CHECK(src.dim() == 1, op, ": src must be 1-D, got shape ", int_list(src.sizes()));
-  TORCH_CHECK(dst.dim() == 1, op, ": dst must be 1-D, got shape ", int_list(dst.sizes()));
-  TORCH_CHECK(src.is_contiguous(), op, ": src must be contiguous (stride ",
-              std::to_string(src.stride(0)), ")");
-  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ",
-              std::to_string(dst.stride(0)), ")");
-  const auto st = src.scalar_type(), dt = dst.scalar_type();
-  TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
-              st, " to ", dt,
-              " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
-              "themselves)");
-  rs_dtype unused;
-  TORCH_CHECK(to_rs_dtype(st, &unused), op, ": unsupported dtype ", st,
-              " (element size must be 1, 2, 4 or 8 bytes)");
+  check_1d_contiguous(op, "src", src);
+  check_1d_contiguous(op, "dst", dst);
+  check_dtype_pair(op, src.scalar_type(), dst.scalar_type());
   check_storage(op, "src", src);
   check_storage(op, "desc", desc);
   check_storage(op, "dst", dst);
@@ -273,17 +281,11 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
               ": pieces must have shape [k, 4] (source index, source offset, destination "
               "offset, length), got ",
               int_list(pieces_in.sizes()));
-  TORCH_CHECK(dst.dim() == 1, op, ": dst must be 1-D, got shape ", int_list(dst.sizes()));
-  TORCH_CHECK(dst.is_contiguous(), op, ": dst must be contiguous (stride ",
-              std::to_string(dst.stride(0)), ")");
-  rs_dtype ddt, sdt = RS_RAW1;
-  TORCH_CHECK(to_rs_dtype(dst.scalar_type(), &ddt), op, ": unsupported dtype ", dst.scalar_type(),
-              " (element size must be 1, 2, 4 or 8 bytes)");
+  check_1d_contiguous(op, "dst", dst);
+  const rs_dtype ddt = check_dtype_pair(op, dst.scalar_type(), dst.scalar_type());
   for (size_t i = 0; i < srcs.size(); ++i) {
     const at::Tensor& t = srcs[i];
-    TORCH_CHECK(t.dim() == 1, op, ": ", names[i], " must be 1-D, got shape ", int_list(t.sizes()));
-    TORCH_CHECK(t.is_contiguous(), op, ": ", names[i], " must be contiguous (stride ",
-                std::to_string(t.stride(0)), ")");
+    check_1d_contiguous(op, names[i], t);
     TORCH_CHECK(t.scalar_type() == srcs[0].scalar_type(), op,
                 ": every source must have one dtype: srcs[0] is ", srcs[0].scalar_type(), ", ",
                 names[i], " is ", t.scalar_type());
@@ -291,15 +293,8 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
   }
   check_storage(op, "pieces", pieces_in);
   check_storage(op, "dst", dst);
-  if (!srcs.empty()) {
-    const auto st = srcs[0].scalar_type(), dt = dst.scalar_type();
-    TORCH_CHECK(st == dt || (is_castable_float(st) && is_castable_float(dt)), op, ": cannot copy ",
-                st, " to ", dt,
-                " (casts exist only among float32, bfloat16, float16; other dtypes copy to "
-                "themselves)");
-    TORCH_CHECK(to_rs_dtype(st, &sdt), op, ": unsupported dtype ", st,
-                " (element size must be 1, 2, 4 or 8 bytes)");
-  }
+  const rs_dtype sdt =
+      srcs.empty() ? ddt : check_dtype_pair(op, srcs[0].scalar_type(), dst.scalar_type());
   const at::Tensor pieces = pieces_in.contiguous();
   const int64_t k = pieces.size(0);
   const int64_t* p = pieces.const_data_ptr<int64_t>();
