@@ -454,7 +454,7 @@ class HostToDevice:
         self._staged_pieces(q, src, dst, ring, big)
         pack_s = 0.0
         if small:
-            pack_s = self._ring_pieces(q, src, dst, ring, small, r)
+            pack_s = self._ring_pieces(q, src, dst, ring, r)
         host_s = time.perf_counter() - t_start
         if side_work or small:
             # every source and ring byte read, every target byte written
@@ -550,10 +550,10 @@ class HostToDevice:
                 torch.ops.reshard.copy_runs(buf, self._desc(n), d[do + first : do + first + n])
             q.record(cast_done, q.cast)
 
-    def _ring_pieces(self, q, src, dst, ring, pieces, r: _Route) -> float:
-        """Pieces packed by the host into ring slots (cast to the target dtype on the way, one
-        `copy_pieces` call per slot and dtype pair), each slot copied to the device while the
-        next is packed; returns the packing time. r: the route (its slots and their packs)."""
+    def _ring_pieces(self, q, src, dst, ring, r: _Route) -> float:
+        """The route's small pieces packed by the host into ring slots (cast to the target dtype
+        on the way, one `copy_pieces` call per slot and dtype pair), each slot copied to the
+        device while the next is packed; returns the packing time."""
         events = [q.event() for _ in range(r.n_slots)]
         pack_s = 0.0
         for k, (slot, packs) in enumerate(zip(r.slots, r.packs, strict=True)):
@@ -566,7 +566,7 @@ class HostToDevice:
                 torch.ops.reshard.copy_pieces([src[loc] for loc in locs], rows, base.view(ddt))
             pack_s += time.perf_counter() - t0
             for key, first, n, at in slot:
-                ti, j, _, _ = pieces[key]
+                ti, j, _, _ = r.small[key]
                 t = self.tables[ti]
                 d = dst[t.dst_location]
                 do = int(t.spans[j, 1]) + first
