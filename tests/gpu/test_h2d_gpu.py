@@ -100,7 +100,9 @@ def test_transfer_many_tables_bitwise(dst_dtype, kind):
     with rs.Transfer(
         src_l, dst_l, budget_bytes_per_peer=budget, register_host_sources=kind == "registered"
     ) as sync:
-        for call in range(8):  # the split policy's trial, then its pick
+        from reshard import h2d
+
+        for call in range(3 * h2d.TRIAL_CALLS + 2):  # the split policy's trial, then its pick
             if call == 1 and kind == "registered":
                 sync.wait_host_registration()
                 assert all(t.is_pinned() for t in src.values())
