@@ -89,6 +89,7 @@ def _check(src, dst, dst_dtype, offset=3):
 @pytest.mark.parametrize("kind", ["pageable", "pinned", "registered"])
 def test_transfer_many_tables_bitwise(dst_dtype, kind):
     import reshard as rs
+    from reshard import h2d
 
     src_l, dst_l = _layouts(dst_dtype)
     src = _sources(kind)
@@ -100,8 +101,6 @@ def test_transfer_many_tables_bitwise(dst_dtype, kind):
     with rs.Transfer(
         src_l, dst_l, budget_bytes_per_peer=budget, register_host_sources=kind == "registered"
     ) as sync:
-        from reshard import h2d
-
         for call in range(3 * h2d.TRIAL_CALLS + 2):  # the split policy's trial, then its pick
             if call == 1 and kind == "registered":
                 sync.wait_host_registration()
