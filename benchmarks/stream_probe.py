@@ -57,6 +57,7 @@ import _common as C  # noqa: E402
 import _scenarios as S  # noqa: E402
 
 import reshard as rs  # noqa: E402
+from reshard import h2d  # noqa: E402
 
 MiB = 1 << 20
 H2D_BEFORE = None  # --before-h2d: another revision's reshard.h2d module
@@ -204,7 +205,10 @@ def bucket_parts(sb, run_buckets):
             sa = int(t.spans[j, 0]) + first if j is not None else 0
             da = int(t.spans[j, 1]) + first if j is not None else 0
             d = h._desc(n) if j is not None else t.desc
-            ops.append((src[t.src_location][sa:], d, ring, dst[t.dst_location][da:], n, j))
+            sv, dv = src[t.src_location], dst[t.dst_location]
+            # the ring the h2d call gives this stage call (casts: CAST_RING_BYTES of it)
+            r = ring[: h2d.CAST_RING_BYTES] if sv.dtype != dv.dtype else ring
+            ops.append((sv[sa:], d, r, dv[da:], n, j))
     if ops is not None:
 
         def run_ops():
@@ -294,7 +298,6 @@ def make_variants(case, names, before_cls):
 def _with_cast_ring(step, nbytes):
     """`step` with reshard.h2d's casting stage calls given `nbytes` of the ring (the stage op's
     queue then keeps nbytes / 4 MiB slots in flight)."""
-    from reshard import h2d
 
     def run(bufs):
         old, h2d.CAST_RING_BYTES = h2d.CAST_RING_BYTES, nbytes
