@@ -12,6 +12,9 @@ TORCH_WHEEL ?= $(firstword $(wildcard .whl/torch-$(TORCH_VERSION)+cpu-$(PY_TAG)-
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 RUFF_VERSION ?= 0.17.6
 CLANG_FORMAT_VERSION ?= 23.1.5
+# The clang-format that deps-lint installs into $(PYTHON)'s environment, run through that
+# Python: its script directory need not be on PATH (a venv used without activating it).
+CLANG_FORMAT = $(PYTHON) -c 'from clang_format import clang_format; clang_format()'
 # The DeepSpeed the integration's internals were verified against (docs/deepspeed.md).
 DEEPSPEED_VERSION ?= 0.19.8
 # The transformers the rollout tests ran with (tests/rollout).
@@ -152,7 +155,7 @@ deps-deepspeed: deps-torch deps-test
 deps-lint:
 	@$(PYTHON) -m ruff --version 2>/dev/null | grep -q "$(RUFF_VERSION)" || \
 		$(PIP) install "ruff==$(RUFF_VERSION)"
-	@clang-format --version 2>/dev/null | grep -q "$(CLANG_FORMAT_VERSION)" || \
+	@$(CLANG_FORMAT) --version 2>/dev/null | grep -q "$(CLANG_FORMAT_VERSION)" || \
 		$(PIP) install "clang-format==$(CLANG_FORMAT_VERSION)"
 
 # ---------------------------------------------------------------- build
@@ -202,12 +205,12 @@ pytest:
 lint: deps-lint
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	clang-format --dry-run -Werror $(C_FORMAT_FILES)
+	$(CLANG_FORMAT) --dry-run -Werror $(C_FORMAT_FILES)
 
 format: deps-lint
 	$(PYTHON) -m ruff check --fix .
 	$(PYTHON) -m ruff format .
-	clang-format -i $(C_FORMAT_FILES)
+	$(CLANG_FORMAT) -i $(C_FORMAT_FILES)
 
 # ---------------------------------------------------------------- run
 # Installs what it needs first (torch, DeepSpeed for the default real-engine demo), then runs.
