@@ -57,7 +57,7 @@ ALIGN = 16  # bytes: pieces in a slot start aligned (any dtype view, full-speed 
 EMA = 0.5  # weight of the newest measurement of the host's time per element
 # Calls measured per candidate share before one is kept; shares compare by their median call
 # and a split must win by MIN_GAIN. With two calls each and their fastest compared, one fast
-# call kept a share that then ran 2-10% slower than all on the host (H200 host, benchmarks/
+# call kept a share that then ran 2-11% slower than all on the host (H200 host, benchmarks/
 # results/h200/device_share).
 TRIAL_CALLS = 3
 SMALLER_SHARE = 0.6  # the second candidate's device share, of the model's
