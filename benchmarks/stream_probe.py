@@ -206,9 +206,7 @@ def bucket_parts(sb, run_buckets):
             da = int(t.spans[j, 1]) + first if j is not None else 0
             d = h._desc(n) if j is not None else t.desc
             sv, dv = src[t.src_location], dst[t.dst_location]
-            # the ring the h2d call gives this stage call (casts: CAST_RING_BYTES of it)
-            r = ring[: h2d.CAST_RING_BYTES] if sv.dtype != dv.dtype else ring
-            ops.append((sv[sa:], d, r, dv[da:], n, j))
+            ops.append((sv[sa:], d, h2d.stage_ring(ring, sv.dtype, dv.dtype), dv[da:], n, j))
     if ops is not None:
 
         def run_ops():

@@ -71,6 +71,12 @@ MAX_DESCS = 256
 CAST_RING_BYTES = 32 << 20
 
 
+def stage_ring(ring: torch.Tensor, src_dtype, dst_dtype) -> torch.Tensor:
+    """The part of the pinned ring a stage call packs through: CAST_RING_BYTES of it for a
+    cast, all of it for a same-dtype copy."""
+    return ring[:CAST_RING_BYTES] if src_dtype != dst_dtype else ring
+
+
 def contiguous_spans(desc, max_spans: int = MAX_SPANS) -> np.ndarray | None:
     """A descriptor table as contiguous copies [(src_offset, dst_offset, length)], adjacent
     ones merged, in the table's work order; None when there are more than `max_spans`."""
@@ -513,7 +519,7 @@ class HostToDevice:
         for ti, j, first, n in big:
             t = self.tables[ti]
             s, d = src[t.src_location], dst[t.dst_location]
-            r = ring[:CAST_RING_BYTES] if s.dtype != d.dtype else ring
+            r = stage_ring(ring, s.dtype, d.dtype)
             if j is None:
                 q.stage(s, t.desc, r, d)
                 continue
