@@ -29,7 +29,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c  # a failing fuzzer is not hidden by `| tail`
 
 BIN := tests/c/bin
-CORE := csrc/copy_runs.c
+CORE := csrc/copy_runs.c csrc/progress.c
 CORE_HEADERS := csrc/reshard.h csrc/casts.h
 SAN_FLAGS := -std=c11 -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=all -Wall -Wextra -Werror -Icsrc
@@ -166,8 +166,10 @@ build: deps-system deps-torch deps-test
 # The core must be plain C11: compile it alone with warnings as errors, as C and as C++.
 cstrict:
 	@mkdir -p $(BIN)
-	cc -std=c11 -O2 -Wall -Wextra -Wpedantic -Wconversion -Wshadow -Werror -Icsrc \
-		-c $(CORE) -o $(BIN)/copy_runs_strict.o
+	for f in $(CORE); do \
+		cc -std=c11 -O2 -Wall -Wextra -Wpedantic -Wconversion -Wshadow -Werror -Icsrc \
+			-c $$f -o $(BIN)/$$(basename $$f .c)_strict.o || exit 1; \
+	done
 	printf '#include "reshard.h"\n#include "casts.h"\nint main(void){return 0;}\n' | \
 		c++ -std=c++17 -Wall -Wextra -Werror -Icsrc -x c++ - -o $(BIN)/header_cxx
 
@@ -186,10 +188,23 @@ $(BIN)/test_core_stream: tests/c/test_core.c $(CORE) $(CORE_HEADERS)
 	@mkdir -p $(BIN)
 	$(SAN_CC) $(SAN_FLAGS) -DRS_STREAM_MIN_BYTES=1 $(CORE) tests/c/test_core.c -lm -o $@
 
+# Progress words between threads: under ASan/UBSan, and under TSan (a data race fails it).
+$(BIN)/test_progress: tests/c/test_progress.c csrc/progress.c csrc/reshard.h
+	@mkdir -p $(BIN)
+	$(SAN_CC) $(SAN_FLAGS) csrc/progress.c tests/c/test_progress.c -lpthread -o $@
+
+$(BIN)/test_progress_tsan: tests/c/test_progress.c csrc/progress.c csrc/reshard.h
+	@mkdir -p $(BIN)
+	$(SAN_CC) -std=c11 -g -O1 -fsanitize=thread -Wall -Wextra -Werror -Icsrc \
+		csrc/progress.c tests/c/test_progress.c -lpthread -o $@
+
 # test_core once per instruction-set level of the bulk casts (RS_CONVERTER in csrc/copy_runs.c).
-ctest: deps-system cstrict $(BIN)/test_core $(BIN)/test_core_stream
+ctest: deps-system cstrict $(BIN)/test_core $(BIN)/test_core_stream $(BIN)/test_progress \
+		$(BIN)/test_progress_tsan
 	for cap in default avx2 avx512; do RESHARD_CPU_CAPABILITY=$$cap $(BIN)/test_core || exit 1; done
 	$(BIN)/test_core_stream
+	$(BIN)/test_progress
+	$(BIN)/test_progress_tsan
 
 # A short libFuzzer run over a scratch copy of the seed corpus (the repo copy stays clean).
 fuzz: deps-system $(BIN)/fuzz_validate

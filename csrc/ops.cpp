@@ -377,6 +377,28 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
 // shared). A tensor without storage or not strided is refused.
 constexpr int64_t kFactColumns = 11;
 
+// A progress word (reshard.h): a CPU int64 tensor of RS_PROGRESS_WORDS elements, contiguous.
+int64_t* progress_words(const char* op, const at::Tensor& p) {
+  TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kLong && p.is_contiguous() &&
+                  p.numel() == RS_PROGRESS_WORDS,
+              op, ": progress must be a contiguous CPU int64 tensor of ", RS_PROGRESS_WORDS,
+              " elements, got ", p.scalar_type(), " ", p.sizes(), " on ", p.device());
+  return p.mutable_data_ptr<int64_t>();
+}
+
+// Blocks (without the GIL: torch.ops calls release it) until the progress word's value is
+// >= at_least or negative, or timeout_s has passed; returns the value.
+int64_t progress_wait(const at::Tensor& progress, int64_t at_least, double timeout_s) {
+  int64_t* p = progress_words("reshard::progress_wait", progress);
+  TORCH_CHECK(timeout_s >= 0 && timeout_s <= 3600, "reshard::progress_wait: timeout_s ",
+              timeout_s, " is outside [0, 3600]");
+  return rs_progress_wait(p, at_least, static_cast<int64_t>(timeout_s * 1e9));
+}
+
+void progress_set(const at::Tensor& progress, int64_t value) {
+  rs_progress_set(progress_words("reshard::progress_set", progress), value);
+}
+
 at::Tensor tensor_facts(at::TensorList tensors) {
   at::Tensor out = at::empty({static_cast<int64_t>(tensors.size()), kFactColumns},
                              at::TensorOptions().dtype(at::kLong));
@@ -695,7 +717,8 @@ at::Tensor stats_tensor(const rs_stage_stats& s) {
 }
 
 at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
-                      const at::Tensor& ring, const at::Tensor& dst) {
+                      const at::Tensor& ring, const at::Tensor& dst,
+                      const std::optional<at::Tensor>& progress = std::nullopt) {
   const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
   const at::Tensor& host = dir == RS_H2D ? src : dst;
   const at::Tensor& dev = dir == RS_H2D ? dst : src;
@@ -748,6 +771,7 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.ring_bytes = ring_bytes;
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
+  buf.progress = progress.has_value() ? progress_words(op, *progress) : nullptr;
   rs_stage_stats stats{};
   rs_error err;
   // H2D of ring rows only, more than one sub-chunk of them: the host's threads pack the
@@ -767,8 +791,8 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
 }
 
 at::Tensor stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                          const at::Tensor& dst) {
-  return stage_cuda(RS_H2D, src, desc, ring, dst);
+                          const at::Tensor& dst, const std::optional<at::Tensor>& progress) {
+  return stage_cuda(RS_H2D, src, desc, ring, dst, progress);
 }
 
 at::Tensor stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
@@ -815,7 +839,7 @@ void copy_runs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   built_without_cuda("reshard::copy_runs");
 }
 at::Tensor stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&) {
+                          const at::Tensor&, const std::optional<at::Tensor>&) {
   built_without_cuda("reshard::stage_h2d");
 }
 at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -835,12 +859,17 @@ TORCH_LIBRARY(reshard, m) {
   m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
   m.def("copy_pieces(Tensor[] srcs, Tensor pieces, Tensor(a!) dst) -> ()");
   // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
-  m.def("stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
+  // stage_h2d's progress: a progress word (progress_wait) published as its copies are queued.
+  m.def(
+      "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst, "
+      "Tensor(c!)? progress=None) -> Tensor");
   m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
   m.def("tensor_facts(Tensor[] tensors) -> Tensor", &tensor_facts);
+  m.def("progress_wait(Tensor progress, int at_least, float timeout_s) -> int", &progress_wait);
+  m.def("progress_set(Tensor(a!) progress, int value) -> ()");
 }
 
 // The stage ops move CPU<->CUDA: called with CPU tensors only, their device checks name the
@@ -850,6 +879,7 @@ TORCH_LIBRARY_IMPL(reshard, CPU, m) {
   m.impl("copy_pieces", &copy_pieces_cpu);
   m.impl("stage_h2d", &stage_h2d_cuda);
   m.impl("stage_d2h", &stage_d2h_cuda);
+  m.impl("progress_set", &progress_set);
 }
 
 // copy_pieces is a CPU op: called with a CUDA tensor, its device checks name the argument.
@@ -872,7 +902,9 @@ void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
   std::vector<at::Tensor> written;
   for (size_t i = 0; i < n; ++i) {
     if (!schema.is_mutable({c10::SchemaArgType::input, i})) continue;
-    const at::Tensor& t = (*stack)[stack->size() - n + i].toTensor();
+    const c10::IValue& v = (*stack)[stack->size() - n + i];
+    if (v.isNone()) continue;  // an optional argument left out
+    const at::Tensor& t = v.toTensor();
     TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), schema.name(), ": ",
                 schema.arguments()[i].name(),
                 " is an inference tensor: an in-place update to it outside InferenceMode is not "
@@ -942,12 +974,12 @@ void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet 
 // torch's refusals, no silent gradient through overwritten values. torch's boxed fallbacks for
 // custom ops do this only for returned tensors, and these ops return nothing.
 TORCH_LIBRARY_IMPL(reshard, ADInplaceOrView, m) {
-  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h"})
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 TORCH_LIBRARY_IMPL(reshard, Autograd, m) {
-  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h"})
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set"})
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&autograd_inplace_writes>());
 }
 

@@ -157,6 +157,22 @@ float rs_f16_to_f32(uint16_t h);
  * clang; 0 elsewhere): the CPU's best, capped by RESHARD_CPU_CAPABILITY=default|avx2|avx512. */
 int rs_cpu_capability(void);
 
+/* ---- progress words: how far a long call has got, for a thread waiting on it ---------------
+ * A progress word is four int64: [0] the published value, [1] a sequence number (its low 32
+ * bits are the word a waiter sleeps on), [2] a base and [3] a scale that rs_progress_publish
+ * applies. A producer publishes values that only grow (the end of a prefix it has finished);
+ * a negative value is final (the producer failed). Waiters sleep (Linux futex; elsewhere they
+ * poll) until the value reaches what they need, turns negative, or their timeout passes. */
+#define RS_PROGRESS_WORDS 4
+
+/* value = p[2] + amount * p[3], stored with release order; wakes every waiter. */
+void rs_progress_publish(int64_t *p, int64_t amount);
+/* Stores `value` as is (a reset, a final value); wakes every waiter. */
+void rs_progress_set(int64_t *p, int64_t value);
+/* The value, once it is >= at_least or negative, or when timeout_ns (>= 0) has passed; reads
+ * with acquire order, so what the producer wrote before publishing is visible. */
+int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns);
+
 #ifdef __cplusplus
 }
 #endif

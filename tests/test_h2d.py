@@ -297,7 +297,7 @@ def test_casting_stage_calls_get_a_bounded_share_of_the_ring(monkeypatch):
         tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc)))
     rings = {}
 
-    def stage(self, s, desc, ring, d):
+    def stage(self, s, desc, ring, d, progress=None):
         rings[d.dtype] = ring.numel()
         torch.ops.reshard.copy_runs(s, desc, d)
 
@@ -307,3 +307,114 @@ def test_casting_stage_calls_get_a_bounded_share_of_the_ring(monkeypatch):
     assert rings == {torch.bfloat16: h2d.CAST_RING_BYTES, torch.float32: 64 << 20}
     assert torch.equal(_bits(dst[1000]), _bits(src[0].to(torch.bfloat16)))
     assert torch.equal(_bits(dst[1001]), _bits(src[1]))
+
+
+# ------------------------------------------------------------------ progress of a call
+
+
+def _span_tables(spans_per_table, n_src, dtype=torch.bfloat16):
+    """Tables of the given spans [(src_offset, dst_offset, n)], table i from source i into
+    target 1000 + i; with sources and poisoned targets."""
+    tables, src, dst = [], {}, {}
+    for i, spans in enumerate(spans_per_table):
+        desc = np.array([[so, 0, do, 0, n, 1] for so, do, n in spans], np.int64).reshape(-1, 6)
+        src[i] = _values(n_src, 50 + i)
+        dst[1000 + i] = torch.full((max(do + n for _, do, n in spans) + 8,), -7.0, dtype=dtype)
+        t = LocalTable(i, 1000 + i, torch.from_numpy(desc), int(desc[:, 4].sum()))
+        tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc, max_spans=1)))
+    return tables, src, dst
+
+
+def _published(monkeypatch, tables, src, dst, origin_of=1000):
+    """Runs one call with a progress word; returns (values seen after each stage call, the
+    word's final value, the origin's address)."""
+    seen = []
+    real = h2d._Ordered.stage
+
+    def stage(self, s, desc, ring, d, progress=None):
+        real(self, s, desc, ring, d, progress)
+        if progress is not None:
+            seen.append(int(progress[0]))
+
+    monkeypatch.setattr(h2d._Ordered, "stage", stage)
+    word = torch.zeros(4, dtype=torch.int64)
+    origin = dst[origin_of].data_ptr()
+    ring = torch.empty(4096, dtype=torch.uint8)  # 1 KiB slots: 512 bf16 make a stage call
+    h2d.HostToDevice(tables).run(
+        src,
+        dst,
+        ring,
+        device_bytes=1024,
+        pinned=dict.fromkeys(src, False),
+        progress=h2d.Progress(word, origin),
+    )
+    return seen, int(word[0]), origin
+
+
+@pytest.mark.parametrize(
+    "spans", [[(0, 0, 2500)], [(0, 0, 600), (700, 600, 900), (1700, 1500, 1000)]]
+)
+def test_progress_published_where_the_target_fills_in_order(monkeypatch, spans):
+    """One table through stage_h2d (one span: a piece call; several: one whole-table call),
+    its spans each starting where the one before ended in the target (the sources need not be
+    contiguous): after the call the word holds the end of the target bytes written, counted
+    from the origin, and every byte before it holds its final value."""
+    tables, src, dst = _span_tables([spans], 3000)
+    tables = [h2d.LocalSpans(tables[0].table, np.array(spans, np.int64))]
+    seen, final, _ = _published(monkeypatch, tables, src, dst)
+    assert seen == [2500 * 2]
+    assert final == 2500 * 2
+    want = torch.cat([src[0][so : so + n] for so, _, n in spans]).to(torch.bfloat16)
+    assert torch.equal(_bits(dst[1000][:2500]), _bits(want))
+    assert torch.equal(_bits(dst[1000][2500:]), _bits(torch.full((8,), -7.0, dtype=torch.bfloat16)))
+
+
+def test_progress_counts_from_the_origin(monkeypatch):
+    """The target is a view into a larger buffer: the word counts bytes from the buffer's
+    start (the origin), not the view's."""
+    spans = [(0, 0, 1200)]
+    tables, src, dst = _span_tables([spans], 1200)
+    tables = [h2d.LocalSpans(tables[0].table, np.array(spans, np.int64))]
+    whole = torch.full((1300 + 64,), -7.0, dtype=torch.bfloat16)
+    dst[1000] = whole[64:]
+    seen, final, origin = _published(monkeypatch, tables, src, dst)
+    assert origin == whole[64:].data_ptr()
+    word = torch.zeros(4, dtype=torch.int64)
+    ring = torch.empty(4096, dtype=torch.uint8)
+    h2d.HostToDevice(tables).run(
+        src,
+        dst,
+        ring,
+        device_bytes=1024,
+        pinned={0: False},
+        progress=h2d.Progress(word, whole.data_ptr()),
+    )
+    assert int(word[0]) == 64 * 2 + 1200 * 2
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "out_of_order",  # the second call writes below the first
+        "gap",  # a target gap: bytes before the word's value nobody writes
+        "late_start",  # the first piece does not start at the target's start
+        "two_tables",  # two targets: one call's progress says nothing of the other
+        "ring_pieces",  # small pieces share ring slots: no stage call publishes them
+    ],
+)
+def test_progress_not_published_where_it_would_not_be_a_prefix(monkeypatch, case):
+    spans = {
+        "out_of_order": [[(0, 600, 600), (600, 0, 600)]],
+        "gap": [[(0, 0, 600), (600, 700, 600)]],
+        "late_start": [[(0, 16, 600), (600, 616, 600)]],
+        "two_tables": [[(0, 0, 600)], [(0, 0, 600)]],
+        "ring_pieces": [[(0, 0, 100), (200, 100, 100)]],
+    }[case]
+    tables, src, dst = _span_tables(spans, 1300)
+    tables = [h2d.LocalSpans(t.table, np.array(sp, np.int64)) for t, sp in zip(tables, spans)]
+    seen, final, _ = _published(monkeypatch, tables, src, dst)
+    assert seen == [] and final == 0
+    for i, sp in enumerate(spans):  # the copies themselves are unchanged
+        for so, do, n in sp:
+            got = dst[1000 + i][do : do + n]
+            assert torch.equal(_bits(got), _bits(src[i][so : so + n].to(torch.bfloat16)))

@@ -194,6 +194,7 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
                                t->d_prefix, b, e, RS_MODE_UNPACK, buf->stream, err);
         if (s != RS_OK) return s;
       }
+      if (buf->progress && t->n_direct == 0) rs_progress_publish(buf->progress, e);
     } else {
       if (pending[sl] >= 0) { /* slot s holds chunk k - slots: finish it on the host */
         const int64_t pb = pending[sl] * slot_elems;
@@ -290,6 +291,8 @@ struct Queue {
   std::unique_ptr<std::atomic<int64_t>[]> left; /* per chunk: sub-chunks not yet packed */
   std::unique_ptr<std::atomic<int>[]> issued;   /* per chunk: its DMA is queued */
   std::unique_ptr<std::atomic<int>[]> freed;    /* per chunk: its DMA completed */
+  std::mutex front_mutex;
+  int64_t front = 0; /* chunks [0, front) are all issued (published to buf->progress) */
   std::atomic<int64_t> host_waits{0};
   std::atomic<int> failed{0};
   std::mutex err_mutex;
@@ -329,6 +332,17 @@ rs_status queue_issue(Queue *q, int64_t k, rs_error *err) {
   }
   RS_CUDA_TRY("stage_h2d: cudaEventRecord", cudaEventRecord(q->ev[sl], stream), err);
   return RS_OK;
+}
+
+/* Chunks are issued in the order their packing ends: publishes the end of the longest prefix
+ * of chunks all issued, whenever it grows. */
+void queue_publish(Queue *q) {
+  std::lock_guard<std::mutex> lock(q->front_mutex);
+  const int64_t before = q->front;
+  while (q->front < q->chunks && q->issued[q->front].load(std::memory_order_acquire)) ++q->front;
+  if (q->front == before) return;
+  const int64_t end = q->front * q->slot_elems;
+  rs_progress_publish(q->buf->progress, end < q->t->total ? end : q->t->total);
 }
 
 /* Before packing into the slot of chunk k: chunk k - slots, its previous user, was issued
@@ -390,6 +404,7 @@ void queue_worker(void *arg, int64_t /*worker*/) {
         break;
       }
       q->issued[k].store(1, std::memory_order_release);
+      if (q->buf->progress) queue_publish(q);
     }
   }
   if (prev_device >= 0 && prev_device != q->device) cudaSetDevice(prev_device);

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import _ops, staging
 from . import preflight as pf
 from .errors import TransferError
-from .h2d import HostToDevice, LocalSpans, contiguous_spans
+from .h2d import HostToDevice, LocalSpans, contiguous_spans, current_progress
 from .report import STAGING_KINDS, Report
 from .rounds import RECV, SEND, build_rounds, local_tables
 
@@ -313,7 +313,16 @@ class _RoundLoop:
         if self.e.local:
             batched, rest = self.e.local_paths(self.src, self.dst, self.buffers_key)
             if batched is not None:
-                batched.run(self.src, self.dst, self.ring, self.e.staging.stage_device_bytes())
+                # progress (a Stream's bucket) only where the batched path writes every target
+                # byte of the call: no rounds from peers, no other local table
+                progress = current_progress() if not rest and self.e.num_rounds == 0 else None
+                batched.run(
+                    self.src,
+                    self.dst,
+                    self.ring,
+                    self.e.staging.stage_device_bytes(),
+                    progress=progress,
+                )
             for t in rest:
                 self._copy(self.src[t.src_location], t.desc, self.dst[t.dst_location], "local")
         self.sec["local"] += time.perf_counter() - t0

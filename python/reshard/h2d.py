@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -69,6 +70,35 @@ MAX_DESCS = 256
 # 64 MiB ring (one Transfer and a stream's buckets) in two of three same-run comparisons; 16 MiB
 # was slower in the stream (benchmarks/results/h200/rings).
 CAST_RING_BYTES = 32 << 20
+
+
+class Progress(NamedTuple):
+    """Where a call publishes how far its copies are queued: `word`, a progress word (int64
+    [4] CPU tensor, `torch.ops.reshard.progress_wait`), gets the end of the prefix of target
+    bytes whose copies are all queued on the current stream, as a byte offset from the
+    address `origin`."""
+
+    word: torch.Tensor
+    origin: int
+
+
+_publishing = threading.local()
+
+
+@contextlib.contextmanager
+def publishing(progress: Progress | None):
+    """Within: this thread's calls that may publish (`current_progress`) publish to
+    `progress`."""
+    before = getattr(_publishing, "progress", None)
+    _publishing.progress = progress
+    try:
+        yield
+    finally:
+        _publishing.progress = before
+
+
+def current_progress() -> Progress | None:
+    return getattr(_publishing, "progress", None)
 
 
 def stage_ring(ring: torch.Tensor, src_dtype, dst_dtype) -> torch.Tensor:
@@ -342,18 +372,28 @@ class HostToDevice:
             d = self._descs[n] = _dense_desc(n)
         return d
 
-    def run(self, src: dict, dst: dict, ring: torch.Tensor, device_bytes: int, pinned=None):
+    def run(
+        self,
+        src: dict,
+        dst: dict,
+        ring: torch.Tensor,
+        device_bytes: int,
+        pinned=None,
+        progress=None,
+    ):
         """One call: every table's spans from `src` into `dst` through `ring` (pinned) and at
         most `device_bytes` of device scratch. pinned: {source location: page-locked?}
-        (default: asked of torch). Targets on the CPU run the same pipeline in order, with
-        no streams (the CPU tests of this module)."""
+        (default: asked of torch). progress: a `Progress` the call publishes to while its
+        copies are queued, when its route allows (`_publishes`); else nothing is
+        published. Targets on the CPU run the same pipeline in order, with no streams (the CPU
+        tests of this module)."""
         dev = dst[self.tables[0].dst_location].device
         if dev.type != "cuda":
-            return self._run(src, dst, ring, device_bytes, dev, _Ordered(), pinned or {})
+            return self._run(src, dst, ring, device_bytes, dev, _Ordered(), pinned or {}, progress)
         with torch.cuda.device(dev):
             if self._streams is None:
                 self._streams = _Streams(dev)
-            self._run(src, dst, ring, device_bytes, dev, self._streams, pinned or {})
+            self._run(src, dst, ring, device_bytes, dev, self._streams, pinned or {}, progress)
 
     def _page_locked(self, src, pinned) -> dict:
         """{source location: page-locked?}: `pinned` where given, else asked of torch, except
@@ -435,7 +475,7 @@ class HostToDevice:
         )
         return r
 
-    def _run(self, src, dst, ring, device_bytes, dev, q, pinned):
+    def _run(self, src, dst, ring, device_bytes, dev, q, pinned, progress=None):
         side, cast_stream, cur = q.side, q.cast, q.current()
         pinned = self._page_locked(src, pinned)
         r = self._route(src, dst, ring, device_bytes, pinned)
@@ -465,7 +505,9 @@ class HostToDevice:
                 q.record(side_done, side)
                 q.wait(cast_stream, side_done)
                 q.record(side_end, cast_stream)
-        self._staged_pieces(q, src, dst, ring, big)
+        if progress is not None and not self._publishes(r):
+            progress = None
+        self._staged_pieces(q, src, dst, ring, big, progress)
         pack_s = 0.0
         if small:
             pack_s = self._ring_pieces(q, src, dst, ring, r)
@@ -513,19 +555,50 @@ class HostToDevice:
                 start += size
                 size *= 2
 
-    def _staged_pieces(self, q, src, dst, ring, big):
+    def _publishes(self, r: _Route) -> bool:
+        """Whether a call on this route can publish its progress: one table, all of it through
+        stage_h2d calls (no direct copies, device casts or ring pieces), whose spans in call
+        order each start where the one before ended in the target, the first at the target
+        buffer's start. Then the end of what the running call has queued is the end
+        of a prefix of the target buffer all queued."""
+        if r.direct or r.dev_chunks or r.small or not r.big:
+            return False
+        end, table = 0, r.big[0][0]
+        for ti, j, first, n in r.big:
+            if ti != table:
+                return False
+            spans = self.tables[ti].spans
+            # a whole-table call publishes its table's prefix: its spans in order, each one
+            # starting where the one before ended, are then that prefix of the target
+            pieces = spans[:, 1:3].tolist() if j is None else [(int(spans[j, 1]) + first, n)]
+            for do, length in pieces:
+                if do != end:
+                    return False
+                end += length
+        return True
+
+    def _staged_pieces(self, q, src, dst, ring, big, progress=None):
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
-        call each."""
+        call each. progress: each call publishes its queued prefix, as target bytes from
+        progress.origin (the route is one `_publishes` accepts: the calls cover their target
+        from its start, in order)."""
         for ti, j, first, n in big:
             t = self.tables[ti]
             s, d = src[t.src_location], dst[t.dst_location]
             r = stage_ring(ring, s.dtype, d.dtype)
+            a = b = 0
+            if j is not None:
+                so, do, _ = (int(v) for v in t.spans[j])
+                a, b = so + first, do + first
+            word = None
+            if progress is not None:
+                word = progress.word
+                word[2] = d.data_ptr() + b * d.element_size() - progress.origin  # base
+                word[3] = d.element_size()  # scale: the call publishes elements
             if j is None:
-                q.stage(s, t.desc, r, d)
-                continue
-            so, do, _ = (int(v) for v in t.spans[j])
-            a, b = so + first, do + first
-            q.stage(s[a : a + n], self._desc(n), r, d[b : b + n])
+                q.stage(s, t.desc, r, d, word)
+            else:
+                q.stage(s[a : a + n], self._desc(n), r, d[b : b + n], word)
 
     def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
         """The device op validates and uploads a new table with a synchronous copy on the
@@ -679,8 +752,8 @@ class _Streams:
     def host_wait(self, event):
         event.synchronize()
 
-    def stage(self, src, desc, ring, dst):
-        torch.ops.reshard.stage_h2d(src, desc, ring, dst)
+    def stage(self, src, desc, ring, dst, progress=None):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst, progress)
 
     def finish(self, side=True):
         """Waits for every copy queued: the side streams' (when `side`), then the current
@@ -719,8 +792,11 @@ class _Ordered:
     def host_wait(self, event):
         pass
 
-    def stage(self, src, desc, ring, dst):
+    def stage(self, src, desc, ring, dst, progress=None):
         torch.ops.reshard.copy_runs(src, desc, dst)
+        if progress is not None:  # as stage_h2d publishes: base + table elements * scale
+            elements = int((desc[:, 4] * desc[:, 5]).sum())
+            torch.ops.reshard.progress_set(progress, int(progress[2] + elements * progress[3]))
 
     def finish(self, side=True):
         pass

@@ -134,6 +134,7 @@ class Stream:
         self._buffer_error = None
         self._target_views = None  # per bucket: {location: view of the buffer}
         self._yields = None  # per bucket: [(name, typed buffer, shape, strides, offset)]
+        self._ends = None  # per bucket: per yielded tensor, the end of its bytes in the buffer
         self._active = False  # a call is being iterated (calls are not reentrant)
         self.report = None  # the last completed call's Report
 
@@ -253,6 +254,7 @@ class Stream:
             ]
             for b in self.buckets
         ]
+        self._ends = [[b.start + e.offset + e.nbytes for e in b.entries] for b in self.buckets]
         return None
 
     def targets(self, k) -> dict:
@@ -263,6 +265,10 @@ class Stream:
         """Bucket k's tensors as (name, view of the buffer), in stream order."""
         for name, typed, shape, strides, offset in self._yields[k]:
             yield name, typed.as_strided(shape, strides, offset)
+
+    def view_ends(self, k) -> list:
+        """Per tensor of `views(k)`: the end of its bytes, as an offset in the buffer."""
+        return self._ends[k]
 
 
 def _group_info(group):

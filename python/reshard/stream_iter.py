@@ -11,6 +11,17 @@ to hand it the next bucket. Ranks that receive nothing queue every bucket at onc
 stops early closes the generator, which then moves the remaining buckets without yielding them,
 so its peers finish normally; after a failed transfer (its peers failed too) the worker skips
 the buckets queued behind it and the call stops.
+
+CUDA receivers take a bucket's tensors while it still moves: a tensor is yielded once the
+copies that write its bytes are queued on the worker's stream (the bucket's progress word,
+published by the stage op as its pipeline issues them), the caller's current stream first
+waiting on an event recorded on the worker's stream at that moment. So the caller's own work
+on each tensor (an engine's weight loader: Python and kernel launches) overlaps the host's
+packing of the rest of the bucket, and only its kernels wait for the bytes. Where the bucket's
+transfer does not publish (peers send to it, or its copies take another path), the caller gets
+its tensors once the transfer returned, behind its landed event, as before. A yielded tensor's
+bytes are all queued before it is yielded: a transfer that fails later never hands out a
+tensor it did not write.
 """
 
 from __future__ import annotations
@@ -21,6 +32,11 @@ from collections import deque
 import torch
 
 from .report import PHASES, STAGING_KINDS, Report
+from .stream_mover import DONE
+
+# Seconds one progress wait sleeps before the caller checks the bucket's Future (a worker that
+# died without publishing cannot hold the caller).
+PROGRESS_POLL_S = 0.25
 
 
 class Call:
@@ -37,6 +53,7 @@ class Call:
         self.waited = 0.0  # seconds the caller blocked on a bucket still in flight
         self.failed = False
         self.landed = None  # CUDA event: the bucket being yielded has landed
+        self.early = self.receiving and self.cuda  # tensors yielded as their copies are queued
 
     def start(self) -> None:
         """Queue the next bucket on the worker."""
@@ -51,7 +68,12 @@ class Call:
             done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
         host_sync = s.device.type != "cuda"
-        self.pending.append((k, s.mover.submit(b, src, s.targets(k), checks, done, host_sync)))
+        origin = None
+        if self.early:
+            s.mover.progress_word(k)  # reset before the worker can publish to it
+            origin = s.buffer.data_ptr()
+        fut = s.mover.submit(b, src, s.targets(k), checks, done, host_sync, origin)
+        self.pending.append((k, fut))
         self.next = k + 1
 
     def advance(self, consumed: int) -> None:
@@ -74,6 +96,35 @@ class Call:
         finally:
             self.waited += time.perf_counter() - t0
 
+    def await_queued(self, k: int, end: int) -> int:
+        """Block until the copies of bucket k (the oldest pending) that write the buffer's
+        bytes before `end` are queued, and make the caller's current stream wait for them.
+        Returns how far the buffer is covered now (a byte offset; DONE once the bucket's
+        transfer returned and its landed event is waited on). Raises the bucket's failure."""
+        s = self.s
+        word = s.mover.progress_word_of(k)
+        fut = self.pending[0][1]
+        t0 = time.perf_counter()
+        while True:
+            v = torch.ops.reshard.progress_wait(word, end, PROGRESS_POLL_S)
+            if v >= end or v < 0 or fut.done():
+                break
+        self.waited += time.perf_counter() - t0
+        cur = torch.cuda.current_stream(s.mover.cuda_device)
+        if v < end or v >= DONE:
+            # failed, or done (or publishing nothing): the bucket's own result and event
+            self.finish()
+            cur.wait_event(self.landed)
+            return DONE
+        # every copy before `end` is queued on the worker's stream: an event recorded there
+        # now follows them. Were the bucket's landed event already set, the worker may have
+        # queued the next bucket's copies too, so the exact event is used instead.
+        ev = torch.cuda.Event()
+        ev.record(s.mover.cuda_stream)
+        landed = s.mover.landed.get(k)
+        cur.wait_event(landed if landed is not None else ev)
+        return v
+
     def run(self):
         s = self.s
         nb = len(s.buckets)
@@ -84,6 +135,17 @@ class Call:
             consumed = 0  # tensors of the stream the caller is done with
             for k in range(nb):
                 self.advance(consumed if self.receiving else everything)
+                if self.early:
+                    covered = 0  # the buffer's bytes before this are queued (or landed)
+                    for item, end in zip(s.views(k), s.view_ends(k), strict=True):
+                        if end > covered:
+                            covered = self.await_queued(k, end)
+                        self.advance(consumed)
+                        yield item
+                        consumed += 1
+                    if covered < DONE:
+                        self.finish()  # bucket k's report (and its failure, if any)
+                    continue
                 self.finish()  # bucket k has landed
                 if not self.receiving:
                     continue

@@ -13,6 +13,10 @@ source storages are page-locked in place once (`reshard.hostreg`), for every buc
 CUDA: the worker moves buckets on its own CUDA stream. A landed bucket is handed to the caller
 as an event its current stream waits on (no host synchronization); before a bucket overwrites
 bytes the caller used, the worker's stream waits on an event recorded on the caller's stream.
+A bucket submitted with a progress word (`progress_word`) also tells the caller, while it
+moves, how far its copies are queued (`reshard.h2d.Progress`; only where one stage_h2d pipeline
+writes the whole target, else nothing until it is done), then DONE once its transfer returned
+(its `landed` event recorded first) or FAILED.
 """
 
 from __future__ import annotations
@@ -22,9 +26,14 @@ import concurrent.futures
 import torch
 
 from . import staging
+from .h2d import Progress, publishing
 from .hostreg import HostRegistry
 from .report import STAGING_KINDS
 from .rounds import RECV, SEND
+
+# Final values of a bucket's progress word: its transfer returned (every copy queued), or failed.
+DONE = 1 << 62
+FAILED = -1
 
 
 class StagingPool:
@@ -134,22 +143,48 @@ class BucketMover:
         self._worker = None
         self._cuda_stream = None
         self._failed = None  # the exception of this call's failed bucket (worker thread only)
+        self._words: dict = {}  # bucket index -> its progress word (int64 [4], CPU)
+        self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
 
     def begin_call(self) -> None:
         """A new call: nothing is queued (the previous call waited for all of its buckets)."""
         self._failed = None
 
-    def submit(self, bucket, src, dst, checks, caller_done=None, host_sync=False):
+    @property
+    def cuda_stream(self):
+        """The worker's CUDA stream (None before its first CUDA move)."""
+        return self._cuda_stream
+
+    def progress_word(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s progress word, reset (value 0, no landed event): call before
+        submitting the bucket with `progress_origin`."""
+        w = self._words.get(index)
+        if w is None:
+            w = self._words[index] = torch.zeros(4, dtype=torch.int64)
+        w.zero_()
+        self.landed[index] = None
+        return w
+
+    def progress_word_of(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s progress word as it is (not reset)."""
+        return self._words[index]
+
+    def submit(
+        self, bucket, src, dst, checks, caller_done=None, host_sync=False, progress_origin=None
+    ):
         """Move `bucket` from `src` into `dst` ({location: tensor}) on the worker. checks: the
         preflight's extra checks. caller_done: a CUDA event the move waits for before writing.
-        host_sync: the targets are read by the host once the Future is done."""
+        host_sync: the targets are read by the host once the Future is done. progress_origin:
+        publish to the bucket's progress word, target bytes counted from this address."""
         if self._worker is None:
             # one worker thread for the Stream's life: its allocator arena (CPU staging) and
             # CUDA stream are reused by every call
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="reshard-stream"
             )
-        return self._worker.submit(self._move, bucket, src, dst, checks, caller_done, host_sync)
+        return self._worker.submit(
+            self._move, bucket, src, dst, checks, caller_done, host_sync, progress_origin
+        )
 
     def _transfer(self, bucket):
         t = self.transfers.get(bucket.index)
@@ -161,19 +196,29 @@ class BucketMover:
             )
         return t
 
-    def _move(self, bucket, src, dst, checks, caller_done, host_sync):
-        if self._failed is not None:
-            raise RuntimeError(
-                f"bucket {bucket.index} was not moved: an earlier bucket of this call failed "
-                f"({type(self._failed).__name__}: {self._failed})"
-            )
+    def _move(self, bucket, src, dst, checks, caller_done, host_sync, progress_origin):
+        word = self._words[bucket.index] if progress_origin is not None else None
         try:
-            return self._move_now(bucket, src, dst, checks, caller_done, host_sync)
-        except BaseException as exc:
-            self._failed = exc
+            if self._failed is not None:
+                raise RuntimeError(
+                    f"bucket {bucket.index} was not moved: an earlier bucket of this call "
+                    f"failed ({type(self._failed).__name__}: {self._failed})"
+                )
+            progress = Progress(word, progress_origin) if word is not None else None
+            try:
+                out = self._move_now(bucket, src, dst, checks, caller_done, host_sync, progress)
+            except BaseException as exc:
+                self._failed = exc
+                raise
+        except BaseException:
+            if word is not None:
+                torch.ops.reshard.progress_set(word, FAILED)
             raise
+        if word is not None:
+            torch.ops.reshard.progress_set(word, DONE)
+        return out
 
-    def _move_now(self, bucket, src, dst, checks, caller_done, host_sync):
+    def _move_now(self, bucket, src, dst, checks, caller_done, host_sync, progress):
         transfer = self._transfer(bucket)
         if self.cuda_device is None:
             return transfer(src, dst, checks=checks), None
@@ -181,12 +226,14 @@ class BucketMover:
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream(self.cuda_device)
         stream = self._cuda_stream
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), publishing(progress):
             if caller_done is not None:
                 stream.wait_event(caller_done)
             rep = transfer(src, dst, checks=checks)
             landed = torch.cuda.Event()
             landed.record(stream)
+        if progress is not None:
+            self.landed[bucket.index] = landed  # before DONE: see Call.await_queued
         if host_sync:
             landed.synchronize()
         return rep, landed
