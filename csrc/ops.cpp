@@ -377,6 +377,8 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
 // shared). A tensor without storage or not strided is refused.
 constexpr int64_t kFactColumns = 11;
 
+constexpr int64_t kMaxProgressWaitUs = int64_t{3600} * 1000 * 1000;  // an hour
+
 // A progress word (reshard.h): a CPU int64 tensor of RS_PROGRESS_WORDS elements, contiguous.
 int64_t* progress_words(const char* op, const at::Tensor& p) {
   TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kLong && p.is_contiguous() &&
@@ -387,12 +389,12 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
 }
 
 // Blocks (without the GIL: torch.ops calls release it) until the progress word's value is
-// >= at_least or negative, or timeout_s has passed; returns the value.
-int64_t progress_wait(const at::Tensor& progress, int64_t at_least, double timeout_s) {
+// >= at_least or negative, or timeout_us microseconds have passed; returns the value.
+int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t timeout_us) {
   int64_t* p = progress_words("reshard::progress_wait", progress);
-  TORCH_CHECK(timeout_s >= 0 && timeout_s <= 3600, "reshard::progress_wait: timeout_s ",
-              timeout_s, " is outside [0, 3600]");
-  return rs_progress_wait(p, at_least, static_cast<int64_t>(timeout_s * 1e9));
+  TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs, "reshard::progress_wait: ",
+              "timeout_us ", timeout_us, " is outside [0, ", kMaxProgressWaitUs, "]");
+  return rs_progress_wait(p, at_least, timeout_us * 1000);
 }
 
 void progress_set(const at::Tensor& progress, int64_t value) {
@@ -868,7 +870,7 @@ TORCH_LIBRARY(reshard, m) {
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
   m.def("tensor_facts(Tensor[] tensors) -> Tensor", &tensor_facts);
-  m.def("progress_wait(Tensor progress, int at_least, float timeout_s) -> int", &progress_wait);
+  m.def("progress_wait(Tensor progress, int at_least, int timeout_us) -> int", &progress_wait);
   m.def("progress_set(Tensor(a!) progress, int value) -> ()");
 }
 

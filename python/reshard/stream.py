@@ -130,6 +130,8 @@ class Stream:
         self.mover = BucketMover(
             self.buckets, group, self.rank, self.timeout, cuda, register_host_sources
         )
+        # a CUDA receiver's caller works on its tensors while the worker packs the next ones
+        self.mover.caller_overlaps = self.rank in self.receivers and self.device.type == "cuda"
         self.buffer = None  # the receivers' buffer, allocated on the first call
         self._buffer_error = None
         self._target_views = None  # per bucket: {location: view of the buffer}

@@ -34,9 +34,9 @@ import torch
 from .report import PHASES, STAGING_KINDS, Report
 from .stream_mover import DONE
 
-# Seconds one progress wait sleeps before the caller checks the bucket's Future (a worker that
-# died without publishing cannot hold the caller).
-PROGRESS_POLL_S = 0.25
+# Microseconds one progress wait sleeps before the caller checks the bucket's Future (a worker
+# that died without publishing cannot hold the caller).
+PROGRESS_POLL_US = 250_000
 
 
 class Call:
@@ -106,7 +106,7 @@ class Call:
         fut = self.pending[0][1]
         t0 = time.perf_counter()
         while True:
-            v = torch.ops.reshard.progress_wait(word, end, PROGRESS_POLL_S)
+            v = torch.ops.reshard.progress_wait(word, end, PROGRESS_POLL_US)
             if v >= end or v < 0 or fut.done():
                 break
         self.waited += time.perf_counter() - t0
