@@ -383,8 +383,10 @@ constexpr int64_t kMaxProgressWaitUs = int64_t{3600} * 1000 * 1000;  // an hour
 int64_t* progress_words(const char* op, const at::Tensor& p) {
   TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kLong && p.is_contiguous() &&
                   p.numel() == RS_PROGRESS_WORDS,
-              op, ": progress must be a contiguous CPU int64 tensor of ", RS_PROGRESS_WORDS,
-              " elements, got ", p.scalar_type(), " ", p.sizes(), " on ", p.device());
+              op, ": progress must be a contiguous CPU int64 tensor of ",
+              std::to_string(RS_PROGRESS_WORDS), " elements, got ", p.scalar_type(), " shape ",
+              int_list(p.sizes()), p.is_contiguous() ? "" : " (not contiguous)", " on ",
+              p.device().str());
   return p.mutable_data_ptr<int64_t>();
 }
 
@@ -393,7 +395,8 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
 int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t timeout_us) {
   int64_t* p = progress_words("reshard::progress_wait", progress);
   TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs, "reshard::progress_wait: ",
-              "timeout_us ", timeout_us, " is outside [0, ", kMaxProgressWaitUs, "]");
+              "timeout_us ", std::to_string(timeout_us), " is outside [0, ",
+              std::to_string(kMaxProgressWaitUs), "]");
   return rs_progress_wait(p, at_least, timeout_us * 1000);
 }
 
@@ -773,7 +776,18 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.ring_bytes = ring_bytes;
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
-  buf.progress = progress.has_value() ? progress_words(op, *progress) : nullptr;
+  buf.progress = nullptr;
+  if (progress.has_value()) {
+    buf.progress = progress_words(op, *progress);
+    check_storage(op, "progress", *progress);
+    // the op writes the word while it reads src and fills the ring
+    for (const at::Tensor* other : {&src, &ring}) {
+      const auto a = reinterpret_cast<uintptr_t>(progress->const_data_ptr());
+      const auto b = reinterpret_cast<uintptr_t>(other->const_data_ptr());
+      TORCH_CHECK(a + progress->nbytes() <= b || b + other->nbytes() <= a, op, ": progress ",
+                  "shares memory with ", other == &src ? "src" : "ring");
+    }
+  }
   rs_stage_stats stats{};
   rs_error err;
   // H2D of ring rows only, more than one sub-chunk of them: the host's threads pack the

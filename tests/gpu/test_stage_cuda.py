@@ -393,3 +393,33 @@ def test_dense_device_side(pair, ring_bytes):
     packed = random_values(rng, int(lens.sum()), sdt)
     out, ref, _ = d2h(packed, back, ddt, 200 * 400 + 400, ring_bytes)
     assert_same(out, ref)
+
+
+@pytest.mark.parametrize("n", [3000, 9 << 20], ids=["one-pass", "queued"])
+def test_stage_h2d_publishes_its_progress(n):
+    """With a progress word, stage_h2d publishes base + queued elements * scale; once it
+    returns, the word holds the end of the whole table. Both pipelines (one chunk at a time,
+    and the host threads' queue) publish."""
+    src = random_values(np.random.default_rng(3), n, torch.float32)
+    dst = poison(n, torch.bfloat16, DEV)
+    word = torch.tensor([0, 0, 1000, 2], dtype=torch.int64)
+    desc = torch.tensor([[0, 0, 0, 0, n, 1]])
+    torch.ops.reshard.stage_h2d(src, desc, ring(32 << 20), dst, word)
+    assert int(word[0]) == 1000 + 2 * n
+    assert torch.equal(dst.cpu().view(torch.int16), src.to(torch.bfloat16).view(torch.int16))
+
+
+def test_stage_h2d_refuses_a_bad_progress_word():
+    src = torch.randn(100)
+    dst = torch.full((100,), 7.0, device=DEV)
+    good = torch.tensor([[0, 0, 0, 0, 50, 1]])
+    r = ring(4096)
+    h2d_op = torch.ops.reshard.stage_h2d
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int32)):
+        with pytest.raises(RuntimeError, match="progress must be a contiguous CPU int64"):
+            h2d_op(src, good, r, dst, bad)
+    with pytest.raises(RuntimeError, match="progress shares memory with ring"):
+        h2d_op(src, good, r, dst, r[:32].view(torch.int64))
+    with pytest.raises(RuntimeError, match="progress shares memory with src"):
+        h2d_op(src, good, r, dst, src[:8].view(torch.int64))
+    assert (dst == 7.0).all()  # refused before any write
