@@ -171,9 +171,9 @@ def bucket_parts(sb, run_buckets):
     paths = [s_path(sb.mover._transfer(b)) for b in sb.buckets]
     for k, path in enumerate(paths if all(p is not None for p in paths) else ()):
 
-        def grab(*a, k=k, orig=path.run):
+        def grab(*a, k=k, orig=path.run, **kw):  # kw: the executor's progress (None here)
             calls[k] = (orig, a)
-            return orig(*a)
+            return orig(*a, **kw)
 
         path.run = grab
     run_buckets()
