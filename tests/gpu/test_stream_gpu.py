@@ -191,3 +191,40 @@ def test_tensors_are_yielded_while_their_bucket_moves():
         assert early[0], early
         assert stream.report.buckets == 1
     stream.close()
+
+
+def test_stopping_while_a_bucket_moves_leaves_the_stream_usable():
+    """A caller that leaves the loop after the first tensor (break), or raises in its body,
+    while the bucket still moves: the generator finishes the bucket without yielding it, the
+    error is the caller's own, and the next call yields every tensor right."""
+    import reshard as rs
+
+    g = torch.Generator().manual_seed(2)
+    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    tensors, off = {}, 0
+    for n, s in SHAPES.items():
+        tensors[n] = rs.flat(s, [(0, 0, math.prod(s), off)])
+        off += math.prod(s)
+    layout = rs.Layout(tensors, {0: rs.Storage(0, torch.float32, off)})
+    src = torch.cat([t.reshape(-1) for t in full.values()])
+    want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+    stream = rs.Stream(layout, [0], 256 << 20, dtype=torch.bfloat16, device="cuda")
+    first = []
+    for name, _ in stream({0: src}):
+        first.append(name)
+        break
+    assert first == ["embed"]
+
+    class Stop(Exception):
+        pass
+
+    with pytest.raises(Stop):
+        for _name, _t in stream({0: src}):
+            raise Stop
+    stream.buffer.fill_(0xFF)
+    got = {name: t.clone() for name, t in stream({0: src})}
+    torch.cuda.synchronize()
+    assert list(got) == list(SHAPES)
+    for name, c in got.items():
+        assert torch.equal(c.view(torch.int16), want[name].view(torch.int16)), name
+    stream.close()
