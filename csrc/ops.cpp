@@ -394,9 +394,9 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
 // >= at_least or negative, or timeout_us microseconds have passed; returns the value.
 int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t timeout_us) {
   int64_t* p = progress_words("reshard::progress_wait", progress);
-  TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs, "reshard::progress_wait: ",
-              "timeout_us ", std::to_string(timeout_us), " is outside [0, ",
-              std::to_string(kMaxProgressWaitUs), "]");
+  TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs,
+              "reshard::progress_wait: ", "timeout_us ", std::to_string(timeout_us),
+              " is outside [0, ", std::to_string(kMaxProgressWaitUs), "]");
   return rs_progress_wait(p, at_least, timeout_us * 1000);
 }
 

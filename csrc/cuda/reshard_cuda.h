@@ -119,9 +119,9 @@ typedef struct rs_stage_buffers {
   rs_dtype dst_dtype;
   void *ring; /* pinned host memory, 16-byte aligned */
   int64_t ring_bytes;
-  void *staging; /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes);
-                    NULL allowed when table->device_dense */
-  void *stream;  /* cudaStream_t: every copy and kernel is ordered on it */
+  void *staging;     /* device memory, 16-byte aligned, >= rs_stage_device_bytes(ring_bytes);
+                        NULL allowed when table->device_dense */
+  void *stream;      /* cudaStream_t: every copy and kernel is ordered on it */
   int64_t *progress; /* H2D without direct rows: a progress word (reshard.h) published with the
                         table elements [0, n) whose copies are queued on the stream, each time
                         n grows; NULL: none */

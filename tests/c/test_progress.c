@@ -9,14 +9,14 @@
 #include "reshard.h"
 
 static int failures = 0;
-#define CHECK(cond, ...)                     \
-  do {                                       \
-    if (!(cond)) {                           \
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
       fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);          \
-      fprintf(stderr, "\n");                 \
-      ++failures;                            \
-    }                                        \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+      ++failures;                                          \
+    }                                                      \
   } while (0)
 
 static int64_t now_ns(void) {
