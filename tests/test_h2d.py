@@ -418,3 +418,29 @@ def test_progress_not_published_where_it_would_not_be_a_prefix(monkeypatch, case
         for so, do, n in sp:
             got = dst[1000 + i][do : do + n]
             assert torch.equal(_bits(got), _bits(src[i][so : so + n].to(torch.bfloat16)))
+
+
+def test_progress_keeps_every_cast_on_the_host(monkeypatch):
+    """A page-locked fp32 source into bf16 is a split candidate (device casts), which would
+    leave no queued prefix: a call given a progress word rejects the split and publishes."""
+    spans = [(0, 0, 2500)]
+    tables, src, dst = _span_tables([spans], 3000)
+    tables = [h2d.LocalSpans(tables[0].table, np.array(spans, np.int64))]
+    path = h2d.HostToDevice(tables)
+    path.link_bytes_per_s = 1e9  # as if measured: the trial would start
+    word = torch.zeros(4, dtype=torch.int64)
+    ring = torch.empty(4096, dtype=torch.uint8)
+    for _ in range(3):
+        path.run(
+            src,
+            dst,
+            ring,
+            device_bytes=1024,
+            pinned={0: True},
+            progress=h2d.Progress(word, dst[1000].data_ptr()),
+        )
+        assert path.split == "rejected" and path.host_share == 1.0
+        assert path.last["device_cast_elements"] == 0
+        assert int(word[0]) == 2500 * 2
+    want = src[0][:2500].to(torch.bfloat16)
+    assert torch.equal(_bits(dst[1000][:2500]), _bits(want))
