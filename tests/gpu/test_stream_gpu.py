@@ -154,6 +154,22 @@ def test_queued_buckets_wait_for_the_callers_queued_reads():
     stream.close()
 
 
+def _flat_masters(seed):
+    """One flat CPU fp32 storage of SHAPES, tensors back to back (one stage_h2d pipeline writes
+    a bucket of them, in order): (layout, source, {name: torch's bf16 cast on the GPU})."""
+    import reshard as rs
+
+    g = torch.Generator().manual_seed(seed)
+    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    tensors, off = {}, 0
+    for n, s in SHAPES.items():
+        tensors[n] = rs.flat(s, [(0, 0, math.prod(s), off)])
+        off += math.prod(s)
+    layout = rs.Layout(tensors, {0: rs.Storage(0, torch.float32, off)})
+    src = torch.cat([t.reshape(-1) for t in full.values()])
+    return layout, src, {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+
+
 def test_tensors_are_yielded_while_their_bucket_moves():
     """One flat CPU fp32 storage into one large bucket: the stage op publishes how far its
     copies are queued, and the stream yields each tensor once its bytes are queued, before the
@@ -162,15 +178,7 @@ def test_tensors_are_yielded_while_their_bucket_moves():
     own casts."""
     import reshard as rs
 
-    g = torch.Generator().manual_seed(1)
-    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-    tensors, off = {}, 0
-    for n, s in SHAPES.items():
-        tensors[n] = rs.flat(s, [(0, 0, math.prod(s), off)])
-        off += math.prod(s)
-    layout = rs.Layout(tensors, {0: rs.Storage(0, torch.float32, off)})
-    src = torch.cat([t.reshape(-1) for t in full.values()])
-    want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+    layout, src, want = _flat_masters(1)
     stream = rs.Stream(layout, [0], 256 << 20, dtype=torch.bfloat16, device="cuda")
     assert len(stream.buckets) == 1
     for call in range(3):
@@ -199,15 +207,7 @@ def test_stopping_while_a_bucket_moves_leaves_the_stream_usable():
     error is the caller's own, and the next call yields every tensor right."""
     import reshard as rs
 
-    g = torch.Generator().manual_seed(2)
-    full = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
-    tensors, off = {}, 0
-    for n, s in SHAPES.items():
-        tensors[n] = rs.flat(s, [(0, 0, math.prod(s), off)])
-        off += math.prod(s)
-    layout = rs.Layout(tensors, {0: rs.Storage(0, torch.float32, off)})
-    src = torch.cat([t.reshape(-1) for t in full.values()])
-    want = {n: t.to("cuda").to(torch.bfloat16) for n, t in full.items()}
+    layout, src, want = _flat_masters(2)
     stream = rs.Stream(layout, [0], 256 << 20, dtype=torch.bfloat16, device="cuda")
     first = []
     for name, _ in stream({0: src}):
