@@ -182,8 +182,9 @@ class BucketMover:
         if self._worker is None:
             # one worker thread for the Stream's life: its allocator arena (CPU staging) and
             # CUDA stream are reused by every call. Its intra-op team is the caller's, one
-            # thread fewer where the caller works beside it (on the H200 host a team of 15 of
-            # 16 moved the stream 8-15% faster: benchmarks/results/h200/issued)
+            # thread fewer where the caller works beside it (on the H200 host, 15 of 16 moved
+            # the stream 8-15% faster in one call; within noise in another:
+            # benchmarks/results/h200/issued)
             threads = torch.get_num_threads()
             if self.caller_overlaps and threads > 1:
                 threads -= 1
