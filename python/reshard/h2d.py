@@ -339,6 +339,7 @@ class _Route(NamedTuple):
     direct_bytes: list
     direct_whole: list  # per direct copy: it is the whole source and the whole target
     counts: dict  # what a call on this route moves, by path (the fixed part of `last`)
+    publishes: bool  # a call on it can publish its progress (`_publishes`)
 
 
 class HostToDevice:
@@ -384,7 +385,7 @@ class HostToDevice:
         """One call: every table's spans from `src` into `dst` through `ring` (pinned) and at
         most `device_bytes` of device scratch. pinned: {source location: page-locked?}
         (default: asked of torch). progress: a `Progress` the call publishes to while its
-        copies are queued, when its route allows (`_publishes`); else nothing is
+        copies are queued, when its route allows (`_Route.publishes`); else nothing is
         published. Targets on the CPU run the same pipeline in order, with no streams (the CPU
         tests of this module)."""
         if progress is not None and self.split == "trial":
@@ -478,6 +479,7 @@ class HostToDevice:
                 "staged_tables": sum(1 for _, j, _, _ in big if j is None),
                 "ring_pieces": len(small),
             },
+            self._publishes(direct, dev_chunks, small, big),
         )
         return r
 
@@ -511,7 +513,7 @@ class HostToDevice:
                 q.record(side_done, side)
                 q.wait(cast_stream, side_done)
                 q.record(side_end, cast_stream)
-        if progress is not None and not self._publishes(r):
+        if progress is not None and not r.publishes:
             progress = None
         self._staged_pieces(q, src, dst, ring, big, progress)
         pack_s = 0.0
@@ -561,16 +563,16 @@ class HostToDevice:
                 start += size
                 size *= 2
 
-    def _publishes(self, r: _Route) -> bool:
-        """Whether a call on this route can publish its progress: one table, all of it through
+    def _publishes(self, direct, dev_chunks, small, big) -> bool:
+        """Whether a call on a route can publish its progress: one table, all of it through
         stage_h2d calls (no direct copies, device casts or ring pieces), whose spans in call
         order each start where the one before ended in the target, the first at the target
         buffer's start. Then the end of what the running call has queued is the end
         of a prefix of the target buffer all queued."""
-        if r.direct or r.dev_chunks or r.small or not r.big:
+        if direct or dev_chunks or small or not big:
             return False
-        end, table = 0, r.big[0][0]
-        for ti, j, first, n in r.big:
+        end, table = 0, big[0][0]
+        for ti, j, first, n in big:
             if ti != table:
                 return False
             spans = self.tables[ti].spans
