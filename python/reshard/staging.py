@@ -38,6 +38,7 @@ class Staging:
         self.nbuf = arenas_per_direction(num_rounds)
         self.arenas = None  # {SEND: [tensor, ...], RECV: [...]} once allocated
         self.ring = None  # pinned uint8 tensor of the stage ops
+        self._stage_device = (0, 0)  # (ring bytes, stage_device_bytes for that ring)
 
     def allocate_arenas(self, send_bytes: int, recv_bytes: int) -> None:
         self.arenas = {
@@ -72,9 +73,13 @@ class Staging:
         """Device staging one stage_h2d/stage_d2h call may take with this ring (the ring's
         slots mirrored on the device; none when the device side is a packed arena segment).
         Counted in both the bound and the held bytes while the ring exists."""
-        if self.ring is None or not torch.cuda.is_available():
+        if self.ring is None:
             return 0
-        return int(torch.ops.reshard.stage_device_bytes(self.ring.numel()))
+        n = self.ring.numel()
+        if self._stage_device[0] != n:  # asked once per ring: every call counts it twice
+            got = torch.ops.reshard.stage_device_bytes(n) if torch.cuda.is_available() else 0
+            self._stage_device = (n, int(got))
+        return self._stage_device[1]
 
     def _alloc(self, nbytes: int, pinned: bool) -> torch.Tensor:
         if pinned:
