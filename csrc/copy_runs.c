@@ -12,9 +12,6 @@
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
-#include <immintrin.h> /* the AVX-512 pack below, compiled for that target alone */
-#endif
 
 /* Extents above this are rejected: no real buffer is that large, and the bound keeps every
  * intermediate of the overlap arithmetic below inside int64. */
@@ -635,48 +632,6 @@ RS_CONVERTER(cvt_f16_bf16, {
   for (i = 0; i < n; i++) st16(d, i, rs_bf16_from_f16_bits(ld16(s, i)));
 })
 
-#ifdef RS_X86_CLONES
-/* fp32 -> bf16 for 16 lanes: rs_bf16_from_f32_bits' integer rule, lane by lane. */
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static inline __m256i bf16x16(__m512i u) {
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xFFFF)));
-}
-
-/* The AVX-512 fp32 -> bf16 pack into the staging ring, written out: 64 elements (four source
- * lines) per step, each step first prefetching (T0) the four lines `ahead` bytes on that lie
- * inside the source; the tail goes through the converter. On the H200 host (16 vCPUs, 15
- * threads, the queue's 256 KiB sub-chunks into a 64 MiB ring) it packed 1.055x as fast as the
- * auto-vectorized converter with convert_ahead's block prefetch (mean of 13 same-run pairs,
- * 0.99-1.12x), 1.045x beside a running H2D DMA (6 pairs). */
-__attribute__((target("avx512f,avx512bw,avx512vl"))) static void pack_f32_bf16_avx512(
-    const unsigned char *s, unsigned char *d, int64_t n, uintptr_t ahead) {
-  const uintptr_t end = (uintptr_t)s + (uintptr_t)n * 4u;
-  int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    const unsigned char *p = s + (size_t)i * 4;
-    const uintptr_t next = (uintptr_t)p + ahead;
-    __m512i lo, hi;
-    if (next + 256u <= end) {
-      _mm_prefetch((const char *)next, _MM_HINT_T0);
-      _mm_prefetch((const char *)(next + 64u), _MM_HINT_T0);
-      _mm_prefetch((const char *)(next + 128u), _MM_HINT_T0);
-      _mm_prefetch((const char *)(next + 192u), _MM_HINT_T0);
-    }
-    lo = _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(_mm512_loadu_si512(p))),
-                            bf16x16(_mm512_loadu_si512(p + 64)), 1);
-    hi = _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(_mm512_loadu_si512(p + 128))),
-                            bf16x16(_mm512_loadu_si512(p + 192)), 1);
-    _mm512_storeu_si512(d + (size_t)i * 2, lo);
-    _mm512_storeu_si512(d + (size_t)i * 2 + 64, hi);
-  }
-  cvt_f32_bf16_avx512(s + (size_t)i * 4, d + (size_t)i * 2, n - i);
-}
-#endif
-
 /* 0: baseline, 1: AVX2, 2: AVX-512BW; the CPU's best, capped by RESHARD_CPU_CAPABILITY. */
 int rs_cpu_capability(void) {
 #ifdef RS_X86_CLONES
@@ -744,12 +699,6 @@ static void convert_ahead(convert_fn cvt, const unsigned char *s, size_t ssz, un
   const int64_t block = (int64_t)(RS_CAST_BLOCK_BYTES / ssz);
   const uintptr_t end = (uintptr_t)s + (uintptr_t)n * ssz;
   int64_t i;
-#ifdef RS_X86_CLONES
-  if (cvt == cvt_f32_bf16_avx512) {
-    pack_f32_bf16_avx512(s, d, n, RS_CAST_PREFETCH_BYTES);
-    return;
-  }
-#endif
   for (i = 0; i < n; i += block) {
     const int64_t m = n - i < block ? n - i : block;
     const uintptr_t ahead = (uintptr_t)s + (uintptr_t)i * ssz + RS_CAST_PREFETCH_BYTES;
