@@ -76,7 +76,7 @@ class Staging:
         if self.ring is None:
             return 0
         n = self.ring.numel()
-        if self._stage_device[0] != n:  # asked once per ring: every call counts it twice
+        if self._stage_device[0] != n:  # once per ring, not three times per call
             got = torch.ops.reshard.stage_device_bytes(n) if torch.cuda.is_available() else 0
             self._stage_device = (n, int(got))
         return self._stage_device[1]
