@@ -275,12 +275,16 @@ class _RoundLoop:
         self.copy_runs = _copy_runs_op()
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.ring = engine.staging.ring
+        # device work of this call still queued on the current stream when the rounds end
+        # (the stage ops and reshard.h2d return once their copies are done)
+        self.queued = engine.num_rounds > 0
 
     def _copy(self, src, desc, dst, phase, staged=None):
         """copy_runs when both sides share a device, else the stage op through the ring
         (a CPU side under NCCL); that time moves from `phase` to `staged` ("h2d" / "d2h")."""
         if src.device == dst.device:
             self.copy_runs(src, desc, dst)
+            self.queued = self.queued or src.device.type == "cuda"
             return
         t1 = time.perf_counter()
         if src.device.type == "cpu":
@@ -414,7 +418,7 @@ class _RoundLoop:
                     rnd.bytes_sent,
                     rnd.bytes_received,
                 )
-        if e.arena_device.type == "cuda":
+        if self.queued and e.arena_device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
 

@@ -80,21 +80,26 @@ class Progress(NamedTuple):
 
     word: torch.Tensor
     origin: int
+    values: np.ndarray | None = None  # `word`'s numpy view (None: made when needed)
 
 
 _publishing = threading.local()
 
 
-@contextlib.contextmanager
-def publishing(progress: Progress | None):
+class publishing:  # noqa: N801 - used as a context manager, like contextlib's
     """Within: this thread's calls that may publish (`current_progress`) publish to
     `progress`."""
-    before = getattr(_publishing, "progress", None)
-    _publishing.progress = progress
-    try:
-        yield
-    finally:
-        _publishing.progress = before
+
+    def __init__(self, progress: Progress | None):
+        self.progress = progress
+
+    def __enter__(self):
+        self.before = getattr(_publishing, "progress", None)
+        _publishing.progress = self.progress
+
+    def __exit__(self, *exc):
+        _publishing.progress = self.before
+        return False
 
 
 def current_progress() -> Progress | None:
@@ -360,6 +365,7 @@ class HostToDevice:
         self._pinned = {}  # source location -> data_ptr seen page-locked (stays so while alive)
         self._routes: dict = {}  # (page-locked sources, share, ring, scratch) -> _Route
         self._warm: set = set()  # (length, dtypes) of device casts whose tables the op holds
+        self._ring_views: dict = {}  # casting? -> (the ring, its `stage_ring` view)
         self.last = {}  # what the last call did (elements per path, share, seconds)
 
     def _desc(self, n: int) -> torch.Tensor:
@@ -484,7 +490,7 @@ class HostToDevice:
         return r
 
     def _run(self, src, dst, ring, device_bytes, dev, q, pinned, progress=None):
-        side, cast_stream, cur = q.side, q.cast, q.current()
+        side, cast_stream = q.side, q.cast
         pinned = self._page_locked(src, pinned)
         r = self._route(src, dst, ring, device_bytes, pinned)
         direct, cast_spans, host, dev_chunks = r.direct, r.cast_spans, r.host, r.dev_chunks
@@ -498,6 +504,7 @@ class HostToDevice:
         side_work = bool(dev_chunks or direct)
         timed = dev.type == "cuda" and side_work
         if side_work:
+            cur = q.current()
             side_start, side_end = q.event(timed), q.event(timed)
             scratch = None
             if dev_chunks:
@@ -593,7 +600,7 @@ class HostToDevice:
         for ti, j, first, n in big:
             t = self.tables[ti]
             s, d = src[t.src_location], dst[t.dst_location]
-            r = stage_ring(ring, s.dtype, d.dtype)
+            r = self._stage_ring(ring, s.dtype, d.dtype)
             a = b = 0
             if j is not None:
                 so, do, _ = (int(v) for v in t.spans[j])
@@ -601,12 +608,24 @@ class HostToDevice:
             word = None
             if progress is not None:
                 word = progress.word
-                word[2] = d.data_ptr() + b * d.element_size() - progress.origin  # base
-                word[3] = d.element_size()  # scale: the call publishes elements
+                # base and scale through numpy: a torch index assignment costs far more
+                values = progress.values if progress.values is not None else word.numpy()
+                values[2] = d.data_ptr() + b * d.element_size() - progress.origin  # base
+                values[3] = d.element_size()  # scale: the call publishes elements
             if j is None:
                 q.stage(s, t.desc, r, d, word)
             else:
                 q.stage(s[a : a + n], self._desc(n), r, d[b : b + n], word)
+
+    def _stage_ring(self, ring, src_dtype, dst_dtype) -> torch.Tensor:
+        """`stage_ring`, kept per ring object (a Transfer's ring is fixed once allocated):
+        slicing a tensor costs tens of microseconds once a large copy has left the caches
+        cold."""
+        casting = src_dtype != dst_dtype
+        kept = self._ring_views.get(casting)
+        if kept is None or kept[0] is not ring:
+            kept = self._ring_views[casting] = (ring, stage_ring(ring, src_dtype, dst_dtype))
+        return kept[1]
 
     def _warm_tables(self, src, dst, chunks, scratch, half_bytes):
         """The device op validates and uploads a new table with a synchronous copy on the

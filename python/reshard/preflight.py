@@ -11,7 +11,7 @@ before anything is written.
 
 What cannot change between calls is checked once per Transfer (the schedule against what the
 kernels accept). Every call reads, for each buffer, everything the per-buffer checks depend on
-(`buffers_key`: type, address, storage address and bytes, dtype, shape, contiguity, device; for
+(`_call_key`: type, address, storage address and bytes, dtype, shape, contiguity, device; for
 targets requires_grad and inference) plus the grad / inference mode, and runs the hooks; when
 all of it equals the last passing call's, the per-buffer verdicts and the placement are that
 call's, and only the hooks and the staging run. Otherwise every buffer is checked (ownership,
@@ -431,26 +431,21 @@ def _check_side(side, layout, buffers, rank, world_size, transport, reasons) -> 
     return ok
 
 
-def buffers_key(buffers: dict) -> tuple | None:
-    """Everything the per-buffer checks of one side read: the locations in order and, per
-    value, its type and `_ops.FACT_COLUMNS` (address, storage address and bytes, dtype,
-    device, dim, numel, contiguity, requires_grad, inference), read in one op call. Equal keys
-    (in the same grad / inference mode and current device: `_call_key`) get the same
-    per-buffer verdicts and the same `placement`; only a passing call's key is kept, and a
-    passing buffer is 1-D, so its dim and numel are its shape and its contiguity its strides.
-    None when a value is not a plain tensor (the full checks then say why)."""
-    facts = _ops.facts_key(list(buffers.values()))
-    return None if facts is None else (tuple(buffers), facts)
-
-
 def _call_key(ctx, src: dict, dst: dict) -> tuple | None:
-    """`buffers_key` of both sides plus the modes the checks read (grad, inference, the
-    current CUDA device under NCCL); None if a side has none."""
-    s, d = buffers_key(src), buffers_key(dst)
-    if s is None or d is None:
+    """Everything the per-buffer checks read: the modes (grad, inference, the current CUDA
+    device under NCCL), each side's locations in order and, per value, its type and
+    `_ops.FACT_COLUMNS` (address, storage address and bytes, dtype, device, dim, numel,
+    contiguity, requires_grad, inference), read for both sides in one op call (after a large
+    copy every call runs cold, so one is worth saving). Equal keys get the same per-buffer
+    verdicts and the same `placement`; only a passing call's key is kept, and a passing buffer
+    is 1-D, so its dim and numel are its shape and its contiguity its strides. None when a
+    value is not a plain tensor (the full checks then say why)."""
+    facts = _ops.facts_key([*src.values(), *dst.values()])
+    if facts is None:
         return None
     cuda = torch.cuda.current_device() if ctx.transport == "nccl" else None
-    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cuda, s, d
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    return grad, inference, cuda, tuple(src), tuple(dst), facts
 
 
 def placement(src_ok: dict, dst_ok: dict) -> tuple:

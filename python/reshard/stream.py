@@ -138,7 +138,16 @@ class Stream:
         self._yields = None  # per bucket: [(name, typed buffer, shape, strides, offset)]
         self._ends = None  # per bucket: per yielded tensor, the end of its bytes in the buffer
         self._active = False  # a call is being iterated (calls are not reentrant)
-        self.report = None  # the last completed call's Report
+        self._report = None  # the last completed call's Report, once read
+        self._last_call = None  # the last completed call, until its Report is read
+
+    @property
+    def report(self):
+        """The last completed call's Report (None before one completed), made when first read:
+        a caller that does not read it pays nothing for it."""
+        if self._last_call is not None:
+            self._report, self._last_call = self._last_call.report(), None
+        return self._report
 
     @property
     def plans(self) -> list:
@@ -204,7 +213,8 @@ class Stream:
             self.mover.register(bufs)
             call = Call(self, bufs, hooks)
             yield from call.run()
-            self.report = call.report(time.perf_counter() - t0)
+            call.completed(time.perf_counter() - t0)
+            self._last_call, self._report = call, None
         finally:
             self._active = False
 

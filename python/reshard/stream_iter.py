@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import torch
 
@@ -49,7 +50,7 @@ class Call:
         self.cuda = stream.mover.cuda_device is not None
         self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
         self.next = 0  # the next bucket to queue
-        self.reports = []
+        self.outcomes = []  # per bucket moved: its Report, or its Future (read in `report`)
         self.waited = 0.0  # seconds the caller blocked on a bucket still in flight
         self.failed = False
         self.landed = None  # CUDA event: the bucket being yielded has landed
@@ -64,7 +65,7 @@ class Call:
         if self.cuda:
             # the caller's kernels may still write the sources or read the bytes this bucket
             # overwrites: the worker's stream waits for them (no host synchronization)
-            done = torch.cuda.Event()
+            done = s.mover.caller_event(k)
             done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
         host_sync = s.device.type != "cuda"
@@ -89,12 +90,34 @@ class Call:
         _, fut = self.pending.popleft()
         try:
             rep, self.landed = fut.result()
-            self.reports.append(rep)
+            self.outcomes.append(rep)
         except BaseException:
             self.failed = True
             raise
         finally:
             self.waited += time.perf_counter() - t0
+
+    def settle(self, k: int) -> None:
+        """Wait for bucket k (the oldest pending, which publishes progress) to be done, as
+        `finish` does, but on its progress word: DONE is published once its transfer returned
+        and its landed event is recorded, so the caller goes on without waiting for the
+        worker to hand back its Future (the Report in it is read by `report`). A failure
+        raises as in `finish`."""
+        s = self.s
+        word = s.mover.progress_word_of(k)
+        fut = self.pending[0][1]
+        t0 = time.perf_counter()
+        while True:
+            v = torch.ops.reshard.progress_wait(word, DONE, PROGRESS_POLL_US)
+            if v >= DONE or v < 0 or fut.done():
+                break
+        self.waited += time.perf_counter() - t0
+        if v < DONE:  # failed (or the worker ended without publishing): its Future says
+            self.finish()
+            return
+        self.pending.popleft()
+        self.outcomes.append(fut)
+        self.landed = s.mover.landed[k]
 
     def await_queued(self, k: int, end: int) -> int:
         """Block until the copies of bucket k (the oldest pending) that write the buffer's
@@ -113,13 +136,13 @@ class Call:
         cur = torch.cuda.current_stream(s.mover.cuda_device)
         if v < end or v >= DONE:
             # failed, or done (or publishing nothing): the bucket's own result and event
-            self.finish()
+            self.settle(k)
             cur.wait_event(self.landed)
             return DONE
         # every copy before `end` is queued on the worker's stream: an event recorded there
         # now follows them. Were the bucket's landed event already set, the worker may have
         # queued the next bucket's copies too, so the exact event is used instead.
-        ev = torch.cuda.Event()
+        ev = s.mover.queued_event()
         ev.record(s.mover.cuda_stream)
         landed = s.mover.landed.get(k)
         cur.wait_event(landed if landed is not None else ev)
@@ -144,7 +167,7 @@ class Call:
                         yield item
                         consumed += 1
                     if covered < DONE:
-                        self.finish()  # bucket k's report (and its failure, if any)
+                        self.settle(k)  # bucket k is done (or raises its failure)
                     continue
                 self.finish()  # bucket k has landed
                 if not self.receiving:
@@ -159,22 +182,30 @@ class Call:
         finally:
             self.drain(completed)
 
-    def report(self, total: float) -> Report:
-        """The call's Report: sums over its buckets; staging held and bound are the
+    def completed(self, total: float) -> None:
+        """The call returned after `total` seconds: keep what its Report needs that a later
+        call may change (the pool's holdings, the registration)."""
+        self.total = total
+        self.ring = self.s.mover.pool.ring_nbytes if self.s.mover.pool.ring is not None else 0
+        self.held = self.s.mover.pool.held()
+        self.registration = self.s.mover.registration
+
+    def report(self) -> Report:
+        """The completed call's Report: sums over its buckets; staging held and bound are the
         receivers' buffer plus the Stream's staging pool."""
         s = self.s
-        rep = merge_reports(self.reports, s.rank, s.world_size, s.backend, s.fingerprint)
+        reports = [o.result()[0] if isinstance(o, Future) else o for o in self.outcomes]
+        rep = merge_reports(reports, s.rank, s.world_size, s.backend, s.fingerprint)
         transport = "nccl" if s.mover.cuda_device is not None else "gloo"
-        ring = s.mover.pool.ring_nbytes if s.mover.pool.ring is not None else 0
-        rep.staging_bound = s.staging_bytes(transport=transport, host_ring_bytes=ring)
-        held = s.mover.pool.held()
+        rep.staging_bound = s.staging_bytes(transport=transport, host_ring_bytes=self.ring)
+        held = dict(self.held)
         if s.buffer is not None:
             held["device" if s.device.type == "cuda" else "host"] += s.buffer_bytes
         rep.peak_staging_bytes = held
-        rep.seconds["total"] = total
+        rep.seconds["total"] = self.total
         rep.wait_seconds = self.waited  # the caller blocked on a bucket still in flight
-        if s.mover.registration is not None:
-            rep.host_registration = s.mover.registration
+        if self.registration is not None:
+            rep.host_registration = self.registration
         return rep
 
     def drain(self, completed: bool) -> None:

@@ -10,9 +10,11 @@ tables, so a call costs each bucket only its preflight and its rounds. The Trans
 one pinned ring, allocated on first use and kept across calls. With `register_host_sources`, CPU
 source storages are page-locked in place once (`reshard.hostreg`), for every bucket.
 
-CUDA: the worker moves buckets on its own CUDA stream. A landed bucket is handed to the caller
-as an event its current stream waits on (no host synchronization); before a bucket overwrites
-bytes the caller used, the worker's stream waits on an event recorded on the caller's stream.
+CUDA: the worker moves buckets on its own CUDA stream, its thread's current stream (set once:
+nothing else runs on that thread). A landed bucket is handed to the caller as an event its
+current stream waits on (no host synchronization); before a bucket overwrites bytes the caller
+used, the worker's stream waits on an event recorded on the caller's stream. Each bucket keeps
+its two events across calls (a bucket's move is over before the next call queues it again).
 A bucket submitted with a progress word (`progress_word`) also tells the caller, while it
 moves, how far its copies are queued (`reshard.h2d.Progress`; only where one stage_h2d pipeline
 writes the whole target, else nothing until it is done), then DONE once its transfer returned
@@ -51,6 +53,7 @@ class StagingPool:
         )
         self.arenas: dict = {}  # (side, index) -> uint8 tensor
         self.ring = None
+        self._ring_device = None  # device staging the stage ops take with the ring
         self.members: list = []  # the PooledStaging of every bucket Transfer
 
     def arena(self, device, side, index: int, nbytes: int) -> torch.Tensor:
@@ -83,8 +86,10 @@ class StagingPool:
         for t in self.arenas.values():
             out["device" if t.device.type == "cuda" else "host"] += t.numel()
         if self.ring is not None:
+            if self._ring_device is None:  # an op call: asked once, the ring is fixed
+                self._ring_device = ring_device_bytes(self.ring_nbytes)
             out["host_pinned"] += self.ring.numel()
-            out["device"] += ring_device_bytes(self.ring_nbytes)
+            out["device"] += self._ring_device
         return out
 
     def bound(self, transport: str, host_ring_bytes: int) -> dict:
@@ -146,8 +151,10 @@ class BucketMover:
         # the caller runs beside the worker's packing (it takes tensors as they are queued):
         # the worker's intra-op team leaves it a core
         self.caller_overlaps = False
-        self._words: dict = {}  # bucket index -> its progress word (int64 [4], CPU)
+        self._words: dict = {}  # bucket index -> its progress word (int64 [4], CPU), numpy view
         self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
+        self._events: dict = {}  # bucket index -> (caller_done, landed) CUDA events, kept
+        self._queued_event = None  # recorded per wait of the caller (see `queued_event`)
 
     def begin_call(self) -> None:
         """A new call: nothing is queued (the previous call waited for all of its buckets)."""
@@ -163,14 +170,34 @@ class BucketMover:
         submitting the bucket with `progress_origin`."""
         w = self._words.get(index)
         if w is None:
-            w = self._words[index] = torch.zeros(4, dtype=torch.int64)
-        w.zero_()
+            t = torch.zeros(4, dtype=torch.int64)
+            w = self._words[index] = (t, t.numpy())
+        else:
+            w[1][:] = 0  # nothing waits on or publishes to it between calls
         self.landed[index] = None
-        return w
+        return w[0]
 
     def progress_word_of(self, index: int) -> torch.Tensor:
         """Bucket `index`'s progress word as it is (not reset)."""
-        return self._words[index]
+        return self._words[index][0]
+
+    def _bucket_events(self, index: int):
+        ev = self._events.get(index)
+        if ev is None:
+            ev = self._events[index] = (torch.cuda.Event(), torch.cuda.Event())
+        return ev
+
+    def caller_event(self, index: int):
+        """The CUDA event bucket `index`'s move waits for (the caller records it on its
+        current stream when it queues the bucket)."""
+        return self._bucket_events(index)[0]
+
+    def queued_event(self):
+        """An event for the caller to record on the worker's stream and wait on at once (a
+        wait takes the event as it was when queued, so one event serves every wait)."""
+        if self._queued_event is None:
+            self._queued_event = torch.cuda.Event()
+        return self._queued_event
 
     def submit(
         self, bucket, src, dst, checks, caller_done=None, host_sync=False, progress_origin=None
@@ -209,14 +236,14 @@ class BucketMover:
         return t
 
     def _move(self, bucket, src, dst, checks, caller_done, host_sync, progress_origin):
-        word = self._words[bucket.index] if progress_origin is not None else None
+        word, values = self._words[bucket.index] if progress_origin is not None else (None, None)
         try:
             if self._failed is not None:
                 raise RuntimeError(
                     f"bucket {bucket.index} was not moved: an earlier bucket of this call "
                     f"failed ({type(self._failed).__name__}: {self._failed})"
                 )
-            progress = Progress(word, progress_origin) if word is not None else None
+            progress = Progress(word, progress_origin, values) if word is not None else None
             try:
                 out = self._move_now(bucket, src, dst, checks, caller_done, host_sync, progress)
             except BaseException as exc:
@@ -234,16 +261,18 @@ class BucketMover:
         transfer = self._transfer(bucket)
         if self.cuda_device is None:
             return transfer(src, dst, checks=checks), None
-        torch.cuda.set_device(self.cuda_device)
-        if self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(self.cuda_device)
         stream = self._cuda_stream
-        with torch.cuda.stream(stream), publishing(progress):
-            if caller_done is not None:
-                stream.wait_event(caller_done)
+        if stream is None:  # this thread's device and current stream, for every later move
+            torch.cuda.set_device(self.cuda_device)
+            stream = torch.cuda.Stream(self.cuda_device)
+            torch.cuda.set_stream(stream)
+            self._cuda_stream = stream
+        if caller_done is not None:
+            stream.wait_event(caller_done)
+        with publishing(progress):
             rep = transfer(src, dst, checks=checks)
-            landed = torch.cuda.Event()
-            landed.record(stream)
+        landed = self._bucket_events(bucket.index)[1]
+        landed.record(stream)
         if progress is not None:
             self.landed[bucket.index] = landed  # before DONE: see Call.await_queued
         if host_sync:
