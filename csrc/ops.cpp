@@ -378,6 +378,7 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
 constexpr int64_t kFactColumns = 11;
 
 constexpr int64_t kMaxProgressWaitUs = int64_t{3600} * 1000 * 1000;  // an hour
+constexpr int64_t kMaxProgressSpinUs = 100 * 1000;  // polling longer than this wastes a core
 
 // A progress word (reshard.h): a CPU int64 tensor of RS_PROGRESS_WORDS elements, contiguous.
 int64_t* progress_words(const char* op, const at::Tensor& p) {
@@ -391,13 +392,18 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
 }
 
 // Blocks (without the GIL: torch.ops calls release it) until the progress word's value is
-// >= at_least or negative, or timeout_us microseconds have passed; returns the value.
-int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t timeout_us) {
+// >= at_least or negative, or timeout_us microseconds have passed; returns the value. It polls
+// for its first spin_us microseconds and sleeps after.
+int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t timeout_us,
+                      int64_t spin_us) {
   int64_t* p = progress_words("reshard::progress_wait", progress);
   TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs,
               "reshard::progress_wait: ", "timeout_us ", std::to_string(timeout_us),
               " is outside [0, ", std::to_string(kMaxProgressWaitUs), "]");
-  return rs_progress_wait(p, at_least, timeout_us * 1000);
+  TORCH_CHECK(spin_us >= 0 && spin_us <= kMaxProgressSpinUs, "reshard::progress_wait: ",
+              "spin_us ", std::to_string(spin_us), " is outside [0, ",
+              std::to_string(kMaxProgressSpinUs), "]");
+  return rs_progress_wait(p, at_least, timeout_us * 1000, spin_us * 1000);
 }
 
 void progress_set(const at::Tensor& progress, int64_t value) {
@@ -884,7 +890,8 @@ TORCH_LIBRARY(reshard, m) {
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);
   m.def("stage_device_bytes(int ring_bytes) -> int", &stage_device_bytes);
   m.def("tensor_facts(Tensor[] tensors) -> Tensor", &tensor_facts);
-  m.def("progress_wait(Tensor progress, int at_least, int timeout_us) -> int", &progress_wait);
+  m.def("progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
+        &progress_wait);
   m.def("progress_set(Tensor(a!) progress, int value) -> ()");
 }
 

@@ -51,16 +51,31 @@ static int64_t now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000 + (int64_t)ts.tv_nsec;
 }
 
-int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns) {
-  const int64_t deadline = now_ns() + (timeout_ns > 0 ? timeout_ns : 0);
+static void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause(); /* leaves the core's other hardware thread its share while polling */
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64_t spin_ns) {
+  const int64_t start = now_ns();
+  const int64_t deadline = start + (timeout_ns > 0 ? timeout_ns : 0);
+  const int64_t spin_end = start + (spin_ns > 0 ? spin_ns : 0);
   int32_t *w = seq_word(p);
   for (;;) {
     /* the sequence first: a publish after this read changes it, so the sleep below returns */
     const int32_t seen = __atomic_load_n(w, __ATOMIC_ACQUIRE);
     const int64_t v = __atomic_load_n(&p[0], __ATOMIC_ACQUIRE);
     if (v >= at_least || v < 0) return v;
-    const int64_t left = deadline - now_ns();
+    const int64_t now = now_ns();
+    const int64_t left = deadline - now;
     if (left <= 0) return v;
+    if (now < spin_end) {
+      for (int i = 0; i < 64; ++i) cpu_relax();
+      continue;
+    }
 #if defined(__linux__)
     struct timespec ts = {(time_t)(left / 1000000000), (long)(left % 1000000000)};
     syscall(SYS_futex, w, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);

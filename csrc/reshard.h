@@ -170,8 +170,9 @@ void rs_progress_publish(int64_t *p, int64_t amount);
 /* Stores `value` as is (a reset, a final value); wakes every waiter. */
 void rs_progress_set(int64_t *p, int64_t value);
 /* The value, once it is >= at_least or negative, or when timeout_ns (>= 0) has passed; reads
- * with acquire order, so what the producer wrote before publishing is visible. */
-int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns);
+ * with acquire order, so what the producer wrote before publishing is visible. For its first
+ * spin_ns (>= 0) the waiter polls instead of sleeping: a short wait then costs no wake-up. */
+int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64_t spin_ns);
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
 """The progress word ops (`reshard::progress_wait` / `progress_set`, csrc/progress.c): a thread
-blocked in progress_wait wakes when another publishes what it needs, a negative value is
-final, a timeout returns the value as it is, and a malformed word is refused. CPU only."""
+blocked in progress_wait (sleeping, or polling first) wakes when another publishes what it
+needs, a negative value is final, a timeout returns the value as it is, and a malformed word or
+an out-of-range timeout or poll is refused. CPU only."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ def test_wait_wakes_when_the_value_is_published():
     th.join(5)
     assert got == [120]
     assert time.perf_counter() - t0 < 2  # woken, not timed out
+
+
+@pytest.mark.parametrize("spin_us", [0, 20_000, 100_000])
+def test_a_polling_wait_returns_what_was_published(spin_us):
+    """A waiter that polls first (spin_us) sees a value published while it polls or after it
+    has gone to sleep; a poll longer than the timeout ends at the timeout."""
+    w = _word()
+    got = []
+
+    def waiter():
+        got.append(ops.progress_wait(w, 100, 10_000_000, spin_us))
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.03)  # within the longest poll, past the others
+    ops.progress_set(w, 120)
+    th.join(5)
+    assert got == [120]
+    t0 = time.perf_counter()
+    assert ops.progress_wait(w, 200, 20_000, spin_us) == 120
+    assert 0.019 <= time.perf_counter() - t0 < 1
 
 
 def test_negative_value_is_final_and_timeouts_return_the_value():
@@ -90,3 +112,7 @@ def test_timeout_out_of_range_is_refused():
         ops.progress_wait(_word(), 1, -1)
     with pytest.raises(RuntimeError, match="timeout_us"):
         ops.progress_wait(_word(), 1, 1 << 60)
+    with pytest.raises(RuntimeError, match="spin_us"):
+        ops.progress_wait(_word(), 1, 0, -1)
+    with pytest.raises(RuntimeError, match="spin_us"):
+        ops.progress_wait(_word(), 1, 0, 100_001)

@@ -49,7 +49,7 @@ SCHEMAS = (
     "host_unregister(Tensor t) -> ()",
     "stage_device_bytes(int ring_bytes) -> int",
     "tensor_facts(Tensor[] tensors) -> Tensor",
-    "progress_wait(Tensor progress, int at_least, int timeout_us) -> int",
+    "progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
     "progress_set(Tensor(a!) progress, int value) -> ()",
 )
 

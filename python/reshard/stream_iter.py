@@ -38,6 +38,10 @@ from .stream_mover import DONE
 # Microseconds one progress wait sleeps before the caller checks the bucket's Future (a worker
 # that died without publishing cannot hold the caller).
 PROGRESS_POLL_US = 250_000
+# Microseconds the caller polls for a bucket's DONE before it sleeps. It waits there only once
+# the bucket's last copies are queued (the host's packing is over): its transfer's return is then
+# a fraction of a millisecond away, and a sleeping thread takes tens of microseconds to wake.
+SETTLE_SPIN_US = 2_000
 
 
 class Call:
@@ -108,7 +112,7 @@ class Call:
         fut = self.pending[0][1]
         t0 = time.perf_counter()
         while True:
-            v = torch.ops.reshard.progress_wait(word, DONE, PROGRESS_POLL_US)
+            v = torch.ops.reshard.progress_wait(word, DONE, PROGRESS_POLL_US, SETTLE_SPIN_US)
             if v >= DONE or v < 0 or fut.done():
                 break
         self.waited += time.perf_counter() - t0

@@ -33,6 +33,8 @@ static void sleep_us(long us) {
 enum { STEPS = 200 };
 /* what the producer wrote before publishing step i: a waiter that sees value >= i must see it */
 static int64_t payload[STEPS + 1];
+/* how long waiters poll before sleeping (both paths must see every payload) */
+static int64_t a_spin_ns = 0;
 
 typedef struct {
   int64_t *p;
@@ -54,7 +56,7 @@ static void *waiter(void *arg) {
   int64_t *p = arg;
   int64_t need = 1;
   while (need <= STEPS) {
-    const int64_t v = rs_progress_wait(p, need, 5000000000LL);
+    const int64_t v = rs_progress_wait(p, need, 5000000000LL, a_spin_ns);
     if (v < 0) break; /* final failure value */
     CHECK(v >= need, "woke with %lld before %lld (no timeout expected)", (long long)v,
           (long long)need);
@@ -85,23 +87,35 @@ int main(void) {
   int64_t p[RS_PROGRESS_WORDS] = {0, 0, 1000, 2};
   rs_progress_publish(p, 5);
   CHECK(p[0] == 1010, "publish: %lld", (long long)p[0]);
-  CHECK(rs_progress_wait(p, 1010, 0) == 1010, "reached: returns the value at once");
+  CHECK(rs_progress_wait(p, 1010, 0, 0) == 1010, "reached: returns the value at once");
 
   /* a wait that is not met returns the value once its timeout passed, not earlier */
   const int64_t t0 = now_ns();
-  const int64_t v = rs_progress_wait(p, 2000, 20000000LL); /* 20 ms */
+  const int64_t v = rs_progress_wait(p, 2000, 20000000LL, 0); /* 20 ms */
   const int64_t waited = now_ns() - t0;
   CHECK(v == 1010, "timeout: %lld", (long long)v);
   CHECK(waited >= 19000000LL, "timeout returned after %lld ns", (long long)waited);
-  CHECK(rs_progress_wait(p, 2000, 0) == 1010, "zero timeout: returns at once");
-  CHECK(rs_progress_wait(p, 2000, -5) == 1010, "negative timeout: returns at once");
+  CHECK(rs_progress_wait(p, 2000, 0, 0) == 1010, "zero timeout: returns at once");
+  CHECK(rs_progress_wait(p, 2000, -5, 0) == 1010, "negative timeout: returns at once");
 
   /* a negative value is final: waiters return it whatever they need */
   rs_progress_set(p, -1);
-  CHECK(rs_progress_wait(p, 1, 1000000000LL) == -1, "negative: returned at once");
+  CHECK(rs_progress_wait(p, 1, 1000000000LL, 0) == -1, "negative: returned at once");
 
-  run_threads(STEPS);
-  run_threads(-1);
+  /* polling: a value reached during the poll returns it; the timeout still bounds the wait */
+  const int64_t t1 = now_ns();
+  CHECK(rs_progress_wait(p, -1, 20000000LL, 50000000LL) == -1, "polling: returns at once");
+  rs_progress_set(p, 5);
+  CHECK(rs_progress_wait(p, 6, 20000000LL, 50000000LL) == 5, "polling past the timeout");
+  const int64_t polled = now_ns() - t1;
+  CHECK(polled >= 19000000LL && polled < 45000000LL, "poll of 50 ms, timeout 20 ms: %lld ns",
+        (long long)polled);
+
+  for (int spin = 0; spin < 2; ++spin) {
+    a_spin_ns = spin ? 300000 : 0; /* the producer pauses 200 us every 16 steps */
+    run_threads(STEPS);
+    run_threads(-1);
+  }
 
   if (failures) {
     fprintf(stderr, "test_progress: %d failures\n", failures);

@@ -423,3 +423,38 @@ def test_stage_h2d_refuses_a_bad_progress_word():
     with pytest.raises(RuntimeError, match="progress shares memory with src"):
         h2d_op(src, good, r, dst, src[:8].view(torch.int64))
     assert (dst == 7.0).all()  # refused before any write
+
+
+def test_concurrent_calls_share_events_safely():
+    """Stage calls on four threads at once, each on its own stream and ring, both the queued
+    pipeline (a large cast) and the chunked one (a small same-dtype copy), many times: the
+    events a finished call hands back to the op's pool serve the next calls, and every result
+    is bitwise torch's own."""
+    import concurrent.futures
+
+    big, small = 3 << 20, 40_000
+    srcs = [torch.randn(big) for _ in range(4)]
+    want = [s.to(torch.bfloat16) for s in srcs]
+    desc_big = torch.tensor([[0, 0, 0, 0, big, 1]])
+    desc_small = torch.tensor([[0, 0, 0, 0, small, 1]])
+
+    def work(i):
+        torch.set_num_threads(4)
+        stream, r = torch.cuda.Stream(), ring(16 << 20)
+        bad = []
+        with torch.cuda.stream(stream):
+            for call in range(12):
+                dst = poison(big, torch.bfloat16, DEV)
+                ops.stage_h2d(srcs[i], desc_big, r, dst)
+                part = poison(small, torch.float32, DEV)
+                ops.stage_h2d(srcs[i], desc_small, r, part)
+                stream.synchronize()
+                if not torch.equal(dst.cpu().view(torch.int16), want[i].view(torch.int16)):
+                    bad.append(("big", call))
+                if not torch.equal(part.cpu(), srcs[i][:small]):
+                    bad.append(("small", call))
+        return bad
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(4)))
+    assert results == [[], [], [], []]
