@@ -242,6 +242,25 @@ def test_early_break_then_full_call():
     assert W.consume(s, bufs, want, True, "after break") == []
 
 
+def test_report_is_the_last_completed_calls():
+    """The Report is made when first read, from what the call kept: reading it late, or after a
+    later call stopped early, still gives the last completed call's; one read, one object."""
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    assert s.report is None
+    list(s(bufs))
+    first_total = s._last_call.total
+    for _ in s(bufs):  # stopped early: not a completed call
+        break
+    rep = s.report
+    assert rep is s.report
+    assert rep.seconds["total"] == first_total and rep.buckets == len(s.buckets)
+    want = sum(v.numel() * 2 for v in values.values())  # every tensor, as bf16
+    assert rep.local_bytes == want
+    list(s(bufs))
+    assert s.report is not rep and s.report.local_bytes == want
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
