@@ -400,9 +400,8 @@ int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t time
   TORCH_CHECK(timeout_us >= 0 && timeout_us <= kMaxProgressWaitUs,
               "reshard::progress_wait: ", "timeout_us ", std::to_string(timeout_us),
               " is outside [0, ", std::to_string(kMaxProgressWaitUs), "]");
-  TORCH_CHECK(spin_us >= 0 && spin_us <= kMaxProgressSpinUs, "reshard::progress_wait: ",
-              "spin_us ", std::to_string(spin_us), " is outside [0, ",
-              std::to_string(kMaxProgressSpinUs), "]");
+  TORCH_CHECK(spin_us >= 0 && spin_us <= kMaxProgressSpinUs, "reshard::progress_wait: ", "spin_us ",
+              std::to_string(spin_us), " is outside [0, ", std::to_string(kMaxProgressSpinUs), "]");
   return rs_progress_wait(p, at_least, timeout_us * 1000, spin_us * 1000);
 }
 
