@@ -190,7 +190,9 @@ class Call:
         """The call returned after `total` seconds: keep what its Report needs that a later
         call may change (the pool's holdings, the registration)."""
         self.total = total
-        self.ring = self.s.mover.pool.ring_nbytes if self.s.mover.pool.ring is not None else 0
+        self.ring_nbytes = (
+            self.s.mover.pool.ring_nbytes if self.s.mover.pool.ring is not None else 0
+        )
         self.held = self.s.mover.pool.held()
         self.registration = self.s.mover.registration
 
@@ -201,7 +203,7 @@ class Call:
         reports = [o.result()[0] if isinstance(o, Future) else o for o in self.outcomes]
         rep = merge_reports(reports, s.rank, s.world_size, s.backend, s.fingerprint)
         transport = "nccl" if s.mover.cuda_device is not None else "gloo"
-        rep.staging_bound = s.staging_bytes(transport=transport, host_ring_bytes=self.ring)
+        rep.staging_bound = s.staging_bytes(transport=transport, host_ring_bytes=self.ring_nbytes)
         held = dict(self.held)
         if s.buffer is not None:
             held["device" if s.device.type == "cuda" else "host"] += s.buffer_bytes

@@ -157,7 +157,8 @@ class BucketMover:
         self._queued_event = None  # recorded per wait of the caller (see `queued_event`)
 
     def begin_call(self) -> None:
-        """A new call: nothing is queued (the previous call waited for all of its buckets)."""
+        """A new call: nothing is queued (every bucket of the previous call has returned, or
+        failed and was waited for)."""
         self._failed = None
 
     @property
