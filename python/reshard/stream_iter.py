@@ -107,21 +107,27 @@ class Call:
         and its landed event is recorded, so the caller goes on without waiting for the
         worker to hand back its Future (the Report in it is read by `report`). A failure
         raises as in `finish`."""
-        s = self.s
-        word = s.mover.progress_word_of(k)
         fut = self.pending[0][1]
-        t0 = time.perf_counter()
-        while True:
-            v = torch.ops.reshard.progress_wait(word, DONE, PROGRESS_POLL_US, SETTLE_SPIN_US)
-            if v >= DONE or v < 0 or fut.done():
-                break
-        self.waited += time.perf_counter() - t0
+        v = self.wait_word(k, DONE, fut, SETTLE_SPIN_US)
         if v < DONE:  # failed (or the worker ended without publishing): its Future says
             self.finish()
             return
         self.pending.popleft()
         self.outcomes.append(fut)
-        self.landed = s.mover.landed[k]
+        self.landed = self.s.mover.landed[k]
+
+    def wait_word(self, k: int, at_least: int, fut, spin_us: int = 0) -> int:
+        """Bucket k's progress word once it is >= at_least or negative, or once `fut` (the
+        bucket's move) is done: a worker that ended without publishing cannot hold the caller.
+        The time counts as waited."""
+        word = self.s.mover.progress_word_of(k)
+        t0 = time.perf_counter()
+        while True:
+            v = torch.ops.reshard.progress_wait(word, at_least, PROGRESS_POLL_US, spin_us)
+            if v >= at_least or v < 0 or fut.done():
+                break
+        self.waited += time.perf_counter() - t0
+        return v
 
     def await_queued(self, k: int, end: int) -> int:
         """Block until the copies of bucket k (the oldest pending) that write the buffer's
@@ -129,14 +135,7 @@ class Call:
         Returns how far the buffer is covered now (a byte offset; DONE once the bucket's
         transfer returned and its landed event is waited on). Raises the bucket's failure."""
         s = self.s
-        word = s.mover.progress_word_of(k)
-        fut = self.pending[0][1]
-        t0 = time.perf_counter()
-        while True:
-            v = torch.ops.reshard.progress_wait(word, end, PROGRESS_POLL_US)
-            if v >= end or v < 0 or fut.done():
-                break
-        self.waited += time.perf_counter() - t0
+        v = self.wait_word(k, end, self.pending[0][1])
         cur = torch.cuda.current_stream(s.mover.cuda_device)
         if v < end or v >= DONE:
             # failed, or done (or publishing nothing): the bucket's own result and event

@@ -261,6 +261,61 @@ def test_report_is_the_last_completed_calls():
     assert s.report is not rep and s.report.local_bytes == want
 
 
+def test_settle_waits_on_the_progress_word_not_the_future():
+    """A CUDA receiver's caller settles a bucket on its progress word (the same logic runs
+    here on the CPU): DONE lets it go on while the worker's Future is still pending, keeping
+    the Future for the Report; FAILED raises the bucket's own error; a Future that ends without
+    publishing cannot hold it."""
+    import concurrent.futures
+    import threading
+    import time
+
+    from reshard import stream_iter, stream_mover
+
+    values, layout, bufs = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    call = stream_iter.Call(s, bufs, [])
+
+    def published(value, result=None, error=None):
+        word = s.mover.progress_word(0)
+        fut = concurrent.futures.Future()
+        s.mover.landed[0] = "landed event"
+        call.pending.append((0, fut))
+
+        def later():
+            torch.ops.reshard.progress_set(word, value)
+            if error is not None:
+                fut.set_exception(error)
+            elif result is not None:
+                fut.set_result(result)
+
+        threading.Timer(0.05, later).start()
+        return fut
+
+    fut = published(stream_mover.DONE)
+    late = threading.Timer(3.0, fut.set_result, (("a report", None),))  # the worker, much later
+    late.start()
+    t0 = time.perf_counter()
+    call.settle(0)
+    assert time.perf_counter() - t0 < 2.0 and not fut.done()
+    assert not call.pending and call.outcomes == [fut] and call.landed == "landed event"
+    assert call.waited >= 0.04
+    late.cancel()
+
+    published(stream_mover.FAILED, error=RuntimeError("bucket 0 failed on the worker"))
+    with pytest.raises(RuntimeError, match="bucket 0 failed on the worker"):
+        call.settle(0)
+    assert call.failed and not call.pending
+
+    call.failed = False
+    fut = concurrent.futures.Future()
+    s.mover.progress_word(0)
+    call.pending.append((0, fut))
+    fut.set_result(("a report", None))  # done without publishing: the Future decides
+    call.settle(0)
+    assert call.outcomes[-1] == "a report" and not call.pending
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
