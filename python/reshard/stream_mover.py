@@ -151,6 +151,7 @@ class BucketMover:
         # the caller runs beside the worker's packing (it takes tensors as they are queued):
         # the worker's intra-op team leaves it a core
         self.caller_overlaps = False
+        self.caller_has_core = False  # the worker's team was made one thread short for it
         self._words: dict = {}  # bucket index -> its progress word (int64 [4], CPU), numpy view
         self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
         self._events: dict = {}  # bucket index -> (caller_done, landed) CUDA events, kept
@@ -224,6 +225,7 @@ class BucketMover:
             threads = torch.get_num_threads()
             if self.caller_overlaps and threads > 1:
                 threads -= 1
+                self.caller_has_core = True
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 1,
                 thread_name_prefix="reshard-stream",
