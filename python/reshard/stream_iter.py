@@ -38,11 +38,13 @@ from .stream_mover import DONE
 # Microseconds one progress wait sleeps before the caller checks the bucket's Future (a worker
 # that died without publishing cannot hold the caller).
 PROGRESS_POLL_US = 250_000
-# Microseconds the caller polls a bucket's progress word before it sleeps. Waking a sleeping
+# Microseconds the caller polls a bucket's progress word before it sleeps: waking a sleeping
 # thread takes 50-150 us on the H200 host right after a pack. For DONE it waits only once the
-# bucket's last copies are queued (its transfer's return is a fraction of a millisecond away);
-# for a tensor's copies it polls only where the worker's packing team left the caller a core.
-SPIN_US = 2_000
+# bucket's last copies are queued (its transfer's return is a fraction of a millisecond away).
+# For a tensor's copies it polls only where the worker's packing team left the caller a core,
+# long enough to cover the first tensor of a 256 MiB bucket (the longest wait of a call).
+SETTLE_SPIN_US = 2_000
+AWAIT_SPIN_US = 10_000
 
 
 class Call:
@@ -109,7 +111,7 @@ class Call:
         worker to hand back its Future (the Report in it is read by `report`). A failure
         raises as in `finish`."""
         fut = self.pending[0][1]
-        v = self.wait_word(k, DONE, fut, SPIN_US)
+        v = self.wait_word(k, DONE, fut, SETTLE_SPIN_US)
         if v < DONE:  # failed (or the worker ended without publishing): its Future says
             self.finish()
             return
@@ -136,7 +138,9 @@ class Call:
         Returns how far the buffer is covered now (a byte offset; DONE once the bucket's
         transfer returned and its landed event is waited on). Raises the bucket's failure."""
         mover = self.s.mover
-        v = self.wait_word(k, end, self.pending[0][1], SPIN_US if mover.caller_has_core else 0)
+        v = self.wait_word(
+            k, end, self.pending[0][1], AWAIT_SPIN_US if mover.caller_has_core else 0
+        )
         if v < end or v >= DONE:
             # failed, or done (or publishing nothing): the bucket's own result and event
             self.settle(k)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# main (51d5168), spin2 (a3306b6: the caller polls 2 ms for a tensor's copies) and this tree
+# (10 ms), built side by side: the stream GPU tests, then timelines and sync_latency
+# stream_offload gpt-125m in rotation
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+ROOT=$PWD; R=/tmp/s15d; mkdir -p $R $OUT
+P=benchmarks/results/h200/cold_core/probe
+save() { tar czf $OUT/s15d.tgz -C /tmp s15d; }
+rm -rf build python/reshard/_C*.so /tmp/main /tmp/spin2 && mkdir -p /tmp/main /tmp/spin2
+tar xzf .devscripts/s15/main.tgz -C /tmp/main; tar xzf .devscripts/s15/spin2.tgz -C /tmp/spin2
+for d in /tmp/main /tmp/spin2 $ROOT; do
+  (cd $d && MAX_JOBS=6 timeout 240 python3 setup.py -q build_clib build_ext --inplace >$R/build_$(basename $d).log 2>&1; echo "build $d rc=$?") &
+done
+wait
+uptime
+PYTHONPATH=python timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider tests/gpu/test_stream_gpu.py tests/gpu/test_events_cuda.py >$R/pytest.log 2>&1; echo "pytest rc=$?"; tail -1 $R/pytest.log
+dir() { case $1 in main) echo /tmp/main;; spin2) echo /tmp/spin2;; head) echo $ROOT;; esac; }
+for i in 1 2 3; do
+  for v in main spin2 head; do
+    (cd $(dir $v) && PYTHONPATH=python timeout 60 python3 $ROOT/$P/timeline.py gpt-125m 20 > $R/timeline_${v}_$i.log 2>&1)
+    echo "$v $i: $(sed -n 2p $R/timeline_${v}_$i.log)"
+  done
+  save
+done
+for i in 1 2 3 4; do
+  for v in main spin2 head; do
+    (cd $(dir $v) && PYTHONPATH=python timeout 40 python3 benchmarks/sync_latency.py --world 1 --device cuda --iters 20 --scenarios stream_offload --models gpt-125m --methods reshard,reshard_registered --time-budget 30 --json $R/sl_${v}_$i.json >$R/sl_${v}_$i.log 2>&1)
+    echo "$v $i: $(grep -E '^\| gpt' $R/sl_${v}_$i.md | cut -d'|' -f4,5,19 | head -2 | tr '\n' ' ')"
+  done
+  save
+done
