@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# main (51d5168) against this tree: timelines and sync_latency stream_offload gpt-125m pairs
+set -u -o pipefail
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
+ROOT=$PWD; R=/tmp/s15e; mkdir -p $R $OUT
+P=benchmarks/results/h200/cold_core/probe
+save() { tar czf $OUT/s15e.tgz -C /tmp s15e; }
+rm -rf build python/reshard/_C*.so /tmp/main && mkdir -p /tmp/main && tar xzf .devscripts/s15/main.tgz -C /tmp/main
+for d in /tmp/main $ROOT; do
+  (cd $d && MAX_JOBS=8 timeout 200 python3 setup.py -q build_clib build_ext --inplace >$R/build_$(basename $d).log 2>&1; echo "build $d rc=$?") &
+done
+wait
+uptime
+dir() { case $1 in main) echo /tmp/main;; head) echo $ROOT;; esac; }
+for i in 1 2 3; do
+  for v in main head; do
+    (cd $(dir $v) && PYTHONPATH=python timeout 50 python3 $ROOT/$P/timeline.py gpt-125m 20 > $R/timeline_${v}_$i.log 2>&1)
+    echo "$v $i: $(sed -n 2p $R/timeline_${v}_$i.log)"
+  done
+  save
+done
+for i in 1 2 3 4; do
+  for v in main head; do
+    (cd $(dir $v) && PYTHONPATH=python timeout 30 python3 benchmarks/sync_latency.py --world 1 --device cuda --iters 20 --scenarios stream_offload --models gpt-125m --methods reshard,reshard_registered --time-budget 25 --json $R/sl_${v}_$i.json >$R/sl_${v}_$i.log 2>&1)
+    echo "$v $i: $(grep -E '^\| gpt' $R/sl_${v}_$i.md | cut -d'|' -f4,5,19 | head -2 | tr '\n' ' ')"
+  done
+  save
+done
