@@ -841,49 +841,6 @@ void host_unregister(const at::Tensor& t) {
               "reshard::host_unregister: ", err.msg);
 }
 
-// CUDA events and streams by handle (torch.cuda.Event.cuda_event, torch.cuda.Stream.cuda_stream),
-// for a Stream's caller: one op call where torch's Python API takes three (current_stream,
-// record, wait_event), each costing ~50-120 us right after a bucket's pack has run through the
-// host's caches.
-c10::DeviceIndex checked_device(const char* op, int64_t device) {
-  TORCH_CHECK(device >= 0 && device < c10::cuda::device_count(), op, ": device ",
-              std::to_string(device), " is not a CUDA device of this process (",
-              std::to_string(c10::cuda::device_count()), " visible)");
-  return static_cast<c10::DeviceIndex>(device);
-}
-
-void* event_of(const char* op, int64_t event) {
-  TORCH_CHECK(event != 0, op,
-              ": event 0: a torch.cuda.Event has no CUDA event until it is first recorded");
-  return reinterpret_cast<void*>(static_cast<intptr_t>(event));
-}
-
-// Records `event` on `stream`, or on the current stream of `device` when stream is 0.
-void event_record(int64_t event, int64_t device, int64_t stream) {
-  const char* op = "reshard::event_record";
-  void* ev = event_of(op, event);
-  const c10::DeviceIndex d = checked_device(op, device);
-  const c10::cuda::CUDAGuard guard(d);
-  void* on = stream ? reinterpret_cast<void*>(static_cast<intptr_t>(stream))
-                    : static_cast<void*>(c10::cuda::getCurrentCUDAStream(d).stream());
-  rs_error err;
-  TORCH_CHECK(rs_cuda_event_record(ev, on, &err) == RS_OK, op, ": ", err.msg);
-}
-
-// The current stream of `device` waits for `event`; with record_on (a stream), the event is
-// first recorded there, so the current stream waits for everything queued on it so far.
-void event_wait(int64_t event, int64_t device, int64_t record_on) {
-  const char* op = "reshard::event_wait";
-  void* ev = event_of(op, event);
-  const c10::DeviceIndex d = checked_device(op, device);
-  const c10::cuda::CUDAGuard guard(d);
-  void* waiter = static_cast<void*>(c10::cuda::getCurrentCUDAStream(d).stream());
-  rs_error err;
-  TORCH_CHECK(rs_cuda_event_wait(ev, reinterpret_cast<void*>(static_cast<intptr_t>(record_on)),
-                                 waiter, &err) == RS_OK,
-              op, ": ", err.msg);
-}
-
 // Device bytes a stage call holds for a ring of ring_bytes (0 when the ring is too small).
 int64_t stage_device_bytes(int64_t ring_bytes) { return rs_stage_device_bytes(ring_bytes); }
 
@@ -913,8 +870,6 @@ at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor
 int64_t host_register(const at::Tensor&) { built_without_cuda("reshard::host_register"); }
 void host_unregister(const at::Tensor&) { built_without_cuda("reshard::host_unregister"); }
 int64_t stage_device_bytes(int64_t) { built_without_cuda("reshard::stage_device_bytes"); }
-void event_record(int64_t, int64_t, int64_t) { built_without_cuda("reshard::event_record"); }
-void event_wait(int64_t, int64_t, int64_t) { built_without_cuda("reshard::event_wait"); }
 
 }  // namespace
 
@@ -937,10 +892,6 @@ TORCH_LIBRARY(reshard, m) {
   m.def("progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
         &progress_wait);
   m.def("progress_set(Tensor(a!) progress, int value) -> ()");
-  // CUDA events by handle: record on a stream (0: the device's current stream); make the
-  // device's current stream wait (record_on: first record the event there).
-  m.def("event_record(int event, int device, int stream=0) -> ()", &event_record);
-  m.def("event_wait(int event, int device, int record_on=0) -> ()", &event_wait);
 }
 
 // The stage ops move CPU<->CUDA: called with CPU tensors only, their device checks name the

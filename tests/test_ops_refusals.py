@@ -100,8 +100,6 @@ def test_cuda_only_ops_exist_in_a_cpu_build_and_say_so():
         "host_register": lambda: torch.ops.reshard.host_register(torch.ones(4)),
         "host_unregister": lambda: torch.ops.reshard.host_unregister(torch.ones(4)),
         "stage_device_bytes": lambda: torch.ops.reshard.stage_device_bytes(1 << 20),
-        "event_record": lambda: torch.ops.reshard.event_record(1, 0),
-        "event_wait": lambda: torch.ops.reshard.event_wait(1, 0, 1),
     }
     for name, call in calls.items():
         refused(call, f"reshard::{name}: reshard was built without CUDA")

@@ -203,15 +203,6 @@ rs_status rs_cuda_stage_h2d_queued(const rs_stage_table *table, const rs_stage_b
                                    int64_t workers, rs_parallel_fn parallel, void *ctx,
                                    rs_stage_stats *stats, rs_error *err);
 
-/* ---- ordering streams by events -------------------------------------------------------- */
-
-/* cudaEventRecord(event, stream). */
-rs_status rs_cuda_event_record(void *event, void *stream, rs_error *err);
-
-/* The stream `waiter` waits for `event` (cudaStreamWaitEvent); with `record_on` not NULL, the
- * event is first recorded there, so `waiter` waits for everything queued on `record_on`. */
-rs_status rs_cuda_event_wait(void *event, void *record_on, void *waiter, rs_error *err);
-
 /* ---- page-locking live host memory in place ------------------------------------------- */
 
 /* 1 if the device can DMA from/to [ptr, ptr + bytes) asynchronously: the first and the last

@@ -540,29 +540,6 @@ extern "C" rs_status rs_cuda_stage_h2d_queued(const rs_stage_table *t, const rs_
   return s;
 }
 
-/* ---- ordering streams by events -------------------------------------------------------- */
-
-extern "C" rs_status rs_cuda_event_record(void *event, void *stream, rs_error *err) {
-  if (!event) return rs_fail(err, RS_EINVAL, -1, -1, "event_record: null event");
-  RS_CUDA_TRY("event_record: cudaEventRecord",
-              cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)),
-              err);
-  return RS_OK;
-}
-
-extern "C" rs_status rs_cuda_event_wait(void *event, void *record_on, void *waiter, rs_error *err) {
-  if (!event) return rs_fail(err, RS_EINVAL, -1, -1, "event_wait: null event");
-  if (record_on) {
-    rs_status s = rs_cuda_event_record(event, record_on, err);
-    if (s != RS_OK) return s;
-  }
-  RS_CUDA_TRY(
-      "event_wait: cudaStreamWaitEvent",
-      cudaStreamWaitEvent(static_cast<cudaStream_t>(waiter), static_cast<cudaEvent_t>(event), 0),
-      err);
-  return RS_OK;
-}
-
 /* ---- registration ---------------------------------------------------------------------- */
 
 namespace {

@@ -51,8 +51,6 @@ SCHEMAS = (
     "tensor_facts(Tensor[] tensors) -> Tensor",
     "progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
     "progress_set(Tensor(a!) progress, int value) -> ()",
-    "event_record(int event, int device, int stream=0) -> ()",
-    "event_wait(int event, int device, int record_on=0) -> ()",
 )
 
 # tensor_facts' columns: per tensor, what these Python reads return (device_index: get_device(),

@@ -73,7 +73,7 @@ class Call:
             # the caller's kernels may still write the sources or read the bytes this bucket
             # overwrites: the worker's stream waits for them (no host synchronization)
             done = s.mover.caller_event(k)
-            torch.ops.reshard.event_record(done.cuda_event, s.mover.cuda_device)
+            done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
         host_sync = s.device.type != "cuda"
         origin = None
@@ -137,25 +137,22 @@ class Call:
         bytes before `end` are queued, and make the caller's current stream wait for them.
         Returns how far the buffer is covered now (a byte offset; DONE once the bucket's
         transfer returned and its landed event is waited on). Raises the bucket's failure."""
-        mover = self.s.mover
-        v = self.wait_word(
-            k, end, self.pending[0][1], AWAIT_SPIN_US if mover.caller_has_core else 0
-        )
+        s = self.s
+        spin = AWAIT_SPIN_US if s.mover.caller_has_core else 0
+        v = self.wait_word(k, end, self.pending[0][1], spin)
+        cur = torch.cuda.current_stream(s.mover.cuda_device)
         if v < end or v >= DONE:
             # failed, or done (or publishing nothing): the bucket's own result and event
             self.settle(k)
-            torch.ops.reshard.event_wait(self.landed.cuda_event, mover.cuda_device)
+            cur.wait_event(self.landed)
             return DONE
         # every copy before `end` is queued on the worker's stream: an event recorded there
         # now follows them. Were the bucket's landed event already set, the worker may have
         # queued the next bucket's copies too, so the exact event is used instead.
-        landed = mover.landed.get(k)
-        if landed is not None:
-            torch.ops.reshard.event_wait(landed.cuda_event, mover.cuda_device)
-        else:
-            torch.ops.reshard.event_wait(
-                mover.queued_event().cuda_event, mover.cuda_device, mover.cuda_stream.cuda_stream
-            )
+        ev = s.mover.queued_event()
+        ev.record(s.mover.cuda_stream)
+        landed = s.mover.landed.get(k)
+        cur.wait_event(landed if landed is not None else ev)
         return v
 
     def run(self):
@@ -183,7 +180,7 @@ class Call:
                 if not self.receiving:
                     continue
                 if self.landed is not None:
-                    torch.ops.reshard.event_wait(self.landed.cuda_event, s.mover.cuda_device)
+                    torch.cuda.current_stream(s.mover.cuda_device).wait_event(self.landed)
                 for item in s.views(k):
                     self.advance(consumed)
                     yield item

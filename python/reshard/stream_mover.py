@@ -183,18 +183,10 @@ class BucketMover:
         """Bucket `index`'s progress word as it is (not reset)."""
         return self._words[index][0]
 
-    def _new_event(self):
-        """A CUDA event on the mover's device, created now: the caller passes its handle to the
-        event ops (`reshard::event_record`, `reshard::event_wait`), and torch creates an event's
-        CUDA event only at its first record."""
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.cuda_device))
-        return ev
-
     def _bucket_events(self, index: int):
         ev = self._events.get(index)
         if ev is None:
-            ev = self._events[index] = (self._new_event(), self._new_event())
+            ev = self._events[index] = (torch.cuda.Event(), torch.cuda.Event())
         return ev
 
     def caller_event(self, index: int):
@@ -206,7 +198,7 @@ class BucketMover:
         """An event for the caller to record on the worker's stream and wait on at once (a
         wait takes the event as it was when queued, so one event serves every wait)."""
         if self._queued_event is None:
-            self._queued_event = self._new_event()
+            self._queued_event = torch.cuda.Event()
         return self._queued_event
 
     def submit(

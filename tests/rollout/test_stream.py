@@ -316,6 +316,25 @@ def test_settle_waits_on_the_progress_word_not_the_future():
     assert call.outcomes[-1] == "a report" and not call.pending
 
 
+def test_the_worker_leaves_the_caller_a_core_only_where_it_overlaps():
+    """A receiver that takes tensors while the bucket moves (a CUDA one) gets a core: the
+    worker's team is one thread short, and only then does the caller poll rather than sleep
+    while it waits for a tensor's copies (`caller_has_core`)."""
+    values, layout, bufs = _local()
+    before = torch.get_num_threads()
+    try:
+        for overlaps, threads, has_core in [(True, 2, True), (True, 1, False), (False, 2, False)]:
+            torch.set_num_threads(threads)
+            s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+            s.mover.caller_overlaps = overlaps
+            assert len(list(s(bufs))) == len(s.names)
+            assert s.mover.caller_has_core is has_core
+            team = s.mover._worker.submit(torch.get_num_threads).result()
+            assert team == (threads - 1 if has_core else threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
