@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# main (51d5168) against this tree: the stream GPU tests, timelines and sync_latency
+# main (51d5168) against this tree: the stream and h2d GPU tests, then sync_latency
 # stream_offload gpt-125m pairs
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
@@ -14,14 +14,7 @@ wait
 uptime
 PYTHONPATH=python timeout 90 python3 -m pytest -q -n 4 -p no:cacheprovider tests/gpu/test_stream_gpu.py tests/gpu/test_h2d_gpu.py >$R/pytest.log 2>&1; echo "pytest rc=$?"; tail -1 $R/pytest.log
 dir() { case $1 in main) echo /tmp/main;; head) echo $ROOT;; esac; }
-for i in 1 2; do
-  for v in main head; do
-    (cd $(dir $v) && PYTHONPATH=python timeout 50 python3 $ROOT/$P/timeline.py gpt-125m 20 > $R/timeline_${v}_$i.log 2>&1)
-    echo "$v $i: $(sed -n 2p $R/timeline_${v}_$i.log)"
-  done
-  save
-done
-for i in 1 2 3 4; do
+for i in 1 2 3; do
   for v in main head; do
     (cd $(dir $v) && PYTHONPATH=python timeout 30 python3 benchmarks/sync_latency.py --world 1 --device cuda --iters 20 --scenarios stream_offload --models gpt-125m --methods reshard,reshard_registered --time-budget 25 --json $R/sl_${v}_$i.json >$R/sl_${v}_$i.log 2>&1)
     echo "$v $i: $(grep -E '^\| gpt' $R/sl_${v}_$i.md | cut -d'|' -f4,5,19 | head -2 | tr '\n' ' ')"
