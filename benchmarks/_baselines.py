@@ -32,8 +32,9 @@ exactly what they do (the same code as above where it is the same thing):
 - reshard_b64 (stream_offload, CUDA): the stream with 64 MiB buckets instead of the Stream's
   default 256 MiB (more buckets: more per-bucket starts, a smaller receiver buffer).
 - stream_before (rollout_stream, stream_offload; sync_latency.py --stream-before PATH): the
-  same stream built by `Stream` from another revision's stream.py (ctx["stream_before"]), for a
-  before/after comparison in one run.
+  same stream built by `Stream` from another revision's stream.py, or from every stream*.py in
+  a directory of that revision's (ctx["stream_before"]), for a before/after comparison in one
+  run.
 - full_tensor (FSDP2 scenarios): per tensor `DTensor.full_tensor()` on every rank, then slice
   (what FSDP2 weight syncs do today); with one rank the local tensor is the whole one.
 - dcp (fsdp_resize): torch.distributed.checkpoint save of the source DTensors to a temporary
@@ -43,8 +44,10 @@ exactly what they do (the same code as above where it is the same thing):
 from __future__ import annotations
 
 import math
+import os
 import time
 
+import _common as C
 import torch
 import torch.distributed as dist
 from _scenarios import STREAM_GPU_SMALL_BUCKET_BYTES, TP_STREAM_BUCKET_BYTES
@@ -157,9 +160,12 @@ def _local_h2d(sync):
 
 
 def m_stream_before(case, ctx):
+    path = ctx["stream_before"]
+    if os.path.isdir(path):  # every stream*.py of that revision
+        return _m_stream(case, ctx, cls=C.load_stream_before(path), **case.stream)
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("reshard.stream_before", ctx["stream_before"])
+    spec = importlib.util.spec_from_file_location("reshard.stream_before", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # relative imports resolve in the reshard package
     return _m_stream(case, ctx, cls=module.Stream, **case.stream)

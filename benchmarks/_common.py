@@ -159,3 +159,27 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+# The modules of an rs.Stream, each importing the ones before it.
+STREAM_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
+
+
+def load_stream_before(path):
+    """Another revision's Stream: its stream*.py from the directory `path` (git show
+    REV:python/reshard/stream*.py), as reshard._before_* modules importing one another; their
+    other relative imports resolve in the current package."""
+    import importlib.util
+
+    for name in STREAM_MODULES:
+        src = open(os.path.join(path, f"{name}.py")).read()
+        for other in STREAM_MODULES:
+            src = src.replace(f"from .{other} import", f"from ._before_{other} import")
+            src = src.replace(f"from . import {other} as", f"from . import _before_{other} as")
+        full = f"reshard._before_{name}"
+        spec = importlib.util.spec_from_loader(full, loader=None)
+        mod = importlib.util.module_from_spec(spec)
+        mod.__package__ = "reshard"
+        sys.modules[full] = mod
+        exec(compile(src, os.path.join(path, f"{name}.py"), "exec"), mod.__dict__)
+    return sys.modules["reshard._before_stream"].Stream

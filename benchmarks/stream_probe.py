@@ -61,7 +61,6 @@ from reshard import h2d  # noqa: E402
 
 MiB = 1 << 20
 H2D_BEFORE = None  # --before-h2d: another revision's reshard.h2d module
-BEFORE_MODULES = ("stream_buckets", "stream_mover", "stream_iter", "stream")
 ALL = (
     "transfer",
     "transfer_thread",
@@ -74,20 +73,8 @@ ALL = (
 
 
 def load_before(path):
-    """Another revision's Stream: its stream*.py from `path`, as reshard._before_* modules (their
-    other relative imports resolve in the current package)."""
-    for name in BEFORE_MODULES:
-        src = open(os.path.join(path, f"{name}.py")).read()
-        for other in BEFORE_MODULES:
-            src = src.replace(f"from .{other} import", f"from ._before_{other} import")
-            src = src.replace(f"from . import {other} as", f"from . import _before_{other} as")
-        full = f"reshard._before_{name}"
-        spec = importlib.util.spec_from_loader(full, loader=None)
-        mod = importlib.util.module_from_spec(spec)
-        mod.__package__ = "reshard"
-        sys.modules[full] = mod
-        exec(compile(src, os.path.join(path, f"{name}.py"), "exec"), mod.__dict__)
-    return sys.modules["reshard._before_stream"].Stream
+    """Another revision's Stream (`_common.load_stream_before`)."""
+    return C.load_stream_before(path)
 
 
 class Inline:

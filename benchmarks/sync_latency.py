@@ -934,8 +934,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--stream-before",
         default=None,
-        help="a stream.py of another revision (git show REV:python/reshard/stream.py > PATH): "
-        "adds its Stream as method stream_before to rollout_stream / stream_offload",
+        help="another revision's stream.py (git show REV:python/reshard/stream.py > PATH), or a "
+        "directory of its stream*.py (every module of its Stream): adds that Stream as method "
+        "stream_before to rollout_stream / stream_offload",
     )
     ap.add_argument("--json", default=None, help="write PATH (+ .md, _latency/_memory.png)")
     ap.add_argument("--from-json", default=None, help="re-render PATH's .md and plots only")
