@@ -178,10 +178,11 @@ int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64
  * `total` elements go through ring chunks of at most `slot` elements; `workers` host threads
  * claim sub-chunks in order, and the thread that packs a chunk's last sub-chunk queues its DMA.
  * Chunks of `slot` elements in sub-chunks of `sub` would leave the threads finishing up to a
- * sub-chunk apart and a whole slot's DMA after the last of them, so the table's last elements
- * form a tail: chunks of up to `workers` sub-chunks each, whose size shrinks by a fifth per
- * chunk down to `least` (the link, faster than the host's pack, keeps up with chunks that
- * shrink no faster). Sizes are multiples of `align`; least <= sub <= slot.
+ * sub-chunk apart and a whole slot's DMA after the last of them, so the table ends on a tail:
+ * chunks of up to `workers` sub-chunks each, sub-chunk sizes halving from below `sub` down to
+ * `least`. A few chunks only (log2(sub / least)): each reuses the ring slot of a chunk packed
+ * long before, whose DMA has landed (waiting on one still in flight costs a thread's wake).
+ * Sizes are multiples of `align`; least <= sub <= slot.
  * Fills *chunks and *subs, and where not NULL chunk_begin[*chunks + 1] and sub_begin[*subs + 1]
  * (element offsets from 0 to total, increasing) and sub_chunk[*subs] (each sub-chunk's chunk):
  * call once with NULL arrays for the counts. */

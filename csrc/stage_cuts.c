@@ -4,11 +4,9 @@
 
 #include "reshard.h"
 
-/* Tail sub-chunk sizes grow from `least` by a fifth per level (checked arithmetic is not needed:
- * every size stays below `sub`), so at most this many levels below any int64 `sub`. */
-#define RS_CUTS_MAX_LEVELS 256
-
-static int64_t round_up(int64_t v, int64_t align) { return (v + align - 1) / align * align; }
+/* Tail sub-chunk sizes double from `least` (checked arithmetic is not needed: every size stays
+ * below `sub`), so at most this many levels below any int64 `sub`. */
+#define RS_CUTS_MAX_LEVELS 64
 
 typedef struct cuts_out {
   int64_t *chunk_begin, *sub_begin, *sub_chunk;
@@ -39,11 +37,11 @@ rs_status rs_stage_cuts(int64_t total, int64_t slot, int64_t sub, int64_t least,
    * `workers` of them (at most a slot); the level that reaches the table's start is cut */
   for (s = least; s < sub && tail < total; ++nlevels) {
     const int64_t per = slot / s < workers ? slot / s : workers;
-    if (nlevels == RS_CUTS_MAX_LEVELS) return RS_EINVAL; /* unreachable: sizes grow by 1/5 */
+    if (nlevels == RS_CUTS_MAX_LEVELS) return RS_EINVAL; /* unreachable: sizes double */
     level[nlevels] = s;
     used[nlevels] = total - tail < per * s ? total - tail : per * s;
     tail += used[nlevels];
-    s = round_up(s + (s / 5 > 0 ? s / 5 : 1), align);
+    s = s > sub / 2 ? sub : 2 * s; /* a multiple of align too */
   }
   o.chunk_begin = chunk_begin;
   o.sub_begin = sub_begin;

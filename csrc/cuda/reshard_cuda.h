@@ -186,7 +186,7 @@ typedef void (*rs_parallel_fn)(void *ctx, int64_t workers, rs_worker_fn body, vo
 /* ... at most this many of them ... */
 #define RS_STAGE_QUEUE_MAX_SLOTS 16
 /* ... each packed in sub-chunks of this many bytes, one host thread per sub-chunk; the last
- * chunks shrink down to sub-chunks of RS_STAGE_QUEUE_LEAST_BYTES (rs_stage_cuts in reshard.h). */
+ * chunks halve down to sub-chunks of RS_STAGE_QUEUE_LEAST_BYTES (rs_stage_cuts in reshard.h). */
 #define RS_STAGE_QUEUE_SUB_BYTES ((int64_t)256 << 10)
 #define RS_STAGE_QUEUE_LEAST_BYTES ((int64_t)16 << 10)
 
