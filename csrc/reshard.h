@@ -185,7 +185,8 @@ int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64
  * Sizes are multiples of `align`; least <= sub <= slot.
  * Fills *chunks and *subs, and where not NULL chunk_begin[*chunks + 1] and sub_begin[*subs + 1]
  * (element offsets from 0 to total, increasing) and sub_chunk[*subs] (each sub-chunk's chunk):
- * call once with NULL arrays for the counts. */
+ * call once with NULL arrays for the counts. RS_EINVAL for sizes that break these rules,
+ * RS_EOVERFLOW for a total within a slot of INT64_MAX. */
 rs_status rs_stage_cuts(int64_t total, int64_t slot, int64_t sub, int64_t least, int64_t align,
                         int64_t workers, int64_t *chunk_begin, int64_t *sub_begin,
                         int64_t *sub_chunk, int64_t *chunks, int64_t *subs);

@@ -33,6 +33,7 @@ rs_status rs_stage_cuts(int64_t total, int64_t slot, int64_t sub, int64_t least,
   cuts_out o;
   if (!chunks || !subs || total < 0 || align < 1 || least < 1 || workers < 1) return RS_EINVAL;
   if (least % align || sub % align || slot % align || least > sub || sub > slot) return RS_EINVAL;
+  if (total > INT64_MAX - slot) return RS_EOVERFLOW; /* the chunk loop steps past total */
   /* the tail's levels, from the table's end: sub-chunks of s elements, a chunk of up to
    * `workers` of them (at most a slot); the level that reaches the table's start is cut */
   for (s = least; s < sub && tail < total; ++nlevels) {

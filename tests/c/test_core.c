@@ -668,6 +668,9 @@ static void test_stage_cuts(void) {
         "no workers");
   CHECK(rs_stage_cuts(10, 64, 32, 16, 16, 2, NULL, NULL, NULL, NULL, &subs) == RS_EINVAL,
         "no count");
+  CHECK(rs_stage_cuts(INT64_MAX - 10, 64, 32, 16, 16, 2, NULL, NULL, NULL, &chunks, &subs) ==
+            RS_EOVERFLOW,
+        "total past int64");
 }
 
 int main(void) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Call B (the tail halving, four chunks): a build with the probe-only tail switch, the A/B of ab.py, the GPU tests of the changed
-# paths, and sync_latency's stream_offload row with main's Stream beside this tree's
+# Call B (the tail halving, four chunks): a build with the probe-only tail switch, the A/B of
+# ab.py, the whole GPU suite but multi-GPU (DeepSpeed from .whl), and sync_latency's stream_offload row with main's Stream beside this tree's
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 R=/tmp/s16b; mkdir -p $R $OUT; T0=$SECONDS
@@ -15,7 +15,8 @@ rm -rf build python/reshard/_C*.so
 MAX_JOBS=16 timeout 240 python3 setup.py -q build_clib build_ext --inplace > $R/build.log 2>&1; echo "build rc=$? at $((SECONDS - T0)) s"
 uptime; lscpu | grep "Model name"; nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 PYTHONPATH=python timeout 100 python3 $P/ab.py .devscripts/s16/before gpt-125m 30 $R/ab1.json > $R/ab1.log 2>&1; echo "ab1 rc=$?"; tail -12 $R/ab1.log; save
-PYTHONPATH=python timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu/test_h2d_gpu.py tests/gpu/test_stream_gpu.py tests/gpu/test_stage_cuda.py -rs > $R/pytest.log 2>&1; echo "pytest rc=$? at $((SECONDS - T0)) s"; tail -4 $R/pytest.log; save
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/{deepspeed,hjson,pydantic,pydantic_core,annotated_types}-[0-9]*.whl .whl/typing_{inspection,extensions}-[0-9]*.whl > $R/wheels.log 2>&1; echo "wheels rc=$?"
+PYTHONPATH=python:/tmp/site timeout 240 python3 -m pytest -q -n 8 -p no:cacheprovider tests/gpu --ignore=tests/gpu/multi -rs > $R/pytest.log 2>&1; echo "pytest rc=$? at $((SECONDS - T0)) s"; tail -4 $R/pytest.log; save
 for i in 1 2; do
   [ $(left) -lt 70 ] && break
   PYTHONPATH=python timeout 60 python3 benchmarks/sync_latency.py --world 1 --device cuda --iters 20 --scenarios stream_offload --models gpt-125m --methods reshard,stream_before,reshard_registered --stream-before .devscripts/s16/before --time-budget 40 --json $R/sl_$i.json > $R/sl_$i.log 2>&1; echo "sl $i rc=$?"
