@@ -728,11 +728,8 @@ at::Tensor stats_tensor(const rs_stage_stats& s) {
 
 at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor& desc_in,
                       const at::Tensor& ring, const at::Tensor& dst,
-                      const std::optional<at::Tensor>& progress = std::nullopt,
-                      int64_t landed = 0) {
+                      const std::optional<at::Tensor>& progress = std::nullopt) {
   const char* op = dir == RS_H2D ? "reshard::stage_h2d" : "reshard::stage_d2h";
-  TORCH_CHECK(landed >= 0, op, ": landed must be >= 0, got ", std::to_string(landed));
-  TORCH_CHECK(landed == 0 || progress.has_value(), op, ": landed needs a progress word");
   const at::Tensor& host = dir == RS_H2D ? src : dst;
   const at::Tensor& dev = dir == RS_H2D ? dst : src;
   check_device(op, dir == RS_H2D ? "src" : "dst", host, host.is_cpu(),
@@ -785,7 +782,6 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.staging = staging.defined() ? staging.mutable_data_ptr() : nullptr;
   buf.stream = stream.stream();
   buf.progress = nullptr;
-  buf.progress_landed = landed;
   if (progress.has_value()) {
     buf.progress = progress_words(op, *progress);
     check_storage(op, "progress", *progress);
@@ -816,9 +812,8 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
 }
 
 at::Tensor stage_h2d_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
-                          const at::Tensor& dst, const std::optional<at::Tensor>& progress,
-                          int64_t landed) {
-  return stage_cuda(RS_H2D, src, desc, ring, dst, progress, landed);
+                          const at::Tensor& dst, const std::optional<at::Tensor>& progress) {
+  return stage_cuda(RS_H2D, src, desc, ring, dst, progress);
 }
 
 at::Tensor stage_d2h_cuda(const at::Tensor& src, const at::Tensor& desc, const at::Tensor& ring,
@@ -865,7 +860,7 @@ void copy_runs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   built_without_cuda("reshard::copy_runs");
 }
 at::Tensor stage_h2d_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const std::optional<at::Tensor>&, int64_t) {
+                          const at::Tensor&, const std::optional<at::Tensor>&) {
   built_without_cuda("reshard::stage_h2d");
 }
 at::Tensor stage_d2h_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -885,11 +880,10 @@ TORCH_LIBRARY(reshard, m) {
   m.def("copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()");
   m.def("copy_pieces(Tensor[] srcs, Tensor pieces, Tensor(a!) dst) -> ()");
   // The stage ops return what they did (reshard._ops.STAGE_STATS) as an int64 CPU tensor.
-  // stage_h2d's progress: a progress word (progress_wait) published as its copies are queued,
-  // then set to `landed` (when > 0) once they have all completed.
+  // stage_h2d's progress: a progress word (progress_wait) published as its copies are queued.
   m.def(
       "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst, "
-      "Tensor(c!)? progress=None, int landed=0) -> Tensor");
+      "Tensor(c!)? progress=None) -> Tensor");
   m.def("stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor");
   m.def("host_register(Tensor t) -> int", &host_register);
   m.def("host_unregister(Tensor t) -> ()", &host_unregister);

@@ -174,23 +174,6 @@ void rs_progress_set(int64_t *p, int64_t value);
  * spin_ns (>= 0) the waiter polls instead of sleeping: a short wait then costs no wake-up. */
 int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64_t spin_ns);
 
-/* ---- the queued H2D's cuts (csrc/cuda/stage.cu) ------------------------------------------
- * `total` elements go through ring chunks of at most `slot` elements; `workers` host threads
- * claim sub-chunks in order, and the thread that packs a chunk's last sub-chunk queues its DMA.
- * Chunks of `slot` elements in sub-chunks of `sub` would leave the threads finishing up to a
- * sub-chunk apart and a whole slot's DMA after the last of them, so the table ends on a tail:
- * chunks of up to `workers` sub-chunks each, sub-chunk sizes halving from below `sub` down to
- * `least`. A few chunks only (log2(sub / least)): each reuses the ring slot of a chunk packed
- * long before, whose DMA has landed (waiting on one still in flight costs a thread's wake).
- * Sizes are multiples of `align`; least <= sub <= slot.
- * Fills *chunks and *subs, and where not NULL chunk_begin[*chunks + 1] and sub_begin[*subs + 1]
- * (element offsets from 0 to total, increasing) and sub_chunk[*subs] (each sub-chunk's chunk):
- * call once with NULL arrays for the counts. RS_EINVAL for sizes that break these rules,
- * RS_EOVERFLOW for a total within a slot of INT64_MAX. */
-rs_status rs_stage_cuts(int64_t total, int64_t slot, int64_t sub, int64_t least, int64_t align,
-                        int64_t workers, int64_t *chunk_begin, int64_t *sub_begin,
-                        int64_t *sub_chunk, int64_t *chunks, int64_t *subs);
-
 #ifdef __cplusplus
 }
 #endif

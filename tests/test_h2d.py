@@ -297,7 +297,7 @@ def test_casting_stage_calls_get_a_bounded_share_of_the_ring(monkeypatch):
         tables.append(h2d.LocalSpans(t, h2d.contiguous_spans(desc)))
     rings = {}
 
-    def stage(self, s, desc, ring, d, progress=None, landed=0):
+    def stage(self, s, desc, ring, d, progress=None):
         rings[d.dtype] = ring.numel()
         torch.ops.reshard.copy_runs(s, desc, d)
 
@@ -325,14 +325,14 @@ def _span_tables(spans_per_table, n_src, dtype=torch.bfloat16):
     return tables, src, dst
 
 
-def _published(monkeypatch, tables, src, dst, origin_of=1000, landed=0):
+def _published(monkeypatch, tables, src, dst, origin_of=1000):
     """Runs one call with a progress word; returns (values seen after each stage call, the
     word's final value, the origin's address)."""
     seen = []
     real = h2d._Ordered.stage
 
-    def stage(self, s, desc, ring, d, progress=None, landed=0):
-        real(self, s, desc, ring, d, progress, landed)
+    def stage(self, s, desc, ring, d, progress=None):
+        real(self, s, desc, ring, d, progress)
         if progress is not None:
             seen.append(int(progress[0]))
 
@@ -346,7 +346,7 @@ def _published(monkeypatch, tables, src, dst, origin_of=1000, landed=0):
         ring,
         device_bytes=1024,
         pinned=dict.fromkeys(src, False),
-        progress=h2d.Progress(word, origin, landed=landed),
+        progress=h2d.Progress(word, origin),
     )
     return seen, int(word[0]), origin
 
@@ -367,30 +367,6 @@ def test_progress_published_where_the_target_fills_in_order(monkeypatch, spans):
     want = torch.cat([src[0][so : so + n] for so, _, n in spans]).to(torch.bfloat16)
     assert torch.equal(_bits(dst[1000][:2500]), _bits(want))
     assert torch.equal(_bits(dst[1000][2500:]), _bits(torch.full((8,), -7.0, dtype=torch.bfloat16)))
-
-
-@pytest.mark.parametrize(
-    "spans", [[(0, 0, 2500)], [(0, 0, 600), (700, 600, 900), (1700, 1500, 1000)]]
-)
-def test_progress_ends_at_landed(monkeypatch, spans):
-    """With `landed`, the word ends at that value, which the route's last stage call is asked
-    to set once its copies completed (a route that publishes is one call: a piece, or a whole
-    table of several spans); the bytes are as without it."""
-    tables, src, dst = _span_tables([spans], 3000)
-    tables = [h2d.LocalSpans(tables[0].table, np.array(spans, np.int64))]
-    landed = 1 << 61
-    calls = []
-    real = h2d._Ordered.stage
-
-    def stage(self, s, desc, ring, d, progress=None, landed=0):
-        calls.append(landed)
-        real(self, s, desc, ring, d, progress, landed)
-
-    monkeypatch.setattr(h2d._Ordered, "stage", stage)
-    seen, final, _ = _published(monkeypatch, tables, src, dst, landed=landed)
-    assert calls == [landed] and seen == [landed] and final == landed
-    want = torch.cat([src[0][so : so + n] for so, _, n in spans]).to(torch.bfloat16)
-    assert torch.equal(_bits(dst[1000][:2500]), _bits(want))
 
 
 def test_progress_counts_from_the_origin(monkeypatch):

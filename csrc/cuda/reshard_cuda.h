@@ -125,9 +125,6 @@ typedef struct rs_stage_buffers {
   int64_t *progress; /* H2D without direct rows: a progress word (reshard.h) published with the
                         table elements [0, n) whose copies are queued on the stream, each time
                         n grows; NULL: none */
-  int64_t progress_landed; /* with progress: the value the word is set to (rs_progress_set)
-                              once every copy has completed, just before a successful return;
-                              0: none */
 } rs_stage_buffers;
 
 typedef struct rs_stage_stats {
@@ -185,10 +182,8 @@ typedef void (*rs_parallel_fn)(void *ctx, int64_t workers, rs_worker_fn body, vo
 #define RS_STAGE_QUEUE_SLOT_BYTES ((int64_t)4 << 20)
 /* ... at most this many of them ... */
 #define RS_STAGE_QUEUE_MAX_SLOTS 16
-/* ... each packed in sub-chunks of this many bytes, one host thread per sub-chunk; the last
- * chunks halve down to sub-chunks of RS_STAGE_QUEUE_LEAST_BYTES (rs_stage_cuts in reshard.h). */
+/* ... each packed in sub-chunks of this many bytes, one host thread per sub-chunk. */
 #define RS_STAGE_QUEUE_SUB_BYTES ((int64_t)256 << 10)
-#define RS_STAGE_QUEUE_LEAST_BYTES ((int64_t)16 << 10)
 
 /* How the queued H2D cuts a ring: *slots of *slot_bytes (a multiple of 64, at most
  * RS_STAGE_QUEUE_SLOT_BYTES and half the ring; slots * slot_bytes <= ring_bytes, so

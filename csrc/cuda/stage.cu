@@ -15,7 +15,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -294,8 +293,6 @@ rs_status stage_impl(rs_direction dir, const rs_stage_table *t, const rs_stage_b
     so->host_waits += 1;
   }
   ev.keep = true;
-  if (dir == RS_H2D && buf->progress && t->n_direct == 0 && buf->progress_landed > 0)
-    rs_progress_set(buf->progress, buf->progress_landed);
   return RS_OK;
 }
 
@@ -326,10 +323,7 @@ struct Queue {
   const rs_stage_table *t;
   const rs_stage_buffers *buf;
   rs_dtype wire;
-  int64_t wes, slots, slot_bytes, chunks, subs;
-  /* rs_stage_cuts: chunk k is [chunk_begin[k], chunk_begin[k + 1]) of the table, sub-chunk j
-   * is [sub_begin[j], sub_begin[j + 1]) in chunk sub_chunk[j] */
-  std::vector<int64_t> chunk_begin, sub_begin, sub_chunk;
+  int64_t wes, slots, slot_bytes, slot_elems, sub_elems, subs_per_chunk, chunks, subs;
   int device;
   Events events; /* one per slot and the final one */
   std::atomic<int64_t> next_sub{0};
@@ -359,8 +353,8 @@ void queue_fail(Queue *q, rs_status s, const rs_error &e) {
 rs_status queue_issue(Queue *q, int64_t k, rs_error *err) {
   const rs_stage_table *t = q->t;
   const int64_t sl = k % q->slots;
-  const int64_t b = q->chunk_begin[k];
-  const int64_t e = q->chunk_begin[k + 1];
+  const int64_t b = k * q->slot_elems;
+  const int64_t e = (b + q->slot_elems < t->total) ? b + q->slot_elems : t->total;
   const cudaStream_t stream = static_cast<cudaStream_t>(q->buf->stream);
   char *ring_slot = static_cast<char *>(q->buf->ring) + sl * q->slot_bytes;
   char *dev_slot =
@@ -386,7 +380,8 @@ void queue_publish(Queue *q) {
   const int64_t before = q->front;
   while (q->front < q->chunks && q->issued[q->front].load(std::memory_order_acquire)) ++q->front;
   if (q->front == before) return;
-  rs_progress_publish(q->buf->progress, q->chunk_begin[q->front]);
+  const int64_t end = q->front * q->slot_elems;
+  rs_progress_publish(q->buf->progress, end < q->t->total ? end : q->t->total);
 }
 
 /* Before packing into the slot of chunk k: chunk k - slots, its previous user, was issued
@@ -423,10 +418,11 @@ void queue_worker(void *arg, int64_t /*worker*/) {
   while (!q->failed.load(std::memory_order_acquire)) {
     const int64_t j = q->next_sub.fetch_add(1, std::memory_order_relaxed);
     if (j >= q->subs) break;
-    const int64_t k = q->sub_chunk[j];
-    const int64_t cb = q->chunk_begin[k];
-    const int64_t b = q->sub_begin[j];
-    const int64_t e = q->sub_begin[j + 1];
+    const int64_t k = j / q->subs_per_chunk;
+    const int64_t cb = k * q->slot_elems;
+    const int64_t ce = (cb + q->slot_elems < t->total) ? cb + q->slot_elems : t->total;
+    const int64_t b = cb + (j % q->subs_per_chunk) * q->sub_elems;
+    const int64_t e = (b + q->sub_elems < ce) ? b + q->sub_elems : ce;
     rs_status s = queue_wait_slot(q, k, &err);
     if (s != RS_OK) {
       if (!q->failed.load(std::memory_order_acquire)) queue_fail(q, s, err);
@@ -472,27 +468,19 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
   if ((((uintptr_t)buf->ring) | ((uintptr_t)buf->staging)) & 15)
     return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: ring and staging must be 16-byte aligned");
   RS_CUDA_TRY("stage_h2d: cudaGetDevice", cudaGetDevice(&q.device), err);
-  /* sizes in wire elements, multiples of a cache line so no two threads write one line */
-  const int64_t align = 64 / q.wes;
-  const int64_t slot_elems = q.slot_bytes / q.wes;
-  const int64_t sub_elems = std::min(RS_STAGE_QUEUE_SUB_BYTES, q.slot_bytes) / q.wes;
-  const int64_t least = std::min(RS_STAGE_QUEUE_LEAST_BYTES / q.wes, sub_elems);
-  if (rs_stage_cuts(t->total, slot_elems, sub_elems, least, align, workers, nullptr, nullptr,
-                    nullptr, &q.chunks, &q.subs) != RS_OK)
-    return rs_fail(err, RS_EINVAL, -1, -1, "stage_h2d: no queue cuts for %lld elements",
-                   (long long)t->total);
-  q.chunk_begin.resize((size_t)q.chunks + 1);
-  q.sub_begin.resize((size_t)q.subs + 1);
-  q.sub_chunk.resize((size_t)q.subs);
-  rs_stage_cuts(t->total, slot_elems, sub_elems, least, align, workers, q.chunk_begin.data(),
-                q.sub_begin.data(), q.sub_chunk.data(), &q.chunks, &q.subs);
+  q.slot_elems = q.slot_bytes / q.wes;
+  q.sub_elems = RS_STAGE_QUEUE_SUB_BYTES / q.wes;
+  if (q.sub_elems > q.slot_elems) q.sub_elems = q.slot_elems;
+  q.subs_per_chunk = (q.slot_elems + q.sub_elems - 1) / q.sub_elems;
+  q.chunks = (t->total + q.slot_elems - 1) / q.slot_elems;
+  const int64_t last = t->total - (q.chunks - 1) * q.slot_elems;
+  q.subs = (q.chunks - 1) * q.subs_per_chunk + (last + q.sub_elems - 1) / q.sub_elems;
   q.left.reset(new std::atomic<int64_t>[q.chunks]);
   q.issued.reset(new std::atomic<int>[q.chunks]);
   q.freed.reset(new std::atomic<int>[q.chunks]);
-  for (int64_t k = 0; k < q.chunks; ++k) q.left[k].store(0, std::memory_order_relaxed);
-  for (int64_t j = 0; j < q.subs; ++j)
-    q.left[q.sub_chunk[j]].fetch_add(1, std::memory_order_relaxed);
   for (int64_t k = 0; k < q.chunks; ++k) {
+    const int64_t n = k + 1 < q.chunks ? q.slot_elems : last;
+    q.left[k].store((n + q.sub_elems - 1) / q.sub_elems, std::memory_order_relaxed);
     q.issued[k].store(0, std::memory_order_relaxed);
     q.freed[k].store(0, std::memory_order_relaxed);
   }
@@ -520,8 +508,6 @@ rs_status stage_h2d_queued_impl(Queue &q, const rs_stage_table *t, const rs_stag
     if (e == cudaSuccess) e = cudaEventSynchronize(q.events.ev[q.slots]);
     if (e != cudaSuccess) s = rs_cuda_fail(err, "stage_h2d: final event", e);
   }
-  if (s == RS_OK && buf->progress && buf->progress_landed > 0)
-    rs_progress_set(buf->progress, buf->progress_landed);
   q.events.keep = s == RS_OK; /* then every event is complete */
   return s;
 }

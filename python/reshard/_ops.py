@@ -43,7 +43,7 @@ SCHEMAS = (
     "copy_runs(Tensor src, Tensor desc, Tensor(a!) dst) -> ()",
     "copy_pieces(Tensor[] srcs, Tensor pieces, Tensor(a!) dst) -> ()",
     "stage_h2d(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst, "
-    "Tensor(c!)? progress=None, int landed=0) -> Tensor",
+    "Tensor(c!)? progress=None) -> Tensor",
     "stage_d2h(Tensor src, Tensor desc, Tensor(a!) ring, Tensor(b!) dst) -> Tensor",
     "host_register(Tensor t) -> int",
     "host_unregister(Tensor t) -> ()",
@@ -300,7 +300,7 @@ def _register_fakes() -> None:
         _check_1d(op, "dst", dst)
 
     @torch.library.register_fake("reshard::stage_h2d")
-    def _stage_h2d_fake(src, desc, ring, dst, progress=None, landed=0):
+    def _stage_h2d_fake(src, desc, ring, dst, progress=None):
         op = "reshard::stage_h2d"
         _check_devices(op, {"src": src, "ring": ring}, {"dst": dst}, desc)
         _check_runs_meta(op, src, desc, dst)

@@ -76,13 +76,11 @@ class Progress(NamedTuple):
     """Where a call publishes how far its copies are queued: `word`, a progress word (int64
     [4] CPU tensor, `torch.ops.reshard.progress_wait`), gets the end of the prefix of target
     bytes whose copies are all queued on the current stream, as a byte offset from the
-    address `origin`; then `landed` (when > 0, above any offset) once the call's last copy
-    has completed, published by the op that waited for it."""
+    address `origin`."""
 
     word: torch.Tensor
     origin: int
     values: np.ndarray | None = None  # `word`'s numpy view (None: made when needed)
-    landed: int = 0
 
 
 _publishing = threading.local()
@@ -598,9 +596,8 @@ class HostToDevice:
         """Whole tables and pieces of a ring slot or more: stage_h2d's own pipeline, one
         call each. progress: each call publishes its queued prefix, as target bytes from
         progress.origin (the route is one `_publishes` accepts: the calls cover their target
-        from its start, in order); the last call sets it to progress.landed once its copies
-        (every earlier call's too: one stream, and each call waits for its own) completed."""
-        for i, (ti, j, first, n) in enumerate(big):
+        from its start, in order)."""
+        for ti, j, first, n in big:
             t = self.tables[ti]
             s, d = src[t.src_location], dst[t.dst_location]
             r = self._stage_ring(ring, s.dtype, d.dtype)
@@ -608,18 +605,17 @@ class HostToDevice:
             if j is not None:
                 so, do, _ = (int(v) for v in t.spans[j])
                 a, b = so + first, do + first
-            word, landed = None, 0
+            word = None
             if progress is not None:
                 word = progress.word
-                landed = progress.landed if i + 1 == len(big) else 0
                 # base and scale through numpy: a torch index assignment costs far more
                 values = progress.values if progress.values is not None else word.numpy()
                 values[2] = d.data_ptr() + b * d.element_size() - progress.origin  # base
                 values[3] = d.element_size()  # scale: the call publishes elements
             if j is None:
-                q.stage(s, t.desc, r, d, word, landed)
+                q.stage(s, t.desc, r, d, word)
             else:
-                q.stage(s[a : a + n], self._desc(n), r, d[b : b + n], word, landed)
+                q.stage(s[a : a + n], self._desc(n), r, d[b : b + n], word)
 
     def _stage_ring(self, ring, src_dtype, dst_dtype) -> torch.Tensor:
         """`stage_ring`, kept per ring object (a Transfer's ring is fixed once allocated):
@@ -783,8 +779,8 @@ class _Streams:
     def host_wait(self, event):
         event.synchronize()
 
-    def stage(self, src, desc, ring, dst, progress=None, landed=0):
-        torch.ops.reshard.stage_h2d(src, desc, ring, dst, progress, landed)
+    def stage(self, src, desc, ring, dst, progress=None):
+        torch.ops.reshard.stage_h2d(src, desc, ring, dst, progress)
 
     def finish(self, side=True):
         """Waits for every copy queued: the side streams' (when `side`), then the current
@@ -823,13 +819,11 @@ class _Ordered:
     def host_wait(self, event):
         pass
 
-    def stage(self, src, desc, ring, dst, progress=None, landed=0):
+    def stage(self, src, desc, ring, dst, progress=None):
         torch.ops.reshard.copy_runs(src, desc, dst)
         if progress is not None:  # as stage_h2d publishes: base + table elements * scale
             elements = int((desc[:, 4] * desc[:, 5]).sum())
             torch.ops.reshard.progress_set(progress, int(progress[2] + elements * progress[3]))
-            if landed:
-                torch.ops.reshard.progress_set(progress, landed)
 
     def finish(self, side=True):
         pass

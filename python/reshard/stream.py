@@ -209,7 +209,6 @@ class Stream:
         self._active = True
         try:
             t0 = time.perf_counter()
-            self.mover.begin_call()
             self._buffer_error = self._allocate_buffer()
             self.mover.register(bufs)
             call = Call(self, bufs, hooks)

@@ -33,14 +33,14 @@ from concurrent.futures import Future
 import torch
 
 from .report import PHASES, STAGING_KINDS, Report
-from .stream_mover import DONE, LANDED
+from .stream_mover import DONE
 
 # Microseconds one progress wait sleeps before the caller checks the bucket's Future (a worker
 # that died without publishing cannot hold the caller).
 PROGRESS_POLL_US = 250_000
 # Microseconds the caller polls a bucket's progress word before it sleeps: waking a sleeping
-# thread takes 50-150 us on the H200 host right after a pack. For LANDED it waits only once the
-# bucket's last copies are queued (they complete a fraction of a millisecond later).
+# thread takes 50-150 us on the H200 host right after a pack. For DONE it waits only once the
+# bucket's last copies are queued (its transfer's return is a fraction of a millisecond away).
 # For a tensor's copies it polls only where the worker's packing team left the caller a core,
 # long enough to cover the first tensor of a 256 MiB bucket (the longest wait of a call).
 SETTLE_SPIN_US = 2_000
@@ -106,21 +106,18 @@ class Call:
 
     def settle(self, k: int) -> None:
         """Wait for bucket k (the oldest pending, which publishes progress) to be done, as
-        `finish` does, but on its progress word: LANDED once every copy of its stage pipeline
-        completed, DONE once its transfer returned and its landed event is recorded. The
-        caller goes on without waiting for the worker to hand back its Future (the Report in
-        it is read by `report`; the next call waits for it). A failure raises as in
-        `finish`."""
+        `finish` does, but on its progress word: DONE is published once its transfer returned
+        and its landed event is recorded, so the caller goes on without waiting for the
+        worker to hand back its Future (the Report in it is read by `report`). A failure
+        raises as in `finish`."""
         fut = self.pending[0][1]
-        v = self.wait_word(k, LANDED, fut, SETTLE_SPIN_US)
-        if v < LANDED:  # failed (or the worker ended without publishing): its Future says
+        v = self.wait_word(k, DONE, fut, SETTLE_SPIN_US)
+        if v < DONE:  # failed (or the worker ended without publishing): its Future says
             self.finish()
             return
         self.pending.popleft()
         self.outcomes.append(fut)
-        # at LANDED the worker has not recorded it yet; nothing waits on it then (the
-        # caller's stream already waits on an event recorded after the last copy)
-        self.landed = self.s.mover.landed[k] if v >= DONE else None
+        self.landed = self.s.mover.landed[k]
 
     def wait_word(self, k: int, at_least: int, fut, spin_us: int = 0) -> int:
         """Bucket k's progress word once it is >= at_least or negative, or once `fut` (the
@@ -138,9 +135,8 @@ class Call:
     def await_queued(self, k: int, end: int) -> int:
         """Block until the copies of bucket k (the oldest pending) that write the buffer's
         bytes before `end` are queued, and make the caller's current stream wait for them.
-        Returns how far the buffer is covered now: a byte offset, LANDED (every copy of the
-        bucket completed) or DONE (its transfer returned and its landed event is waited on).
-        Raises the bucket's failure."""
+        Returns how far the buffer is covered now (a byte offset; DONE once the bucket's
+        transfer returned and its landed event is waited on). Raises the bucket's failure."""
         s = self.s
         spin = AWAIT_SPIN_US if s.mover.caller_has_core else 0
         v = self.wait_word(k, end, self.pending[0][1], spin)
@@ -164,6 +160,7 @@ class Call:
         nb = len(s.buckets)
         completed = False
         try:
+            s.mover.begin_call()
             everything = sum(len(b.entries) for b in s.buckets)
             consumed = 0  # tensors of the stream the caller is done with
             for k in range(nb):

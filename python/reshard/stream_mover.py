@@ -17,11 +17,8 @@ used, the worker's stream waits on an event recorded on the caller's stream. Eac
 its two events across calls (a bucket's move is over before the next call queues it again).
 A bucket submitted with a progress word (`progress_word`) also tells the caller, while it
 moves, how far its copies are queued (`reshard.h2d.Progress`; only where one stage_h2d pipeline
-writes the whole target, else nothing until it is done), then LANDED once that pipeline's last
-copy completed (set by the op itself, so the caller need not wait for the transfer's return
-through the Python layers), then DONE once its transfer returned (its `landed` event recorded
-first) or FAILED. A call may end at LANDED while the worker finishes the bucket's bookkeeping:
-the next call first waits for it (`begin_call`).
+writes the whole target, else nothing until it is done), then DONE once its transfer returned
+(its `landed` event recorded first) or FAILED.
 """
 
 from __future__ import annotations
@@ -36,9 +33,7 @@ from .hostreg import HostRegistry
 from .report import STAGING_KINDS
 from .rounds import RECV, SEND
 
-# Values of a bucket's progress word past every byte offset: its stage pipeline's copies have
-# all completed (every target byte written); its transfer returned (final); it failed (final).
-LANDED = 1 << 61
+# Final values of a bucket's progress word: its transfer returned (every copy queued), or failed.
 DONE = 1 << 62
 FAILED = -1
 
@@ -161,14 +156,10 @@ class BucketMover:
         self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
         self._events: dict = {}  # bucket index -> (caller_done, landed) CUDA events, kept
         self._queued_event = None  # recorded per wait of the caller (see `queued_event`)
-        self._last = None  # the Future of the last bucket submitted
 
     def begin_call(self) -> None:
-        """A new call: waits until the worker is done with the previous call (whose last
-        bucket may have let its caller go at LANDED), so that nothing it still publishes
-        reaches a word this call resets."""
-        if self._last is not None:
-            concurrent.futures.wait((self._last,))
+        """A new call: nothing is queued (every bucket of the previous call has returned, or
+        failed and was waited for)."""
         self._failed = None
 
     @property
@@ -233,10 +224,9 @@ class BucketMover:
                 initializer=torch.set_num_threads,
                 initargs=(threads,),
             )
-        self._last = self._worker.submit(
+        return self._worker.submit(
             self._move, bucket, src, dst, checks, caller_done, host_sync, progress_origin
         )
-        return self._last
 
     def _transfer(self, bucket):
         t = self.transfers.get(bucket.index)
@@ -256,7 +246,7 @@ class BucketMover:
                     f"bucket {bucket.index} was not moved: an earlier bucket of this call "
                     f"failed ({type(self._failed).__name__}: {self._failed})"
                 )
-            progress = Progress(word, progress_origin, values, LANDED) if word is not None else None
+            progress = Progress(word, progress_origin, values) if word is not None else None
             try:
                 out = self._move_now(bucket, src, dst, checks, caller_done, host_sync, progress)
             except BaseException as exc:
@@ -306,6 +296,5 @@ class BucketMover:
 
     def close(self) -> None:
         """Undo host registrations (the Stream stays usable: the next call re-registers)."""
-        self.begin_call()  # the worker may still be finishing the last call's bucket
         if self.registry is not None:
             self.registry.close()

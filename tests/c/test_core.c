@@ -592,87 +592,6 @@ static void test_copy_errors_write_nothing(void) {
   CHECK(rs_dtype_size((rs_dtype)99) == 0 && strcmp(rs_dtype_name((rs_dtype)99), "?") == 0, "dtype");
 }
 
-/* ------------------------------------------------------------------ queued H2D cuts */
-
-/* rs_stage_cuts: chunks and sub-chunks tile [0, total) in order, chunks fit a slot, sub-chunks
- * fit their chunk and `sub`, sizes keep to `align`, and the table ends on a chunk of at most
- * `workers` sub-chunks of at most `least` elements. */
-static void check_cuts(int64_t total, int64_t slot, int64_t sub, int64_t least, int64_t align,
-                       int64_t workers) {
-  int64_t chunks = -1, subs = -1, chunks2 = -1, subs2 = -1, k, j;
-  rs_status st =
-      rs_stage_cuts(total, slot, sub, least, align, workers, NULL, NULL, NULL, &chunks, &subs);
-  CHECK(st == RS_OK && chunks >= 0 && subs >= chunks, "counts: status %d", (int)st);
-  if (st != RS_OK) return;
-  int64_t *cb = malloc(sizeof(int64_t) * (size_t)(chunks + 1));
-  int64_t *sb = malloc(sizeof(int64_t) * (size_t)(subs + 1));
-  int64_t *sc = malloc(sizeof(int64_t) * (size_t)(subs > 0 ? subs : 1));
-  st = rs_stage_cuts(total, slot, sub, least, align, workers, cb, sb, sc, &chunks2, &subs2);
-  CHECK(st == RS_OK && chunks2 == chunks && subs2 == subs, "fill: status %d", (int)st);
-  CHECK(cb[0] == 0 && cb[chunks] == total && sb[0] == 0 && sb[subs] == total,
-        "ends: total %" PRId64, total);
-  for (k = 0; k < chunks; ++k)
-    CHECK(cb[k] < cb[k + 1] && cb[k + 1] - cb[k] <= slot, "chunk %" PRId64 " of %" PRId64, k,
-          total);
-  for (j = 0; j < subs; ++j) {
-    const int64_t c = sc[j], len = sb[j + 1] - sb[j];
-    CHECK(c >= 0 && c < chunks && (j == 0 || sc[j - 1] <= c) && (j == 0 || sc[j - 1] >= c - 1),
-          "sub %" PRId64 " in chunk %" PRId64, j, c);
-    if (c < 0 || c >= chunks) break;
-    CHECK(len > 0 && len <= sub && cb[c] <= sb[j] && sb[j + 1] <= cb[c + 1],
-          "sub %" PRId64 " [%" PRId64 ", %" PRId64 ") in chunk [%" PRId64 ", %" PRId64 ")", j,
-          sb[j], sb[j + 1], cb[c], cb[c + 1]);
-    CHECK((j > 0 && sc[j - 1] == c) || sb[j] == cb[c], "chunk %" PRId64 " starts with a sub", c);
-    CHECK(len % align == 0 || sb[j + 1] == cb[c + 1], "sub %" PRId64 " length %" PRId64, j, len);
-  }
-  if (chunks > 0 && least < sub) { /* else there is no tail: one size of sub-chunk */
-    int64_t last_subs = 0;
-    for (j = 0; j < subs; ++j) last_subs += sc[j] == chunks - 1;
-    CHECK(last_subs <= workers && sb[subs] - sb[subs - 1] <= least,
-          "last chunk: %" PRId64 " subs, last %" PRId64 " (least %" PRId64 ", sub %" PRId64 ")",
-          last_subs, sb[subs] - sb[subs - 1], least, sub);
-  }
-  free(cb);
-  free(sb);
-  free(sc);
-}
-
-static void test_stage_cuts(void) {
-  int64_t chunks, subs;
-  int i;
-  /* the stream's bucket on 15 threads: 4 MiB slots, 256 KiB and 16 KiB sub-chunks of bf16 */
-  check_cuts(123580000, 2097152, 131072, 8192, 32, 15);
-  check_cuts(0, 2097152, 131072, 8192, 32, 15);
-  check_cuts(1, 2097152, 131072, 8192, 32, 15);
-  check_cuts(2097152 * 3, 2097152, 131072, 8192, 32, 1);
-  check_cuts(5, 64, 64, 64, 64, 3); /* one level: no tail */
-  for (i = 0; i < 300; ++i) {
-    const int64_t align = (int64_t)1 << rnd_below(5);
-    const int64_t least = align * (1 + rnd_below(40));
-    const int64_t sub = least + align * rnd_below(400);
-    const int64_t slot = sub + align * rnd_below(2000);
-    const int64_t total = rnd_below(4) == 0 ? rnd_below(3 * slot) : rnd_below(60 * slot);
-    check_cuts(total, slot, sub, least, align, 1 + rnd_below(40));
-  }
-  CHECK(rs_stage_cuts(10, 64, 32, 16, 0, 2, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "align 0");
-  CHECK(rs_stage_cuts(10, 64, 32, 48, 16, 2, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "least > sub");
-  CHECK(rs_stage_cuts(10, 32, 64, 16, 16, 2, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "sub > slot");
-  CHECK(rs_stage_cuts(10, 64, 40, 16, 16, 2, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "sub not aligned");
-  CHECK(rs_stage_cuts(-1, 64, 32, 16, 16, 2, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "negative total");
-  CHECK(rs_stage_cuts(10, 64, 32, 16, 16, 0, NULL, NULL, NULL, &chunks, &subs) == RS_EINVAL,
-        "no workers");
-  CHECK(rs_stage_cuts(10, 64, 32, 16, 16, 2, NULL, NULL, NULL, NULL, &subs) == RS_EINVAL,
-        "no count");
-  CHECK(rs_stage_cuts(INT64_MAX - 10, 64, 32, 16, 16, 2, NULL, NULL, NULL, &chunks, &subs) ==
-            RS_EOVERFLOW,
-        "total past int64");
-}
-
 int main(void) {
   test_validate_errors();
   test_overlap_random();
@@ -683,7 +602,6 @@ int main(void) {
   test_copy_long_runs();
   test_cast_long_runs();
   test_copy_errors_write_nothing();
-  test_stage_cuts();
   printf("test_core: %d checks, %d failures (C core %s)\n", checks, failures, RS_VERSION_STRING);
   return failures != 0;
 }

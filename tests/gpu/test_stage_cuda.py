@@ -65,9 +65,7 @@ def test_random_tables_h2d_d2h(pair, ring_bytes):
     assert s["direct_copies"] == 0  # pageable source: everything through the ring
     wire = int((desc[:, 4] * desc[:, 5]).sum()) * min(sdt.itemsize, ddt.itemsize)
     assert s["ring_bytes"] == wire  # the narrower dtype crosses the link
-    slots_of_wire = -(-wire // s["slot_bytes"]) if wire else 0
-    # the host threads' queue (rs_stage_cuts) ends on up to log2(256 / 16) = 4 smaller chunks
-    assert slots_of_wire <= s["chunks"] <= slots_of_wire + 4
+    assert s["chunks"] == (-(-wire // s["slot_bytes"]) if wire else 0)
     # one wait per reused slot plus one final wait: never one per run
     assert s["host_waits"] <= max(0, s["chunks"] - s["slots"]) + 1
     out, ref, s = d2h(src, desc, ddt, dn, ring_bytes)

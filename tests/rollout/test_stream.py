@@ -263,10 +263,9 @@ def test_report_is_the_last_completed_calls():
 
 def test_settle_waits_on_the_progress_word_not_the_future():
     """A CUDA receiver's caller settles a bucket on its progress word (the same logic runs
-    here on the CPU): DONE, or LANDED before it (the stage op's copies all completed), lets it
-    go on while the worker's Future is still pending, keeping the Future for the Report;
-    FAILED raises the bucket's own error; a Future that ends without publishing cannot hold
-    it."""
+    here on the CPU): DONE lets it go on while the worker's Future is still pending, keeping
+    the Future for the Report; FAILED raises the bucket's own error; a Future that ends without
+    publishing cannot hold it."""
     import concurrent.futures
     import threading
     import time
@@ -303,15 +302,6 @@ def test_settle_waits_on_the_progress_word_not_the_future():
     assert call.waited >= 0.04
     late.cancel()
 
-    fut = published(stream_mover.LANDED)
-    late = threading.Timer(3.0, fut.set_result, (("a report", None),))
-    late.start()
-    t0 = time.perf_counter()
-    call.settle(0)
-    assert time.perf_counter() - t0 < 2.0 and not fut.done()
-    assert not call.pending and call.outcomes[-1] is fut and call.landed is None
-    late.cancel()
-
     published(stream_mover.FAILED, error=RuntimeError("bucket 0 failed on the worker"))
     with pytest.raises(RuntimeError, match="bucket 0 failed on the worker"):
         call.settle(0)
@@ -324,40 +314,6 @@ def test_settle_waits_on_the_progress_word_not_the_future():
     fut.set_result(("a report", None))  # done without publishing: the Future decides
     call.settle(0)
     assert call.outcomes[-1] == "a report" and not call.pending
-
-
-def test_a_call_first_waits_for_the_workers_last_bucket():
-    """A call may end at LANDED while the worker still finishes its bucket (and then publishes
-    DONE to the bucket's word): the next call queues nothing, and close() undoes nothing,
-    until that bucket's Future is done."""
-    import concurrent.futures
-    import threading
-    import time
-
-    values, layout, bufs = _local()
-    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
-    list(s(bufs))
-    submitted = []
-    real_submit = s.mover.submit
-
-    def submit(*a, **k):
-        submitted.append(time.perf_counter())
-        return real_submit(*a, **k)
-
-    s.mover.submit = submit
-    for action in (lambda: list(s(bufs)), s.close):
-        tail = concurrent.futures.Future()  # the previous call's last bucket, still running
-        s.mover._last = tail
-        done = threading.Event()
-        worker = threading.Thread(target=lambda: (action(), done.set()))  # noqa: B023
-        worker.start()
-        time.sleep(0.2)
-        assert not done.is_set() and not submitted
-        released = time.perf_counter()
-        tail.set_result(("a report", None))
-        worker.join(10)
-        assert done.is_set() and all(t >= released for t in submitted)
-        submitted.clear()
 
 
 def test_the_worker_leaves_the_caller_a_core_only_where_it_overlaps():

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Call B (the tail halving, four chunks): a build with the probe-only tail switch, the A/B of
-# ab.py, the whole GPU suite but multi-GPU (DeepSpeed from .whl), and sync_latency's stream_offload row with main's Stream beside this tree's
+# ab.py, the whole GPU suite but multi-GPU (DeepSpeed from .whl), sync_latency's stream_offload
+# row with main's Stream beside this tree's, and session 15's timeline of one sync
 set -u -o pipefail
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
 R=/tmp/s16b; mkdir -p $R $OUT; T0=$SECONDS
@@ -24,4 +25,5 @@ for i in 1 2; do
   save
 done
 [ $(left) -gt 60 ] && { PYTHONPATH=python timeout $(( $(left) - 10 )) python3 $P/ab.py .devscripts/s16/before gpt-125m 30 $R/ab2.json > $R/ab2.log 2>&1; echo "ab2 rc=$?"; tail -12 $R/ab2.log; }
+[ $(left) -gt 50 ] && { PYTHONPATH=python timeout $(( $(left) - 5 )) python3 benchmarks/results/h200/cold_core/probe/timeline.py gpt-125m 20 > $R/timeline.log 2>&1; echo "timeline rc=$?"; tail -22 $R/timeline.log; }
 save; echo "done at $((SECONDS - T0)) s"
