@@ -21,9 +21,9 @@ Variants, timed in interleaved rounds (one sync of each in turn, the order rotat
   256 MiB); transfer_rN: one Transfer whose per-peer budget (and so its pinned ring) is N MiB;
 - VARIANT_castN: VARIANT with `reshard.h2d`'s casting stage calls given N MiB of the ring
   (`h2d.CAST_RING_BYTES`: N / 4 queue slots of 4 MiB in flight), whatever the ring's size.
-Each Stream's worker, and the caller, has its own OpenMP team, whose idle threads keep spinning
-for a while after each region: variants on different teams run beside each other's spinning
-threads, so compare team sizes or thread placements across processes, one variant each
+Each Stream's worker, and the caller, has its own OpenMP team (whose idle threads likely keep
+spinning for a while after each region): variants on different teams disturb one another, so
+compare team sizes or thread placements across processes, one variant each
 (benchmarks/results/h200/tail_landed, calls E and F).
 The floor is sync_latency's: the payload over pinned H2D bandwidth (256 MiB, best of 10, in
 this run). The last round records, per stream variant, when each bucket was queued and moved.
