@@ -214,16 +214,21 @@ class BucketMover:
             # thread fewer where the caller works beside it (on the H200 host, 15 of 16 moved
             # the stream 8-15% faster in one call; within noise in another:
             # benchmarks/results/h200/issued)
-            threads = torch.get_num_threads()
+            threads = caller = torch.get_num_threads()
             if self.caller_overlaps and threads > 1:
                 threads -= 1
                 self.caller_has_core = True
             self._worker = concurrent.futures.ThreadPoolExecutor(
                 1,
                 thread_name_prefix="reshard-stream",
-                initializer=torch.set_num_threads,
+                initializer=_own_team,
                 initargs=(threads,),
             )
+            if threads != caller:
+                # torch.set_num_threads also sets the count that threads started later begin
+                # with: once the worker has its team, the process's count is the caller's again
+                self._worker.submit(int).result()
+                torch.set_num_threads(caller)
         return self._worker.submit(
             self._move, bucket, src, dst, checks, caller_done, host_sync, progress_origin
         )
@@ -298,3 +303,15 @@ class BucketMover:
         """Undo host registrations (the Stream stays usable: the next call re-registers)."""
         if self.registry is not None:
             self.registry.close()
+
+
+def _own_team(threads: int) -> None:
+    """Give the worker thread a team of its own. torch's thread count is also the count every
+    thread starts with, and each library that inlines ATen's parallel_for (libtorch, this
+    extension) sets a thread's team from it at that thread's first parallel call. Both first
+    calls happen here, so the caller can put the process's count back afterwards."""
+    from . import _ops  # needs the built ops; planning does not
+
+    torch.get_num_threads()  # libtorch's first call on this thread
+    torch.set_num_threads(threads)
+    _ops.copy_runs(torch.zeros(1), [[0, 1, 0, 1, 1, 1]], torch.empty(1))  # this extension's

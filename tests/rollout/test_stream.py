@@ -4,6 +4,7 @@ compared bitwise."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 from pathlib import Path
 
@@ -331,6 +332,13 @@ def test_the_worker_leaves_the_caller_a_core_only_where_it_overlaps():
             assert s.mover.caller_has_core is has_core
             team = s.mover._worker.submit(torch.get_num_threads).result()
             assert team == (threads - 1 if has_core else threads)
+            # the worker's team is its own: the caller and threads started later keep the
+            # process's count
+            assert torch.get_num_threads() == threads
+            later = concurrent.futures.ThreadPoolExecutor(1)
+            assert later.submit(torch.get_num_threads).result() == threads
+            later.shutdown()
+            s.close()
     finally:
         torch.set_num_threads(before)
 
