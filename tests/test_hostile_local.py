@@ -314,6 +314,22 @@ def test_versions_move_and_grad_targets_are_refused_in_process():
     assert torch.equal(leaf.detach(), sb[0])
 
 
+def test_sources_that_require_grad_leave_the_targets_plain():
+    """A model's parameters are the usual source: in grad mode the targets get no autograd
+    history, so the same buffers sync again (preflight refuses targets that require grad)."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    weight = torch.nn.Parameter(torch.arange(6.0))
+    db = {10: torch.full((6,), S.POISON)}
+    for step in range(2):
+        with torch.no_grad():
+            weight.add_(step)
+        sync({0: weight.view(-1)}, db)
+        assert not db[10].requires_grad and db[10].grad_fn is None
+        assert torch.equal(db[10], weight.detach())
+    assert weight.grad_fn is None and weight.is_leaf
+
+
 def test_inference_tensor_targets_follow_torch():
     """Outside inference mode torch refuses in-place writes to inference tensors (the op
     does too): preflight refuses first; inside inference mode they are written."""

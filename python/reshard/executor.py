@@ -485,7 +485,10 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     verified = getattr(engine, "verified_buffers", None)
     key = verified[0] if verified is not None else None
     try:
-        _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s, key).run()
+        # a transfer moves values, never gradients: sources that require grad (a model's
+        # parameters) must not give the targets an autograd history
+        with torch.no_grad():
+            _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s, key).run()
     except Exception as exc:
         _retire(engine)
         raise TransferError(
