@@ -229,6 +229,7 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
   check_device(op, "dst", dst, dst.is_cpu(), "a CPU tensor (src is on the CPU)");
   at::Tensor desc = check_common(op, src, desc_in, dst);
   check_no_alias(op, src, dst);
+  check_no_alias(op, desc, dst, "desc");  // rows are read while dst is written
 
   const int64_t n = desc.size(0);
   const auto* runs = reinterpret_cast<const rs_run*>(desc.const_data_ptr<int64_t>());
@@ -375,7 +376,7 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
 // index, dim, numel, is_contiguous, requires_grad, is_inference. Read from each TensorImpl:
 // nothing is dispatched on the tensors and no data is touched (a copy-on-write tensor stays
 // shared). A tensor without storage or not strided is refused.
-constexpr int64_t kFactColumns = 11;
+constexpr int64_t kFactColumns = 12;
 
 constexpr int64_t kMaxProgressWaitUs = int64_t{3600} * 1000 * 1000;  // an hour
 constexpr int64_t kMaxProgressSpinUs = 100 * 1000;  // polling longer than this wastes a core
@@ -388,6 +389,7 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
               std::to_string(RS_PROGRESS_WORDS), " elements, got ", p.scalar_type(), " shape ",
               int_list(p.sizes()), p.is_contiguous() ? "" : " (not contiguous)", " on ",
               p.device().str());
+  check_storage(op, "progress", p);
   return p.mutable_data_ptr<int64_t>();
 }
 
@@ -428,6 +430,7 @@ at::Tensor tensor_facts(at::TensorList tensors) {
     row[8] = t.is_contiguous();
     row[9] = t.requires_grad();
     row[10] = t.is_inference();
+    row[11] = (t.is_conj() ? 1 : 0) | (t.is_neg() ? 2 : 0);
     row += kFactColumns;
   }
   return out;
@@ -784,7 +787,6 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.progress = nullptr;
   if (progress.has_value()) {
     buf.progress = progress_words(op, *progress);
-    check_storage(op, "progress", *progress);
     // the op writes the word while it reads src and fills the ring
     for (const at::Tensor* other : {&src, &ring}) {
       const auto a = reinterpret_cast<uintptr_t>(progress->const_data_ptr());
@@ -989,7 +991,58 @@ void autograd_inplace_writes(const c10::OperatorHandle& op, c10::DispatchKeySet 
       torch::autograd::rebase_history(t, grad_fn);
 }
 
+// Conjugate / Negative kernel of the ops: a lazily conjugated or negated view (t.conj(),
+// torch._neg_view) is refused, naming the argument. torch's fallback for these keys would run
+// the op on a materialized copy, and for a written argument it asserts and later aborts.
+void refuse_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                      torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  auto check = [&](const at::Tensor& t, const std::string& name) {
+    TORCH_CHECK(!t.is_conj(), schema.name(), ": ", name,
+                " is a lazily conjugated view (t.conj()): pass t.resolve_conj()");
+    TORCH_CHECK(!t.is_neg(), schema.name(), ": ", name,
+                " is a lazily negated view: pass t.resolve_neg()");
+  };
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = (*stack)[stack->size() - n + i];
+    const std::string& name = schema.arguments()[i].name();
+    if (v.isTensor()) check(v.toTensor(), name);
+    if (v.isTensorList()) {
+      const auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j)
+        check(list.get(j), name + "[" + std::to_string(j) + "]");
+    }
+  }
+  // reached only without either bit: on past both keys (Conjugate is the lower of the two)
+  op.redispatchBoxed(
+      keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Conjugate),
+      stack);
+}
+
+// tensor_facts reads the tensors it is given, math bits included, not materialized copies.
+void past_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                    torch::jit::Stack* stack) {
+  op.redispatchBoxed(
+      keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::Conjugate),
+      stack);
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(reshard, Conjugate, m) {
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set",
+                         "progress_wait"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_math_bits>());
+  m.impl("tensor_facts", torch::CppFunction::makeFromBoxedFunction<&past_math_bits>());
+}
+
+TORCH_LIBRARY_IMPL(reshard, Negative, m) {
+  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set",
+                         "progress_wait"})
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_math_bits>());
+  m.impl("tensor_facts", torch::CppFunction::makeFromBoxedFunction<&past_math_bits>());
+}
 
 // The writes are in-place writes to autograd, as torch's own in-place ops are: version
 // counters bumped (a tensor saved for backward and then overwritten makes backward raise),

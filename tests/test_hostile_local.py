@@ -266,6 +266,32 @@ def test_leaving_inference_mode_is_seen_on_a_repeated_call():
     assert bool((target == S.POISON).all())
 
 
+# ------------------------------------------------------------------ tensor kinds
+
+
+def test_views_and_tensors_the_ops_cannot_copy_are_refused_before_any_write():
+    src, dst = _one_rank(torch.complex64)
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0).to(torch.complex64)}
+    target = torch.full((6,), 7 + 7j, dtype=torch.complex64)
+    sync(sb, {10: target})  # a passing call: the next calls' buffers are compared with it
+    assert torch.equal(target, sb[0])
+    target.fill_(7 + 7j)
+    for side, bad, why in [
+        ("target", target.conj(), "lazily conjugated view"),
+        ("source", sb[0].conj(), "lazily conjugated view"),
+        ("target", torch._neg_view(target), "lazily negated view"),
+    ]:
+        call = (sb, {10: bad}) if side == "target" else ({0: bad}, {10: target})
+        with pytest.raises(rs.PreflightError, match=f"{side} location .*: is a {why}"):
+            sync(*call)
+        assert bool((target == 7 + 7j).all())
+    src, dst = _one_rank(torch.float32)
+    plain = rs.Transfer(src, dst)
+    with pytest.raises(rs.PreflightError, match="is a torch.sparse_coo tensor"):
+        plain({0: torch.arange(6.0).to_sparse()}, {10: torch.zeros(6)})
+
+
 # ------------------------------------------------------------------ timeouts
 
 

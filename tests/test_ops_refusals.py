@@ -188,3 +188,51 @@ def test_freed_and_empty_tensors_with_nothing_to_copy_are_fine():
     dst = dst4()
     reshard.copy_runs(empty, np.zeros((0, 6), np.int64), dst)
     assert dst.tolist() == [POISON] * 4
+
+
+# ------------------------------------------------------------------ memory shared with dst
+
+
+def test_desc_that_shares_memory_with_dst_is_refused():
+    """The rows are read while dst is written: a table inside dst could be rewritten by its own
+    first row into rows that were never validated."""
+    dst = torch.zeros(64, dtype=torch.int64)
+    desc = dst[:12].view(2, 6)
+    desc[0] = torch.tensor([0, 0, 6, 0, 6, 1])  # writes over row 1
+    desc[1] = torch.tensor([0, 0, 20, 0, 4, 1])
+    src = torch.tensor([0, 0, 1 << 40, 0, 4, 1])  # what row 1 would say after row 0
+    refused(
+        lambda: torch.ops.reshard.copy_runs(src, desc, dst),
+        "reshard::copy_runs: desc and dst overlap in memory",
+        written=[dst],
+    )
+    tail = torch.zeros(8, dtype=torch.int64)
+    refused(  # a numpy table over dst's memory is shared, not copied, by as_desc
+        lambda: reshard.copy_runs(tail[:6], dst.numpy()[:6].reshape(1, 6), dst),
+        "desc and dst overlap",
+        written=[dst],
+    )
+
+
+# ------------------------------------------------------------------ lazy views
+
+
+@pytest.mark.parametrize("arg", ["src", "dst"])
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_lazily_conjugated_or_negated_views_are_refused(arg, view):
+    """torch's fallback for these views would run the op on a materialized copy: a written
+    one asserts inside torch and aborts the process when it is collected (after this test)."""
+    make = {"conj": torch.Tensor.conj, "neg": torch._neg_view}[view]
+    dtype = torch.complex64 if view == "conj" else torch.float32
+    src = torch.arange(4.0).to(dtype)
+    base = torch.full((4,), POISON, dtype=dtype)
+    dst = make(base) if arg == "dst" else base
+    if arg == "src":
+        src = make(src)
+    hint = "resolve_conj()" if view == "conj" else "resolve_neg()"
+    refused(lambda: reshard.copy_runs(src, DESC, dst), f"{arg} is a lazily", hint, written=[base])
+    refused(
+        lambda: torch.ops.reshard.copy_pieces([src], torch.tensor([[0, 0, 0, 4]]), dst),
+        "srcs[0] is a lazily" if arg == "src" else "dst is a lazily",
+        written=[base],
+    )

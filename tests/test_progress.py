@@ -107,6 +107,15 @@ def test_malformed_words_are_refused(word):
         ops.progress_set(word, 1)
 
 
+def test_a_word_whose_storage_shrank_is_refused():
+    base = torch.zeros(1 << 20, dtype=torch.int64)
+    word = base[-4:]
+    base.untyped_storage().resize_(8)
+    for call in (lambda: ops.progress_set(word, 7), lambda: ops.progress_wait(word, 1, 0)):
+        with pytest.raises(RuntimeError, match="progress needs 8388608 bytes of storage"):
+            call()
+
+
 def test_timeout_out_of_range_is_refused():
     with pytest.raises(RuntimeError, match="timeout_us"):
         ops.progress_wait(_word(), 1, -1)

@@ -55,6 +55,7 @@ def _python_facts(t: torch.Tensor) -> list[int]:
         int(t.is_contiguous()),
         int(t.requires_grad),
         int(t.is_inference()),
+        int(t.is_conj()) | int(t.is_neg()) << 1,
     ]
 
 
@@ -90,6 +91,8 @@ def _kinds():
         "inference": inference,
         "meta": torch.empty(3, device="meta"),
         "scalar": torch.tensor(1.5),
+        "conjugated view": torch.arange(4.0).to(torch.complex64).conj(),
+        "negated view": torch._neg_view(base),
     }
     for d in DTYPES:
         out[str(d)] = torch.zeros(7, dtype=d)
@@ -140,6 +143,9 @@ def _changes():
     def requires_grad(t):
         t.requires_grad_()
 
+    def negated(t):
+        torch._C._set_neg(t, True)
+
     return [
         ("set_", set_other),
         ("resize_ smaller", shrink),
@@ -151,6 +157,7 @@ def _changes():
         ("as_strided_", strided),
         ("unsqueeze_", unsqueeze),
         ("requires_grad_", requires_grad),
+        ("negation bit", negated),
     ]
 
 

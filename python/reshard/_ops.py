@@ -67,6 +67,7 @@ FACT_COLUMNS = (
     "contiguous",  # is_contiguous()
     "requires_grad",
     "inference",  # is_inference()
+    "math_bits",  # is_conj() | is_neg() << 1
 )
 
 try:

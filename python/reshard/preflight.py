@@ -360,8 +360,17 @@ def _admission(side, st, loc, t, rank) -> str | None:
 
 
 def _shape_faults(st, t) -> list[str]:
-    """Tensor `t` against its `Storage`: dtype, 1-D contiguous, extent, a storage behind it."""
+    """Tensor `t` against its `Storage`: dtype, 1-D contiguous, extent, a storage behind it,
+    plain values (the ops refuse lazily conjugated or negated views and quantized tensors)."""
+    if t.layout != torch.strided:
+        return [f"is a {t.layout} tensor: reshard copies dense (strided) tensors"]
     bad = []
+    if t.is_conj():
+        bad.append("is a lazily conjugated view (t.conj()): pass t.resolve_conj()")
+    if t.is_neg():
+        bad.append("is a lazily negated view: pass t.resolve_neg()")
+    if t.is_quantized:
+        bad.append(f"is a quantized tensor ({t.dtype}): pass its int_repr()")
     want = as_dtype(st.dtype)
     if t.dtype != want:
         bad.append(f"dtype {t.dtype}, storage declares {want}")

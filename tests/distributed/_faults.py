@@ -27,6 +27,7 @@ PREFLIGHT_KINDS = (
     "alias_targets",
     "fingerprint",
     "notready",
+    "negview",
 )
 
 
@@ -63,6 +64,9 @@ def break_inputs(kind, rank, world, src, sb, db, plan, other_plan):
         plan = other_plan
     elif kind == "notready":
         checks = (_not_ready,)
+    elif kind == "negview":  # a lazily negated view (the ops refuse it)
+        dloc = max(db, key=lambda k: db[k].numel())
+        db[dloc] = torch._neg_view(db[dloc])
     elif kind == "wrong_gpu":  # a buffer on the other rank's GPU
         sb[sloc] = sb[sloc].to(torch.device("cuda", (torch.cuda.current_device() + 1) % 2))
     else:
