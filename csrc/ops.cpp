@@ -1020,6 +1020,10 @@ void refuse_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
       stack);
 }
 
+// Every op that copies from, writes or waits on a tensor (tensor_facts only reads facts).
+constexpr const char* kTensorOps[] = {"copy_runs", "copy_pieces",  "stage_h2d",
+                                      "stage_d2h", "progress_set", "progress_wait"};
+
 // tensor_facts reads the tensors it is given, math bits included, not materialized copies.
 void past_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                     torch::jit::Stack* stack) {
@@ -1031,15 +1035,13 @@ void past_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(reshard, Conjugate, m) {
-  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set",
-                         "progress_wait"})
+  for (const char* op : kTensorOps)
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_math_bits>());
   m.impl("tensor_facts", torch::CppFunction::makeFromBoxedFunction<&past_math_bits>());
 }
 
 TORCH_LIBRARY_IMPL(reshard, Negative, m) {
-  for (const char* op : {"copy_runs", "copy_pieces", "stage_h2d", "stage_d2h", "progress_set",
-                         "progress_wait"})
+  for (const char* op : kTensorOps)
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_math_bits>());
   m.impl("tensor_facts", torch::CppFunction::makeFromBoxedFunction<&past_math_bits>());
 }

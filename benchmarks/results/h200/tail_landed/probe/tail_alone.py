@@ -39,16 +39,20 @@ for _ in range(3):
         run(n)
 times = {n: [] for n in names}
 for r in range(rounds):
-    for n in (names if r % 2 == 0 else names[::-1]):
+    for n in names if r % 2 == 0 else names[::-1]:
         times[n].append(run(n))
 os.environ.pop("RESHARD_PROBE_NO_TAIL", None)
 med = statistics.median
 nbytes = sum(t.numel() * 2 for t in case.src_buffers.values())  # bf16 bytes of the fp32 masters
 floor_s = nbytes / bw
-print(f"{model}: {nbytes / 2**20:.1f} MiB bf16, floor {floor_s * 1e3:.3f} ms, {rounds} rounds, threads {torch.get_num_threads()}")
+print(
+    f"{model}: {nbytes / 2**20:.1f} MiB bf16, floor {floor_s * 1e3:.3f} ms, {rounds} rounds, threads {torch.get_num_threads()}"
+)
 for n in names:
     v = times[n]
-    print(f"  tail {n:3s} med {med(v) * 1e3:7.3f} ms ({med(v) / floor_s:.3f}x)  min {min(v) * 1e3:7.3f}  p90 {sorted(v)[int(0.9 * len(v))] * 1e3:7.3f}")
+    print(
+        f"  tail {n:3s} med {med(v) * 1e3:7.3f} ms ({med(v) / floor_s:.3f}x)  min {min(v) * 1e3:7.3f}  p90 {sorted(v)[int(0.9 * len(v))] * 1e3:7.3f}"
+    )
 wins = sum(a < b for a, b in zip(times["on"], times["off"], strict=True))
 ratio = med([a / b for a, b in zip(times["on"], times["off"], strict=True)])
 print(f"  tail on faster in {wins}/{rounds} rounds, median ratio on/off {ratio:.3f}")
