@@ -349,7 +349,7 @@ def _check_ownership(side, storages, buffers, rank, world_size, reasons) -> None
 def _admission(side, st, loc, t, rank) -> str | None:
     """Why the value passed for `loc` is not a buffer this rank may pass there, else None."""
     if st is None:
-        return f"{side} location {loc} does not exist in the {side} layout"
+        return f"{side} location {loc!r} does not exist in the {side} layout"
     if st.rank != rank:
         return f"{side} location {loc} is owned by rank {st.rank}, not {rank}"
     if t is None:

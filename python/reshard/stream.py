@@ -23,17 +23,20 @@ plus the pinned ring when CPU buffers meet CUDA ones), kept across calls. `stagi
 states the whole bound; each call's `report` says what was held. A consumer that takes tensors
 whole needs the largest one whole, so that tensor is the floor of any by-name path.
 
-Errors: names, dtype, receivers and sizes are checked in the constructor (the same ValueError
-on every rank, since every rank builds the same Stream). Every source buffer the whole stream
-reads is checked in the first bucket's collective preflight (and the buffer set's readiness hook
-runs there), so a bad or missing buffer anywhere raises the same PreflightError on every rank
-before anything is yielded or written. Every rank must iterate the stream to its end; a caller
+Errors: names, dtype, receivers, sizes and the timeout are checked in the constructor (the
+same ValueError on every rank, since every rank builds the same Stream). The first bucket's
+collective preflight agrees on the whole stream's fingerprint and checks every source buffer the
+whole stream reads (and runs the buffer set's readiness hook), so Streams that differ between
+ranks, or a bad or missing buffer anywhere, raise the same PreflightError on every rank before
+anything is yielded or written. Sources must stay as they are until the iteration ends: the next
+bucket reads them while the caller consumes this one. Every rank must iterate the stream to its end; a caller
 that stops early (break, an exception in the loop body) closes the generator, which then moves
 the remaining buckets without yielding them, so its peers finish normally.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Mapping
@@ -44,12 +47,14 @@ import torch.distributed as dist
 from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
+from .preflight import timeout_error
 from .stream_iter import Call, check_sources
 from .stream_mover import BucketMover, StagingPool
 
 __all__ = ["Stream"]
 
 DEFAULT_TIMEOUT_S = 300.0
+MAX_BYTES = 1 << 62  # what the planner's arithmetic takes (int64 with room)
 
 
 class Stream:
@@ -97,6 +102,9 @@ class Stream:
                 " (for a DeepSpeed engine pass describe(engine, kind).layout)"
             )
         _positive_int("bucket_bytes", bucket_bytes)
+        bad_timeout = timeout_error(timeout)
+        if bad_timeout is not None:
+            raise bad_timeout
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         if staging_bytes_per_rank is None:
@@ -123,7 +131,14 @@ class Stream:
         for b in self.buckets:
             digest.update(f"{b.names}|{b.start}|{b.plan.fingerprint};".encode())
         self.fingerprint = digest.hexdigest()[:32]
+        # bucket 0's preflight agrees on the whole stream: ranks whose streams differ anywhere
+        # (names, order, a later bucket) all fail there, before anything is yielded
+        first = self.buckets[0]
+        first.plan = dataclasses.replace(
+            first.plan, fingerprint=f"{first.plan.fingerprint[:16]}, stream {self.fingerprint}"
+        )
         self.used_locations = sorted({loc for b in self.buckets for loc in b.src_locations})
+        self._first_locations = set(self.buckets[0].src_locations)
         cuda = self.device.index if self.device.type == "cuda" else None
         if cuda is None and "nccl" in self.backend and torch.cuda.is_available():
             cuda = torch.cuda.current_device()
@@ -220,8 +235,9 @@ class Stream:
 
     def check_sources(self, bufs) -> None:
         """bucket 0's preflight check: every source buffer the whole stream reads on this
-        rank, and the receiver's buffer."""
-        reasons = check_sources(self.src_layout, self.used_locations, self.rank, self.backend, bufs)
+        rank (bucket 0's own are its transfer's to check), and the receiver's buffer."""
+        later = [loc for loc in self.used_locations if loc not in self._first_locations]
+        reasons = check_sources(self.src_layout, later, self.rank, self.backend, bufs)
         if self._buffer_error is not None:
             reasons.append(self._buffer_error)
         if reasons:
@@ -231,8 +247,14 @@ class Stream:
         """The receivers' buffer, once; a failure is a preflight reason of the first bucket."""
         if self.rank not in self.receivers or self.buffer is not None:
             return None
+        # normal tensors even when the caller iterates under inference_mode: the worker
+        # thread, outside it, writes the buffer's views in place
+        with torch.inference_mode(False):
+            return self._make_buffer()
+
+    def _make_buffer(self):
         try:
-            self.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
+            buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
         except (RuntimeError, MemoryError) as exc:
             return (
                 f"receiver buffer of {self.buffer_bytes} B on {self.device} could not be "
@@ -241,7 +263,7 @@ class Stream:
         me = self.receivers.index(self.rank)
         self._target_views = [
             {
-                loc: self.buffer[b.start + b.groups[dt][0] : b.start + b.groups[dt][1]].view(dt)
+                loc: buffer[b.start + b.groups[dt][0] : b.start + b.groups[dt][1]].view(dt)
                 for loc, (j, dt) in b.targets.items()
                 if j == me
             }
@@ -250,8 +272,7 @@ class Stream:
         # one typed view of the whole buffer per dtype; a yielded tensor is one as_strided of it
         dtypes = {e.dtype for b in self.buckets for e in b.entries}
         typed = {
-            dt: self.buffer[: self.buffer_bytes // dt.itemsize * dt.itemsize].view(dt)
-            for dt in dtypes
+            dt: buffer[: self.buffer_bytes // dt.itemsize * dt.itemsize].view(dt) for dt in dtypes
         }
         self._yields = [
             [
@@ -267,6 +288,7 @@ class Stream:
             for b in self.buckets
         ]
         self._ends = [[b.start + e.offset + e.nbytes for e in b.entries] for b in self.buckets]
+        self.buffer = buffer
         return None
 
     def targets(self, k) -> dict:
@@ -297,8 +319,8 @@ def _group_info(group):
 
 
 def _positive_int(what, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BYTES:
+        raise ValueError(f"{what} must be an int in 1 .. 2**62, got {value!r}")
 
 
 def _resolve_device(device, backend) -> torch.device:
@@ -309,6 +331,8 @@ def _resolve_device(device, backend) -> torch.device:
                 f"device {device}: the gloo transport delivers into CPU memory; use "
                 "device='cpu' or an NCCL group"
             )
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available in this process")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device
@@ -322,9 +346,14 @@ def _buffers_and_hooks(src_buffers):
         return dict(src_buffers), []
     bufs = getattr(src_buffers, "buffers", None)
     if not isinstance(bufs, Mapping):
-        raise TypeError(
-            "src_buffers must be a mapping {location: tensor} or an object with a "
-            f"`.buffers` mapping, got {type(src_buffers).__name__}"
-        )
+        what = type(src_buffers).__name__
+
+        def refuse():  # bucket 0's preflight: every rank raises it, not this one alone
+            raise TypeError(
+                "src_buffers must be a mapping {location: tensor} or an object with a "
+                f"`.buffers` mapping, got {what}"
+            )
+
+        return {}, [refuse]
     check = getattr(src_buffers, "check", None)
     return dict(bufs), [check] if callable(check) else []

@@ -25,9 +25,9 @@ import torch
 
 from .layout import Layout, Piece, Storage, TensorLayout
 from .planning import plan as make_plan
+from .preflight import copy_support
 
 ALIGN = 16  # bytes: every tensor and every dtype group starts 16-byte aligned in the buffer
-FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def aligned(nbytes: int) -> int:
@@ -132,15 +132,17 @@ def _needs(prev: Bucket, start: int, nbytes: int) -> int:
 
 def place_buckets(buckets: list[Bucket], size: int) -> None:
     """Set each bucket's start, wait_consumed and ready_after in a ring of `size` bytes.
-    Candidates: right after the previous bucket (when it fits), the ring's start, its end; the
-    one that waits for the fewest tensors of the previous bucket wins (ties: in that order)."""
+    Candidates: right after the previous bucket (when it fits), the ring's start, its end
+    (every start ALIGN-aligned); the one that waits for the fewest tensors of the previous
+    bucket wins (ties: in that order)."""
     for k, b in enumerate(buckets):
         if k == 0:
             b.start, b.wait_consumed = 0, 0
             continue
         prev = buckets[k - 1]
         after = prev.start + prev.nbytes
-        starts = ([after] if after + b.nbytes <= size else []) + [0, size - b.nbytes]
+        end = (size - b.nbytes) // ALIGN * ALIGN  # the last aligned start that fits
+        starts = ([after] if after + b.nbytes <= size else []) + [0, end]
         # ties keep the earlier candidate: min over (need, position in `starts`)
         b.wait_consumed, _, b.start = min(
             (_needs(prev, s, b.nbytes), i, s) for i, s in enumerate(starts)
@@ -233,7 +235,10 @@ def check_names(names, layout: Layout) -> list[str]:
         return names
     if isinstance(names, str):
         raise ValueError(f"names must be a list of tensor names, got the string {names!r}")
-    names = list(names)
+    try:
+        names = list(names)
+    except TypeError:
+        raise ValueError(f"names must be a list of tensor names, got {names!r}") from None
     if not names:
         raise ValueError("names is empty: nothing to stream")
     bad = [n for n in names if not isinstance(n, str)]
@@ -274,11 +279,9 @@ def out_dtype(name: str, layout: Layout, dtype) -> torch.dtype:
                     f"tensor {name!r} is empty (no pieces) and the layout mixes dtypes: "
                     "pass dtype= (or leave it out of names)"
                 )
-        return next(iter(src))
-    for s in src:
-        if s != dtype and not (s in FLOATS and dtype in FLOATS):
-            raise ValueError(
-                f"tensor {name!r}: cannot stream {s} as {dtype} (casts are among float32, "
-                "bfloat16 and float16)"
-            )
+        dtype = next(iter(src))
+    for s in src or {dtype}:
+        why = copy_support(s, dtype)
+        if why is not None:
+            raise ValueError(f"tensor {name!r}: cannot stream {s} as {dtype} ({why})")
     return dtype

@@ -253,7 +253,7 @@ def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str
                 reasons.append(f"source location {loc}: " + "; ".join(bad))
     for loc in bufs:
         if loc not in layout.storages:
-            reasons.append(f"source location {loc} does not exist in the source layout")
+            reasons.append(f"source location {loc!r} does not exist in the source layout")
         elif layout.storages[loc].rank != rank:
             owner = layout.storages[loc].rank
             reasons.append(f"source location {loc} is owned by rank {owner}, not {rank}")

@@ -233,6 +233,37 @@ def w_preflight(rank, world):
     return errs, msg
 
 
+def w_disagree(rank, world):
+    """Rank 1 leaves out the last tensor (its stream differs only in its last bucket), then
+    passes a list for its buffers: every rank raises the same PreflightError in bucket 0,
+    before anything is yielded; then a good call works."""
+    values = full_values(seed=4)
+    layout, bufs = zero3_source(world, values, rank)
+    names = list(layout.tensors)
+    errs, msgs = [], []
+    cases = [
+        (names[:-1] if rank == 1 else names, bufs, "fingerprint"),
+        (names, list(bufs.values()) if rank == 1 else bufs, "src_buffers must be a mapping"),
+    ]
+    for own, src, why in cases:
+        s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16, names=own)
+        got, msg = [], None
+        try:
+            for name, _ in s(src):
+                got.append(name)
+        except rs.PreflightError as exc:
+            msg = str(exc)
+        if msg is None or why not in msg:
+            errs.append(f"rank {rank}: expected a PreflightError about {why!r}, got {msg!r}")
+        if got:
+            errs.append(f"rank {rank}: yielded {got} before the error ({why})")
+        msgs.append(msg)
+    s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the errors")
+    return errs, msgs
+
+
 def w_early_stop(rank, world):
     """The receiver stops after its first tensor; its peers iterate to the end and finish
     normally (the closed generator moves the rest); the next call is complete everywhere."""

@@ -123,15 +123,17 @@ def test_placement_never_overwrites_tensors_in_use():
             {f"t{i}": rs.replicated((m,), [i]) for i, m in enumerate(sizes)},
             {i: rs.Storage(0, torch.float32, m) for i, m in enumerate(sizes)},
         )
-        bucket = rng.choice([16, 64, 400, 1024, 4096])
+        bucket = rng.choice([16, 23, 64, 400, 1001, 1024, 4096])
         s = rs.Stream(layout, [0], bucket)
         assert W.regions_disjoint(s) == [], (sizes, bucket)
+        assert all(b.start % 16 == 0 for b in s.buckets), (sizes, bucket)
         total = sum(b.nbytes for b in s.buckets)
         largest = max(b.nbytes for b in s.buckets)
         assert s.buffer_bytes == max(largest, min(2 * bucket, total))
-        extra = rng.choice([0, 16, 100, 1000])
+        extra = rng.choice([0, 7, 16, 100, 1000])
         s = rs.Stream(layout, [0], bucket, buffer_bytes=largest + extra)
         assert W.regions_disjoint(s) == [], (sizes, bucket, extra)
+        assert all(b.start % 16 == 0 for b in s.buckets), (sizes, bucket, extra)
         if rng.random() < 0.1:  # and some of them for real, with a slow consumer
             bufs = {i: torch.randn(m) for i, m in enumerate(sizes)}
             want = {f"t{i}": bufs[i].clone() for i in range(n)}
@@ -385,6 +387,52 @@ def test_validation_errors():
     assert torch.equal(dict(s(src))["t"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
 
+def test_a_buffer_of_any_size_keeps_every_bucket_aligned():
+    """A buffer_bytes that is no multiple of 16 (or twice an odd bucket_bytes): a bucket placed
+    at the buffer's end still starts aligned, so its views of every dtype exist."""
+    sizes = [250, 100]
+    layout = rs.Layout(
+        {f"t{i}": rs.replicated((m,), [i]) for i, m in enumerate(sizes)},
+        {i: rs.Storage(0, torch.float32, m) for i, m in enumerate(sizes)},
+    )
+    bufs = {i: torch.randn(m) for i, m in enumerate(sizes)}
+    want = {f"t{i}": bufs[i].clone() for i in range(len(sizes))}
+    for kw in (dict(bucket_bytes=512, buffer_bytes=1407), dict(bucket_bytes=1001)):
+        s = rs.Stream(layout, [0], **kw)
+        assert all(b.start % 16 == 0 for b in s.buckets), kw
+        for _ in range(2):
+            assert W.consume(s, bufs, want, True, str(kw)) == []
+
+
+def test_iterating_under_inference_mode():
+    """Engines load weights under torch.inference_mode(): the Stream's buffer stays a normal
+    tensor (its worker thread writes it outside that mode), in every call, in or out of it."""
+    values, layout, bufs = _local()
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            got = {n: t.clone() for n, t in s(bufs)}
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_constructor_refuses_what_the_first_call_would():
+    values, layout, bufs = _local()
+    for timeout, err in [(-1, ValueError), (None, TypeError), ("5", TypeError)]:
+        with pytest.raises(err, match="timeout must be"):
+            rs.Stream(layout, timeout=timeout)
+    with pytest.raises(ValueError, match="names must be a list"):
+        rs.Stream(layout, names=5)
+    with pytest.raises(ValueError, match="2\\*\\*62"):
+        rs.Stream(layout, buffer_bytes=1 << 70)
+    wide = rs.Layout({"z": rs.replicated((4,), [0])}, {0: rs.Storage(0, torch.complex128, 4)})
+    with pytest.raises(ValueError, match="16-byte elements"):
+        rs.Stream(wide)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            rs.Stream(layout, device="cuda")
+
+
 class _NotReady:
     def __init__(self, buffers):
         self.buffers = buffers
@@ -424,6 +472,13 @@ def test_stream_gloo_preflight_is_collective(tmp_path):
     for errs, _ in out:
         assert errs == []
     assert len({msg for _, msg in out}) == 1, "every rank raises the same PreflightError"
+
+
+def test_stream_gloo_ranks_that_disagree_fail_together(tmp_path):
+    out = run_ranks(W.w_disagree, 2, tmp_path, env=ENV, timeout=180)
+    for errs, _ in out:
+        assert errs == []
+    assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
 
 
 def test_stream_gloo_early_stop(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -201,6 +202,9 @@ def test_layout_ranks_follow_ranks_argument():
         (_qwen2(qk_norm=True), 2, "qk_norm"),
         (_qwen2(head_dim=16), 2, "head_dim"),
         (transformers.GPT2Config(), 1, "model_type"),
+        (_llama(num_key_value_heads=0), 2, "num_key_value_heads = 0"),
+        (_llama(num_key_value_heads=-2), 2, "num_key_value_heads = -2"),
+        (_llama(head_dim=-4), 2, "head_dim = -4"),
     ],
 )
 def test_unsupported_configs(cfg, tp, match):
@@ -213,6 +217,8 @@ def test_bad_arguments():
         rsvllm.tp_layout(_llama(), 2, [0])
     with pytest.raises(ValueError, match="tp_size"):
         rsvllm.tp_layout(_llama(), 0, [])
+    with pytest.raises(ValueError, match="ranks must be a list"):
+        rsvllm.tp_layout(_llama(), 2, None)
 
 
 def test_buffers_names_every_mismatch():
@@ -238,3 +244,7 @@ def test_buffers_names_every_mismatch():
     assert "down_proj.weight: dtype torch.float32" in msg
     with pytest.raises(ValueError, match="out of range"):
         tgt.buffers(params, 2)
+    with pytest.raises(ValueError, match="model.norm.weight: expected a tensor, got ndarray"):
+        tgt.buffers(dict(params, **{"model.norm.weight": np.zeros(4)}), 0)
+    with pytest.raises(ValueError, match="named_params must be"):
+        tgt.buffers(None, 0)

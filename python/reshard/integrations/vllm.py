@@ -101,12 +101,22 @@ class TPLayout:
             raise ValueError(f"tp_rank must be an int, got {tp_rank!r}")
         if not 0 <= tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {self.tp_size}")
-        params = dict(named_params.items() if isinstance(named_params, Mapping) else named_params)
+        try:
+            pairs = named_params.items() if isinstance(named_params, Mapping) else named_params
+            params = dict(pairs)
+        except (TypeError, ValueError):
+            raise ValueError(
+                "named_params must be model.named_parameters() (pairs of name and tensor) or a "
+                f"mapping, got {type(named_params).__name__}"
+            ) from None
         out, problems = {}, []
         for name, shape in self.shapes.items():
             t = params.get(name)
             if t is None:
                 problems.append(f"{name}: missing")
+                continue
+            if not isinstance(t, torch.Tensor):
+                problems.append(f"{name}: expected a tensor, got {type(t).__name__}")
                 continue
             t = t.data if isinstance(t, torch.nn.Parameter) else t
             bad = []
@@ -148,13 +158,13 @@ def _spec(cfg) -> _Spec:
     hidden, heads = _positive(cfg, "hidden_size"), _positive(cfg, "num_attention_heads")
     layers = _positive(cfg, "num_hidden_layers")
     inter, vocab = _positive(cfg, "intermediate_size"), _positive(cfg, "vocab_size")
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = _optional_positive(cfg, "num_key_value_heads") or heads
     if heads % kv:
         raise UnsupportedError(f"num_attention_heads {heads} is not a multiple of kv heads {kv}")
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise UnsupportedError(f"hidden_act {act!r}: vLLM's Llama/Qwen2 MLP supports only silu")
-    head_dim = getattr(cfg, "head_dim", None)
+    head_dim = _optional_positive(cfg, "head_dim")
     if cfg.model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = _qwen2_biases(cfg, head_dim, hidden // heads)
     else:
@@ -192,6 +202,11 @@ def _positive(cfg, key) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise UnsupportedError(f"config.{key} = {v!r}: a positive int is required")
     return v
+
+
+def _optional_positive(cfg, key) -> int | None:
+    """config.key, which HF leaves None (or out) for its default; else a positive int."""
+    return None if getattr(cfg, key, None) is None else _positive(cfg, key)
 
 
 def _qwen2_biases(cfg, head_dim, default_head_dim):
@@ -257,7 +272,10 @@ def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
-    ranks = list(ranks)
+    try:
+        ranks = list(ranks)
+    except TypeError:
+        raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}") from None
     if len(ranks) != tp_size:
         raise ValueError(f"ranks has {len(ranks)} entries, tp_size is {tp_size}: one per TP rank")
     for r in ranks:
