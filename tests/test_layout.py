@@ -204,6 +204,20 @@ def test_error_negative_fields_and_bad_types():
         rs.TensorLayout((2,), [(0, 0, (0,), (2,))])
     with pytest.raises(rs.LayoutError, match="flat runs must be"):
         rs.flat((3,), [(0, 0, 3)])
+    # what is not a sequence where a sequence belongs: a LayoutError naming it
+    for call, what in [
+        (lambda: rs.split((4,), 0, [4], 0), "split locations must be a sequence"),
+        (lambda: rs.split((4,), 0, [4], None), "split locations must be a sequence"),
+        (lambda: rs.split((4,), 0, [4], [0], offsets=3), "split offsets must be a sequence"),
+        (lambda: rs.split((4,), 0, [4], [(0, (1,))]), "split location must be an integer"),
+        (lambda: rs.flat((3,), None), "flat runs must be a sequence"),
+        (lambda: rs.flat((3,), 7), "flat runs must be a sequence"),
+        (lambda: rs.TensorLayout((2,), None), "pieces must be a sequence"),
+    ]:
+        with pytest.raises(rs.LayoutError, match=what):
+            call()
+    runs = (r for r in [(0, 0, 3, 0)])  # an iterable that is no list works
+    assert rs.flat((3,), runs).shape == (3,)
 
 
 def test_error_split_sizes():
@@ -243,6 +257,9 @@ def test_error_nest():
         rs.nest(outer, {9: rs.flat((4,), [(0, 0, 4, 0)])})
     with pytest.raises(rs.LayoutError, match="must be a 1-D TensorLayout"):
         rs.nest(outer, {9: rs.replicated((2, 3), [0])})
+    for inner in (None, [rs.flat((6,), [(0, 0, 6, 0)])]):
+        with pytest.raises(rs.LayoutError, match="nest inner must be a mapping"):
+            rs.nest(outer, inner)
 
 
 def test_error_target_aliasing():

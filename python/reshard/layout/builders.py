@@ -3,6 +3,8 @@ Shard), `flat` (ZeRO ranges of the flattened tensor) and `nest` (a sharding of a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from ..errors import LayoutError
@@ -13,6 +15,7 @@ from .values import (
     as_int,
     as_int_array,
     as_ints,
+    as_list,
     as_shape,
     num_elements,
     row_major,
@@ -59,7 +62,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
         raise LayoutError(f"{tn}: split dim {dim} out of range for {d} dims")
     dim %= d
     sizes = as_ints(sizes, "split sizes")
-    locations = list(locations)
+    locations = as_list(locations, f"{tn}: split locations")
     if len(sizes) != len(locations):
         raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(locations)} locations")
     if any(s < 0 for s in sizes):
@@ -70,7 +73,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
         )
     if offsets is None:
         offsets = [0] * len(sizes)
-    offsets = list(offsets)
+    offsets = as_list(offsets, f"{tn}: split offsets")
     if len(offsets) != len(sizes):
         raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(offsets)} offsets")
     loc, off, blk = _split_holders(tn, locations, offsets)
@@ -172,6 +175,7 @@ def _flat_runs_array(tn, runs) -> np.ndarray:
             raise LayoutError(f"{tn}: flat run field {int(runs.max())} does not fit in int64")
         r = runs.astype(I64, copy=False)  # fast path for generated layouts
     else:
+        runs = as_list(runs, f"{tn}: flat runs")
         r = np.asarray(runs if len(runs) else np.zeros((0, 4)), dtype=object)
         try:
             r = np.array([[as_int(x, f"{tn}: flat run field") for x in row] for row in r], I64)
@@ -246,6 +250,11 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
     shape = outer.shape
     tn = tensor_label(name if name is not None else outer.name, shape)
     d = len(shape)
+    if not isinstance(inner, Mapping):
+        raise LayoutError(
+            f"{tn}: nest inner must be a mapping {{location: TensorLayout}}, got "
+            f"{type(inner).__name__}"
+        )
     for loc, tl in inner.items():
         if not isinstance(tl, TensorLayout) or len(tl.shape) != 1:
             raise LayoutError(

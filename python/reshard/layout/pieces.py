@@ -13,6 +13,7 @@ from .values import (
     MAX_ELEMENTS,
     as_int,
     as_ints,
+    as_list,
     as_shape,
     num_elements,
     row_major,
@@ -129,6 +130,7 @@ class TensorLayout:
         shape = as_shape(shape, "TensorLayout.shape", name)
         if isinstance(pieces, (Piece, TensorLayout)):
             pieces = [pieces]
+        pieces = as_list(pieces, f"{tensor_label(name, shape)}: pieces")
         d = len(shape)
         tables, explicit, covered = [], [], False
         for i, p in enumerate(pieces):

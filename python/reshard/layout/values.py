@@ -67,9 +67,19 @@ def as_ints(xs, what: str) -> tuple:
     return tuple(as_int(x, what) for x in xs)
 
 
+def as_list(xs, what: str) -> list:
+    """`xs` (any iterable but a string) as a list; else a LayoutError naming `what`."""
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+        raise LayoutError(f"{what} must be a sequence, got {type(xs).__name__} {xs!r}")
+    return list(xs)
+
+
 def as_int_array(xs, what: str) -> np.ndarray:
     """`xs` (a list) as int64, with `as_int`'s errors; one numpy pass for plain int lists."""
-    a = np.asarray(xs) if xs else np.zeros(0, I64)
+    try:
+        a = np.asarray(xs) if xs else np.zeros(0, I64)
+    except ValueError:  # nested sequences: the per-element path says which
+        a = np.zeros((0, 0))
     if a.ndim == 1 and a.dtype.kind == "i" and not any(isinstance(x, bool) for x in xs):
         return a.astype(I64, copy=False)
     return np.array([as_int(x, what) for x in xs], I64).reshape(-1)
