@@ -276,6 +276,24 @@ def test_stage_refuses_freed_storage():
     assert torch.equal(dev.cpu(), torch.full((64,), 7.0))
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_stage_refuses_lazily_conjugated_or_negated_views(view):
+    """torch's fallback would run the op on materialized copies: a written one asserts."""
+    make = {"conj": torch.Tensor.conj, "neg": torch._neg_view}[view]
+    dtype = torch.complex64 if view == "conj" else torch.float32
+    desc = torch.tensor([[0, 1, 0, 1, 8, 1]])
+    host = torch.arange(8.0).to(dtype)
+    dev = torch.full((8,), 7.0, device=DEV).to(dtype)
+    with pytest.raises(RuntimeError, match="dst is a lazily"):
+        ops.stage_h2d(host, desc, ring(1024), make(dev))
+    with pytest.raises(RuntimeError, match="src is a lazily"):
+        ops.stage_h2d(make(host), desc, ring(1024), dev)
+    back = torch.full((8,), 7.0).to(dtype)
+    with pytest.raises(RuntimeError, match="dst is a lazily"):
+        ops.stage_d2h(dev, desc, ring(1024), make(back))
+    assert bool((dev.cpu() == 7.0).all()) and bool((back == 7.0).all())
+
+
 def test_stage_on_side_stream():
     n = 1 << 20
     src_dev = torch.zeros(n, device=DEV)
