@@ -26,6 +26,7 @@ tensor it did not write.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -220,9 +221,10 @@ class Call:
     def drain(self, completed: bool) -> None:
         """Stopped early by the caller: the peers expect every bucket, so move the rest without
         yielding. After a failed transfer the peers failed too: the worker skips what is
-        queued. Nothing may write after the call returns."""
+        queued. Nothing may write after the call returns. A call left unfinished when the
+        interpreter exits moves nothing more: its worker thread is gone."""
         try:
-            if not completed and not self.failed:
+            if not completed and not self.failed and not sys.is_finalizing():
                 while self.next < len(self.s.buckets):  # the caller holds no tensor now
                     self.start()
                 while self.pending:

@@ -345,6 +345,25 @@ def test_the_worker_leaves_the_caller_a_core_only_where_it_overlaps():
         torch.set_num_threads(before)
 
 
+def test_an_unfinished_call_at_interpreter_exit_is_quiet():
+    """A generator left mid-stream when the program ends is closed while the interpreter
+    shuts down: it moves nothing more (its worker is gone) and prints nothing."""
+    import subprocess
+
+    code = (
+        "import torch, reshard as rs\n"
+        "L = rs.Layout({f't{i}': rs.replicated((64,), [i]) for i in range(4)},\n"
+        "              {i: rs.Storage(0, torch.float32, 64) for i in range(4)})\n"
+        "s = rs.Stream(L, [0], 256)\n"
+        "it = s({i: torch.randn(64) for i in range(4)})\n"
+        "next(it)\n"
+        "print('left')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "left\n", out
+    assert out.stderr == "", out.stderr
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
