@@ -489,11 +489,18 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
         # parameters) must not give the targets an autograd history
         with torch.no_grad():
             _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s, key).run()
-    except Exception as exc:
+    except BaseException as exc:  # KeyboardInterrupt too: arenas may still be written
         _retire(engine)
+        if engine.world_size > 1:  # rounds abandoned part-way, posted to peers
+            pf.mark_out_of_step(
+                engine.group, f"a transfer stopped mid-rounds on rank {engine.rank} ({exc!r})"
+            )
+        if not isinstance(exc, Exception):
+            raise
+        hint = f"; {pf.REBUILD}" if engine.world_size > 1 else ""
         raise TransferError(
             f"transfer failed on rank {engine.rank} after writes began "
-            f"({type(exc).__name__}: {exc}); targets may be partially written"
+            f"({type(exc).__name__}: {exc}); targets may be partially written{hint}"
         ) from exc
     finally:
         _bump_versions(engine, dst_ok)

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import math
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -608,8 +609,9 @@ class GatherRows:
         return self.rows_np.tolist()
 
 
-# (ok, two words of the fingerprint's hash, the wall-clock microsecond this rank entered)
-ROW = 4
+# (ok, two words of the fingerprint's hash, the wall-clock microsecond this rank entered, its
+# timeout in microseconds)
+ROW = 5
 
 
 def _all_gather_bytes(payload: bytes, group, world_size, device, timeout_s) -> list[bytes]:
@@ -633,8 +635,9 @@ def _all_gather_bytes(payload: bytes, group, world_size, device, timeout_s) -> l
 # follows before anyone writes: a rank writes only after it received every rank's commit.
 # Entries closer together than that mean every rank's contribution was on its way long before
 # any wait could expire, so the commit would only repeat the agreement. Every rank decides
-# from the same gathered rows, so they all take the same branch. Assumes the ranks' clocks
-# agree to well within the fraction of the timeout (NTP keeps hosts within milliseconds).
+# from the same gathered rows (the shortest timeout among them), so they all take the same
+# branch. Assumes the ranks' clocks agree to well within the fraction of the timeout (NTP
+# keeps hosts within milliseconds).
 COMMIT_SPREAD = 0.25
 
 
@@ -642,14 +645,41 @@ def _arrivals_spread_out(entered_us: list[int], timeout_s: float) -> bool:
     return max(entered_us) - min(entered_us) >= COMMIT_SPREAD * timeout_s * 1e6
 
 
+# Process groups on which a collective was abandoned part-way (a wait timed out or failed, a
+# transfer stopped mid-rounds): the ranks no longer agree on the group's sequence of
+# collectives, so the next one would be matched against a stale one (gloo then aborts the
+# process). id(group) -> (group, what happened); the group is kept so ids stay unique.
+_OUT_OF_STEP: dict = {}
+_OUT_OF_STEP_GUARD = threading.Lock()
+REBUILD = (
+    "the process group cannot be used again: rebuild it (dist.new_group, or "
+    "destroy_process_group and init_process_group) and pass the new one"
+)
+
+
+def mark_out_of_step(group, what: str) -> None:
+    """Record that `group`'s collectives were abandoned part-way on this rank (no-op without a
+    group)."""
+    if group is not None:
+        with _OUT_OF_STEP_GUARD:
+            _OUT_OF_STEP.setdefault(id(group), (group, what))
+
+
+def out_of_step(group) -> str | None:
+    """What abandoned `group`'s collectives on this rank, or None while it is usable."""
+    entry = _OUT_OF_STEP.get(id(group)) if group is not None else None
+    return entry[1] if entry is not None and entry[0] is group else None
+
+
 def _commit(group, rank, world_size, device, timeout_s) -> None:
     try:
         _all_gather_rows([1], group, world_size, device, timeout_s)
     except Exception as exc:
+        mark_out_of_step(group, f"a preflight commit failed on rank {rank} ({exc})")
         raise PreflightError(
             f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
             "nothing was written on this rank. A peer that received every commit "
-            "before this rank gave up has begun writing and fails with TransferError",
+            f"before this rank gave up has begun writing and fails with TransferError; {REBUILD}",
             {rank: [f"commit: {exc}"]},
         ) from exc
 
@@ -673,7 +703,7 @@ def agree(
     (the caller reports it)."""
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     words = fingerprint_words(fingerprint)
-    mine = [0 if reasons else 1, *words, time.time_ns() // 1000]
+    mine = [0 if reasons else 1, *words, time.time_ns() // 1000, int(timeout_s * 1e6)]
     if world_size == 1:
         rows = [mine]
     elif gather is not None:
@@ -686,7 +716,10 @@ def agree(
     ref_fp = max(fps, key=lambda f: (fps.count(f), -fps.index(f)))
     fp_bad = [r for r, f in enumerate(fps) if f != ref_fp]
     if all(row[0] for row in rows) and not fp_bad:
-        if world_size > 1 and _arrivals_spread_out([row[3] for row in rows], timeout_s):
+        # from the smallest timeout of any rank, so that ranks given different timeouts
+        # still take the same branch
+        shortest = min(row[4] for row in rows) / 1e6
+        if world_size > 1 and _arrivals_spread_out([row[3] for row in rows], shortest):
             _commit(group, rank, world_size, device, timeout_s)
         return
     # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
@@ -892,6 +925,13 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
     every rank may write; raises the same PreflightError on every rank otherwise. An unusable
     timeout is a reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
     t0 = time.perf_counter()
+    why = out_of_step(ctx.group)
+    if why is not None:  # touching the group again could abort the process
+        raise PreflightError(
+            f"rank {ctx.rank}: {why} in an earlier call, so the ranks no longer agree on the "
+            f"group's collectives; {REBUILD}. Nothing was written",
+            {ctx.rank: [why]},
+        )
     got = collect(ctx, src_buffers, dst_buffers, checks, timeout)
     reasons = got.reasons
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
@@ -909,9 +949,10 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
         raise
     except Exception as exc:  # the exchange itself failed: a peer died or timed out
         ctx.gather_rows = None  # its tensors may still be in use: fresh ones next time
+        mark_out_of_step(ctx.group, f"a preflight exchange failed on rank {ctx.rank} ({exc})")
         raise PreflightError(
             f"preflight exchange failed on rank {ctx.rank} ({type(exc).__name__}: {exc}); "
-            "nothing was written on this rank",
+            f"nothing was written on this rank; {REBUILD}",
             {ctx.rank: [str(exc)]},
         ) from exc
     t2 = time.perf_counter()

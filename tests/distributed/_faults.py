@@ -140,9 +140,11 @@ def arrive_late(rank, world, marker_dir, call):
 
 
 def assert_late_rank_wrote_nothing(results):
-    """results[rank] = (outcome, touched targets, the late rank has local copies)."""
+    """results[rank] = (outcome, touched targets, the late rank has local copies[, what went
+    wrong in the calls after it])."""
     assert results[-1][2], "the late rank has no local copies: it would not write at once"
-    for rank, (outcome, touched, _) in enumerate(results):
+    for rank, (outcome, touched, _, *after) in enumerate(results):
         assert outcome[0] == "PreflightError", (rank, outcome)
         assert "nothing was written" in outcome[1], (rank, outcome)
         assert not touched, (rank, touched[:5])
+        assert not (after and after[0]), (rank, after)

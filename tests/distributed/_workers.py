@@ -736,7 +736,62 @@ def w_late_rank(rank, world, marker_dir, timeout):
         marker_dir,
         lambda: rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout),
     )
-    return out, S.mismatches(db, before), has_local
+    return (
+        out,
+        S.mismatches(db, before),
+        has_local,
+        _after_the_group_fell_out_of_step(plan, src, dst, values, rank, world, timeout),
+    )
+
+
+def w_mixed_timeouts(rank, world):
+    """Rank 0 waits 2 s at most, rank 1 60 s; rank 1 arrives 1 s late, within both. The ranks
+    decide whether to commit from the shortest timeout of all, so they take the same branch
+    and the call succeeds."""
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    r = list(range(world))
+    src, dst = build((("zero3", r), ("zero3", r), "fp32", "fp32", 64), shapes)
+    plan = rs.plan(src.layout(), dst.layout(), budget_bytes_per_peer=64)
+    timeout = 2.0 if rank == 0 else 60.0
+    want = dst.fill({n: v.to(src.dtype).float() for n, v in values.items()}, rank)
+    errs = []
+    for call in range(2):
+        if rank == 1:
+            time.sleep(1.0)
+        db = dst.empty(rank)
+        try:
+            rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the parent judges it
+            errs.append(f"call {call}: {type(exc).__name__}: {exc}")
+            break
+        errs += [f"call {call}: {m}" for m in S.mismatches(db, want)]
+    return errs
+
+
+def _after_the_group_fell_out_of_step(plan, src, dst, values, rank, world, timeout):
+    """The next call on the group whose collectives were abandoned raises at once, saying to
+    rebuild it (touching it again would abort the process); on a rebuilt group the same plan
+    moves the right values. Returns what went wrong."""
+    errs = []
+    db = dst.empty(rank)
+    before = {k: v.clone() for k, v in db.items()}
+    t0 = time.perf_counter()
+    try:
+        rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+        errs.append("a call on the out-of-step group succeeded")
+    except rs.PreflightError as exc:
+        if "cannot be used again: rebuild it" not in str(exc):
+            errs.append(f"unclear refusal: {exc}")
+    if time.perf_counter() - t0 > timeout / 2:
+        errs.append("the refusal waited on the group")
+    errs += [f"touched {m}" for m in S.mismatches(db, before)]
+    fresh = dist.new_group(list(range(world)), backend="gloo")
+    db = dst.empty(rank)
+    rs.execute(plan, S.source_buffers(src, values, rank), db, group=fresh, timeout=60)
+    want = dst.fill({n: v.to(src.dtype).float() for n, v in values.items()}, rank)
+    errs += [f"rebuilt group: {m}" for m in S.mismatches(db, want)]
+    return errs
 
 
 def w_padded_target(rank, world):

@@ -83,6 +83,11 @@ def test_a_rank_arriving_after_its_peers_gave_up_writes_nothing(tmp_path):
     F.assert_late_rank_wrote_nothing(res)
 
 
+def test_ranks_with_different_timeouts_take_the_same_branch(tmp_path):
+    for errs in run_ranks(W.w_mixed_timeouts, 2, tmp_path, timeout=120):
+        assert errs == []
+
+
 def test_multi_segment_message_into_a_padded_target(tmp_path):
     res = run_ranks(W.w_padded_target, 2, tmp_path, timeout=120)
     got, segments = res[1]
