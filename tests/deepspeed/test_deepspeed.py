@@ -735,6 +735,88 @@ def test_errors(tmp_path):
     assert len(seen) >= 15
 
 
+def _edges_worker(rank, world):
+    """Engines at the edges of what describe() reads (each from a user's report):
+    - ZeRO-3 after a forward under no_grad, which leaves the params it gathered gathered:
+      params written from another engine plus refresh_persistent() reach the next forward;
+    - ZeRO-1 without gradient hooks (contiguous_gradients off) where this rank's fp32
+      partition is all padding: not taken for a destroyed engine on that rank alone;
+    - a parameter added to engine.module after deepspeed.initialize: UnsupportedError."""
+    import torch
+    from _dsutil import batch, ds_env, make_engine, replicated_targets, train
+
+    ds_env(rank, world)
+    import deepspeed
+
+    import reshard as rs
+    from reshard.errors import UnsupportedError
+    from reshard.integrations import deepspeed as rsds
+
+    errs = []
+    zx = {"stage3_param_persistence_threshold": 0}
+    src = make_engine(3, "none", "block", seed=0, zero_extra=zx)
+    dst = make_engine(3, "none", "block", seed=5, zero_extra=zx)
+    train(src, "block", 2, 1, rank)
+    train(dst, "block", 2, 2, rank)
+    with torch.no_grad():  # rollout log-probs on the trainer
+        dst(batch(dst, "block", 7))
+    s, d = rsds.describe(src, "param"), rsds.describe(dst, "param")
+    rs.Transfer(s.layout, d.layout)(s, d)
+    rsds.refresh_persistent(dst)
+    with torch.no_grad():
+        x = batch(src, "block", 11)
+        want, got = src(x).float().pow(2).mean(), dst(x).float().pow(2).mean()
+    if not torch.equal(want, got):
+        errs.append(f"after a no_grad forward: next loss {got.item()} != source's {want.item()}")
+    src.destroy()
+    dst.destroy()
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = torch.nn.Linear(7, 2)
+            self.backbone.requires_grad_(False)
+            self.scale = torch.nn.Parameter(torch.ones(2))  # all rank 0's: rank 1 holds padding
+
+        def forward(self, x):
+            return self.backbone(x) * self.scale
+
+    torch.manual_seed(0)
+    net = Net()
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "contiguous_gradients": False},
+    }
+    opt = torch.optim.AdamW([net.scale], lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=cfg)
+    engine.backward(engine(torch.randn(2, 7).bfloat16()).float().pow(2).mean())
+    engine.step()
+    live = rsds.describe(engine, "fp32")  # raised "destroyed" on rank 1 alone
+    layout, bufs = replicated_targets(live, list(range(world)))
+    rs.Transfer(live.layout, layout)(live, bufs)
+    engine.destroy()
+
+    e3 = make_engine(3, "none", "block", seed=1)
+    e3.module.value_head = torch.nn.Linear(12, 1).to(torch.bfloat16)
+    for kind in ("param", "fp32"):
+        try:
+            rsds.describe(e3, kind)
+            errs.append(f"{kind}: a param added after initialize was described")
+        except UnsupportedError as exc:
+            if "'value_head.weight'" not in str(exc):
+                errs.append(f"{kind}: {exc}")
+    e3.destroy()
+    return errs
+
+
+def test_engines_at_the_edges(tmp_path):
+    for errs in run_ranks(_edges_worker, 2, tmp_path, env=ENV, timeout=400):
+        assert errs == []
+
+
 def test_demo_deepspeed_mode():
     """`make demo`'s default: a real ZeRO-3 + CPU-offload engine, verified bitwise in-process."""
     import subprocess

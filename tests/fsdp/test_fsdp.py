@@ -504,6 +504,19 @@ def _errors_worker(rank, world):
     assert all(float(s["step"]) == 5 for s in opt.state.values())
     assert all(bool((b == 0).all()) for b in live.buffers.values())
     expect(UnsupportedError, "Adam/AdamW", rsfsdp.init_adam_state, sgd, 1)
+
+    # AdamW(model.parameters()) holds frozen parameters too: they never get moments, so they
+    # are left out of the moments' layout instead of keeping it "not ready" for good
+    net, _ = make_fsdp(mesh, seed=4)
+    frozen = next(n for n, _ in net.named_parameters())
+    net.get_parameter(frozen).requires_grad_(False)
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS)
+    train(net, opt, 2, 4, rank)
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    trained = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert frozen not in trained and set(live.layout.tensors) == trained, sorted(
+        live.layout.tensors
+    )
     return seen
 
 

@@ -56,17 +56,25 @@ def refresh_persistent(engine) -> None:
     """ZeRO-3: re-gather persistent params after their shards were written ("param" kind).
 
     Params at or under stage3_param_persistence_threshold keep a full copy that forward reads;
-    it is re-gathered only after step(). Collective over the data-parallel group. A no-op for
-    ZeRO-1/2, whose "param" storage is the full flat buffer forward reads.
+    it is re-gathered only after step(). Params a forward under no_grad gathered and left
+    gathered are released, so the next forward fetches them from the new shards. Collective
+    over the data-parallel group. A no-op for ZeRO-1/2, whose "param" storage is the full flat
+    buffer forward reads.
     """
     if stage_of(engine) != 3:
         return
     opt = engine.optimizer
     persistent = list(getattr(opt, "persistent_parameters", []) or [])
-    if persistent:
-        # partition() keeps the existing (just written) shard and frees the stale full copy;
-        # all_gather() rebuilds it from the shards, as step()'s epilogue does.
+    # partition() keeps the existing (just written) shard and frees the stale full copy;
+    # all_gather() rebuilds it from the shards, as step()'s epilogue does. A forward under
+    # no_grad leaves the params it gathered gathered, and the next forward would read those
+    # stale copies: every param is partitioned first, persistent or not.
+    offload = getattr(opt, "parameter_offload", None)
+    if offload is not None:
+        offload.empty_partition_cache()
+    elif persistent:
         persistent[0].partition(persistent)
+    if persistent:
         persistent[0].all_gather(persistent)
     if hasattr(opt, "invalidate_secondary_tensor"):
         opt.invalidate_secondary_tensor()

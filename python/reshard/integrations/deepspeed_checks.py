@@ -138,7 +138,10 @@ def is_destroyed(engine) -> bool:
     groups = getattr(engine.optimizer, "bit16_groups", None)
     if not groups or stage_of(engine) == 3:
         return False
-    params = [p for g in groups for p in g]
+    # only the params that overlap this rank's fp32 partition have a fragment: a rank whose
+    # partition is all padding has none, destroyed or not (then it cannot tell)
+    owned = getattr(engine.optimizer, "params_in_partition", None)
+    params = [p for g in (groups if owned is None else owned) for p in g if p.numel()]
     return bool(params) and all(getattr(p, "_hp_mapping", None) is None for p in params)
 
 

@@ -64,6 +64,12 @@ class Zero3Geometry(ZeroGeometry):
                 check_view(e.name, kind, e.param.ds_tensor, base, e.offset)
 
     def frozen_shape(self, p) -> tuple:
+        if not hasattr(p, "ds_shape"):
+            raise UnsupportedError(
+                f"parameter {self.names.get(id(p), '?')!r} of engine.module is not partitioned "
+                "by ZeRO-3 (added to the module after deepspeed.initialize?): every parameter "
+                "must be one ZeRO-3 manages"
+            )
         return tuple(p.ds_shape)
 
     def frozen_tensor(self, p):

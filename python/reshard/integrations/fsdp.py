@@ -149,7 +149,9 @@ def _moment(name, p, state, kind, opt_name):
     if not state:
         raise NotReadyError(
             f"{name!r} has no optimizer state yet: Adam moments exist after the first "
-            "optimizer.step() that saw its gradient (or rsfsdp.init_adam_state())"
+            "optimizer.step() that saw its gradient (or rsfsdp.init_adam_state()); a "
+            "parameter that never gets one (unused in forward) never has them: leave it out "
+            "of the optimizer"
         )
     if kind not in state:
         raise UnsupportedError(
@@ -193,7 +195,8 @@ def describe(module, kind: str, optimizer=None, group=None):
 
 
 def _optimized(params, optimizer):
-    """[(name, sharded parameter)] the optimizer holds; every tensor it holds must be one."""
+    """[(name, sharded parameter)] the optimizer holds and trains (a frozen one never gets
+    state: AdamW(model.parameters()) holds those too); every tensor it holds must be one."""
     import torch
 
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -208,7 +211,7 @@ def _optimized(params, optimizer):
             "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
             "replaced since?)"
         )
-    return [(n, p) for n, p in params if id(p) in held]
+    return [(n, p) for n, p in params if id(p) in held and p.requires_grad]
 
 
 class _Unchanged:
