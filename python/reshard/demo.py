@@ -44,6 +44,7 @@ import reshard as rs
 from reshard import scenarios as sc
 from reshard._launch import RanksFailed, launch
 from reshard.integrations import deepspeed_cpu_ops
+from reshard.integrations._demo_common import tp_size
 
 
 class Mode(NamedTuple):
@@ -69,7 +70,7 @@ def run_rank(rank, world, backend, cfg):
     """The synthetic mode on one rank: `steps` syncs of one Transfer, each checked bitwise."""
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     shapes = sc.model_shapes(cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["layers"])
-    tp = 2 if world % 2 == 0 else world
+    tp = tp_size(world)
     src = sc.Zero3(shapes, range(world), torch.float32, loc0=0)
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
     dst = sc.TensorParallel(shapes, groups, torch.bfloat16, loc0=1000)
@@ -108,16 +109,32 @@ def _default_mode():
     raise AssertionError("the synthetic mode needs nothing")
 
 
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {v}")
+        return v
+
+    return parse
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reshard.demo", description=__doc__.split("\n")[0])
-    ap.add_argument("--world", type=int, default=None, help="ranks (default: 2, or #GPUs >= 2)")
+    ap.add_argument(
+        "--world", type=_at_least(1), default=None, help="ranks (default: 2, or #GPUs >= 2)"
+    )
     ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    ap.add_argument("--hidden", type=int, default=258)
-    ap.add_argument("--ffn", type=int, default=690)
-    ap.add_argument("--vocab", type=int, default=1001)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--budget", type=int, default=1 << 20, help="bytes per peer per round")
-    ap.add_argument("--steps", type=int, default=3, help="syncs (the weights change each time)")
+    ap.add_argument("--hidden", type=_at_least(1), default=258)
+    ap.add_argument("--ffn", type=_at_least(1), default=690)
+    ap.add_argument("--vocab", type=_at_least(1), default=1001)
+    ap.add_argument("--layers", type=_at_least(1), default=4)
+    ap.add_argument(
+        "--budget", type=_at_least(16), default=1 << 20, help="bytes per peer per round"
+    )
+    ap.add_argument(
+        "--steps", type=_at_least(1), default=3, help="syncs (the weights change each time)"
+    )
     ap.add_argument(
         "--mode",
         choices=list(MODES),
@@ -134,9 +151,12 @@ def main(argv=None) -> int:
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if gpus >= 2 else "gloo"
-    world = args.world or (gpus if backend == "nccl" else 2)
-    if backend == "nccl" and world > gpus:
-        print(f"--backend nccl needs {world} GPUs, found {gpus}", file=sys.stderr)
+    world = args.world if args.world is not None else (gpus if backend == "nccl" else 2)
+    if backend == "nccl" and (world > gpus or gpus == 0):
+        print(
+            f"--backend nccl needs one GPU per rank ({max(world, 1)}), found {gpus}",
+            file=sys.stderr,
+        )
         return 2
     if MODES[args.mode].requires_deepspeed and backend == "gloo":
         deepspeed_cpu_ops.prepare()  # once here, not in every rank's first initialize
@@ -165,7 +185,8 @@ def print_report(results, world, backend, cfg, wall):
     r0 = results[0]
     mb = 1 << 20
     print(
-        f"reshard demo: ZeRO-3 fp32 ({world} uneven shards) -> TP=2 bf16 rollout buffers, "
+        f"reshard demo: ZeRO-3 fp32 ({world} uneven shards) -> TP={tp_size(world)} bf16 "
+        "rollout buffers, "
         f"{r0['params'] / 1e6:.2f}M params, {backend}, budget {cfg['budget']} B/peer, "
         f"{cfg['steps']} syncs"
     )

@@ -80,7 +80,8 @@ def format_text(info: dict) -> str:
         f"threads         {info['threads']} intra-op (at::parallel_for, "
         f"{'OpenMP' if b['openmp'] else 'NO OpenMP: single-threaded copies'}), "
         f"{info['interop_threads']} inter-op",
-        f"build flags     {b['flags']}",
+        # compiled in as one token, spaces as "_" (setup.py's build_macros)
+        f"build flags     {b['flags'].replace('_-', ' -')}",
         f"ops             {', '.join(info['ops'])}",
         f"GPUs            {', '.join(info['gpus']) or 'none visible'}",
         f"extension       {b['path']}",

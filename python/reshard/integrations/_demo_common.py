@@ -12,6 +12,11 @@ import torch
 KIB = 1 << 10
 
 
+def tp_size(world: int) -> int:
+    """The demos' rollout TP size: 2, or every rank for an odd world."""
+    return 2 if world % 2 == 0 else world
+
+
 def model(hidden, ffn, vocab, layers):
     """A small transformer (embedding, encoder layers, head), seeded: the same on every rank."""
 

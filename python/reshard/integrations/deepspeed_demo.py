@@ -24,6 +24,7 @@ from ._demo_common import (
     print_syncs_and_verdict,
     split_targets,
     summary,
+    tp_size,
 )
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
@@ -55,7 +56,7 @@ def _train_and_sync(engine, rank, world, cfg):
     import reshard as rs
     from reshard.integrations import deepspeed as rsds
 
-    tp = 2 if world % 2 == 0 else world
+    tp = tp_size(world)
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
     live = rsds.describe(engine, "param")
     roll_layout, roll_bufs = split_targets(
@@ -128,7 +129,10 @@ def print_report(results, world, backend, cfg, wall):
         f"reshard demo: DeepSpeed ZeRO-3 engine, optimizer offloaded to CPU, {world} ranks "
         f"({backend}), {r0['params'] / 1e6:.2f}M params, {cfg['steps']} training steps"
     )
-    print("  after each step: bf16 params -> TP=2 rollout buffers (rsds.SyncAfterStep)")
+    print(
+        f"  after each step: bf16 params -> TP={tp_size(world)} rollout buffers "
+        "(rsds.SyncAfterStep)"
+    )
     print("  after the last step: fp32 masters + exp_avg + exp_avg_sq (CPU) -> CPU snapshot")
     print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
     equal_to = (

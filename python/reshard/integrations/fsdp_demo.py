@@ -15,7 +15,14 @@ import math
 
 import torch
 
-from ._demo_common import compare, model, print_syncs_and_verdict, split_targets, summary
+from ._demo_common import (
+    compare,
+    model,
+    print_syncs_and_verdict,
+    split_targets,
+    summary,
+    tp_size,
+)
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -55,7 +62,7 @@ def _train_and_sync(net, opt, rank, world, cfg, device):
     import reshard as rs
     from reshard.integrations import fsdp as rsfsdp
 
-    tp = 2 if world % 2 == 0 else world
+    tp = tp_size(world)
     groups = [list(range(g, g + tp)) for g in range(0, world, tp)]
     live = rsfsdp.describe(net, "param")
     roll_layout, roll_bufs = split_targets(
@@ -131,7 +138,9 @@ def print_report(results, world, backend, cfg, wall):
         f"reshard demo: FSDP2 (fully_shard, CPUOffloadPolicy, bf16 MixedPrecisionPolicy), "
         f"{world} ranks ({backend}), {r0['params'] / 1e6:.2f}M params, {cfg['steps']} steps"
     )
-    print("  after each step: sharded fp32 params (CPU) -> bf16 TP=2 rollout buffers")
+    print(
+        f"  after each step: sharded fp32 params (CPU) -> bf16 TP={tp_size(world)} rollout buffers"
+    )
     print("  after the last step: params + exp_avg + exp_avg_sq (CPU) -> CPU snapshot")
     print(f"  first sync (plans, allocates staging): {r0['first_sync_s'] * 1e3:.1f} ms")
     return print_syncs_and_verdict(results, "DTensor.full_tensor()", wall)
