@@ -420,6 +420,7 @@ def test_elastic_resize(tmp_path):
 
 def _errors_worker(rank, world):
     import copy
+    import gc
 
     import torch
     from _dsutil import replicated_targets
@@ -517,12 +518,18 @@ def _errors_worker(rank, world):
     assert frozen not in trained and set(live.layout.tensors) == trained, sorted(
         live.layout.tensors
     )
+
+    # the training loop makes a new optimizer: the described one is gone, not written instead
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS)
+    rsfsdp.init_adam_state(opt, 2)
+    gc.collect()
+    expect(NotReadyError, "no longer exists", live.check)
     return seen
 
 
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
-    assert len(seen) == 15, seen
+    assert len(seen) == 16, seen
 
 
 def _changed_in_place_worker(rank, world):

@@ -22,6 +22,7 @@ so no piece covers it and a transfer never reads or writes it. HSDP adds a Repli
 from __future__ import annotations
 
 import operator
+import weakref
 
 from reshard.errors import NotReadyError, UnsupportedError
 
@@ -283,13 +284,22 @@ def _moment_locals(module, chosen, optimizer, kind):
     opt_name = type(optimizer).__name__
     moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
     unchanged = _Unchanged(module)
+    # held weakly: an optimizer the training loop replaced is gone, not written in its place
+    described = weakref.ref(optimizer)
+    del optimizer
 
-    def same_moments():
+    def same_moments(optimizer):
         state = optimizer.state
         return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))
 
     def locals_():
-        if not (unchanged() and same_moments()):
+        optimizer = described()
+        if optimizer is None:
+            raise NotReadyError(
+                f"the {opt_name} whose {kind} was described no longer exists (a new optimizer "
+                "was made?): describe() again with the one that trains"
+            )
+        if not (unchanged() and same_moments(optimizer)):
             _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
             now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
             replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
