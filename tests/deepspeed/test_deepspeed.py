@@ -741,6 +741,7 @@ def _edges_worker(rank, world):
       params written from another engine plus refresh_persistent() reach the next forward;
     - ZeRO-1 without gradient hooks (contiguous_gradients off) where this rank's fp32
       partition is all padding: not taken for a destroyed engine on that rank alone;
+    - a training forward through a submodule, not the root: seen, like one through the root;
     - a parameter added to engine.module after deepspeed.initialize: UnsupportedError."""
     import torch
     from _dsutil import batch, ds_env, make_engine, replicated_targets, train
@@ -798,6 +799,16 @@ def _edges_worker(rank, world):
     layout, bufs = replicated_targets(live, list(range(world)))
     rs.Transfer(live.layout, layout)(live, bufs)
     engine.destroy()
+
+    # a training forward that enters below the root module (a value head's trunk)
+    e2 = make_engine(2, "none", "mlp", seed=2)
+    train(e2, "mlp", 1, 3, rank)
+    live = rsds.describe(e2, "param")
+    assert live.reasons() == []
+    e2.module.fc1(batch(e2, "mlp", 5)).float().sum()
+    if not any("a forward with autograd enabled" in r for r in live.reasons()):
+        errs.append(f"a forward through a submodule was not seen: {live.reasons()}")
+    e2.destroy()
 
     e3 = make_engine(3, "none", "block", seed=1)
     e3.module.value_head = torch.nn.Linear(12, 1).to(torch.bfloat16)

@@ -156,7 +156,8 @@ def applied_steps(engine) -> int:
 
 
 class ForwardWatch:
-    """Remembers the engine's micro step at its latest forward with autograd enabled.
+    """Remembers the engine's micro step at its latest forward with autograd enabled, through
+    the root module or any module below it that owns parameters.
 
     engine.step() advances `micro_steps`, so a training forward seen at the current micro step
     ran after the last step: its backward accumulates gradients that the next step applies to
@@ -167,7 +168,11 @@ class ForwardWatch:
     def __init__(self, engine):
         self._engine = weakref.ref(engine)
         self.micro_step = None
-        engine.module.register_forward_pre_hook(self._seen)
+        # every module that owns parameters: a forward may enter below the root
+        # (engine.module.model(ids), as HF heads and value models do)
+        for m in engine.module.modules():
+            if m is engine.module or next(m.parameters(recurse=False), None) is not None:
+                m.register_forward_pre_hook(self._seen)
 
     def _seen(self, module, args):
         engine = self._engine()
