@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
+from .planning.planner import MAX_BUDGET
 from .preflight import timeout_error
 from .stream_iter import Call, check_sources
 from .stream_mover import BucketMover, StagingPool
@@ -54,7 +55,6 @@ from .stream_mover import BucketMover, StagingPool
 __all__ = ["Stream"]
 
 DEFAULT_TIMEOUT_S = 300.0
-MAX_BYTES = 1 << 62  # what the planner's arithmetic takes (int64 with room)
 
 
 class Stream:
@@ -319,7 +319,7 @@ def _group_info(group):
 
 
 def _positive_int(what, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BYTES:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET:
         raise ValueError(f"{what} must be an int in 1 .. 2**62, got {value!r}")
 
 
