@@ -998,6 +998,21 @@ def test_budgets_beyond_int64_are_value_errors():
     assert rs.plan(src, dst, budget_bytes_per_peer=2**62 - 1).num_rounds == 1
 
 
+def test_numpy_integer_budgets_plan_as_ints():
+    """A budget read from an array (np.int64) is an int to the planner: the same plan and
+    fingerprint; a numpy float is still refused."""
+    src = rs.Layout({"w": rs.replicated((64,), [0])}, {0: S(0, 64)})
+    dst = rs.Layout({"w": rs.replicated((64,), [1])}, {1: S(1, 64)})
+    want = rs.plan(src, dst, budget_bytes_per_peer=64, budget_bytes_per_rank=1024)
+    got = rs.plan(
+        src, dst, budget_bytes_per_peer=np.int64(64), budget_bytes_per_rank=np.int32(1024)
+    )
+    assert got.fingerprint == want.fingerprint and got.num_rounds == want.num_rounds
+    assert type(got.budget_bytes_per_peer) is int
+    with pytest.raises(ValueError, match="must be an int"):
+        rs.plan(src, dst, budget_bytes_per_peer=np.float64(64))
+
+
 def test_ranks_anywhere_in_int64():
     # ranks are labels: a huge one must not size a table (replica balancing, peer counts)
     big = 2**62

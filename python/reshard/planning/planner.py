@@ -4,6 +4,7 @@ frozen data every rank computes alike. A rank's own work is `schedule(plan, rank
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -209,6 +210,8 @@ def plan(
     rank; `plan.budget_bytes_per_peer` is that effective value. A cap that leaves less than
     16 bytes per peer is a ValueError.
     """
+    budget_bytes_per_peer = _integral(budget_bytes_per_peer)
+    budget_bytes_per_rank = _integral(budget_bytes_per_rank)
     names = _check_inputs(src, dst, budget_bytes_per_peer, budget_bytes_per_rank)
     dst.check_no_aliasing()
     ndim = max([1] + [len(src.tensors[n].shape) for n in names])
@@ -249,6 +252,14 @@ def _read_only(*records):
             _read_only(*r)
         elif dataclasses.is_dataclass(r):
             _read_only(*(getattr(r, f.name) for f in dataclasses.fields(r)))
+
+
+def _integral(value):
+    """A numpy integer (a size read from an array) as an int; anything else as it is, for
+    `_check_inputs` to judge."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        return int(value)
+    return value
 
 
 def _check_inputs(src, dst, budget_bytes_per_peer, budget_bytes_per_rank) -> list:
