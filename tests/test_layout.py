@@ -220,6 +220,22 @@ def test_error_negative_fields_and_bad_types():
     assert rs.flat((3,), runs).shape == (3,)
 
 
+def test_a_layout_is_read_only_and_dtypes_come_in_every_spelling():
+    """A plan keeps its layouts and fingerprints what they held: editing one afterwards would
+    run a transfer other than the one the ranks agreed on."""
+    layout = rs.Layout({"w": rs.replicated((4,), [0])}, {0: S(0, 4)})
+    with pytest.raises(TypeError):
+        layout.tensors["w"] = rs.replicated((4,), [1])
+    with pytest.raises(TypeError):
+        layout.storages[1] = S(1, 4)
+    back = pickle.loads(pickle.dumps(layout))
+    assert back == layout
+    with pytest.raises(TypeError):
+        back.tensors["v"] = rs.replicated((4,), [0])
+    for spelling in (torch.float32, "float32", np.dtype("float32"), np.float32):
+        assert rs.Storage(0, spelling, 4).dtype == torch.float32
+
+
 def test_error_split_sizes():
     with pytest.raises(rs.LayoutError, match=r"split sizes \(1, 2\) sum to 3 but dim 0 has 4"):
         rs.split((4, 2), 0, [1, 2], [0, 1], name="w")

@@ -6,6 +6,7 @@ each segment must travel in comes from the brute-force reference planner
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import subprocess
@@ -996,6 +997,16 @@ def test_budgets_beyond_int64_are_value_errors():
         with pytest.raises(ValueError, match="budget_bytes_per_rank must be"):
             rs.plan(src, dst, budget_bytes_per_rank=bad)
     assert rs.plan(src, dst, budget_bytes_per_peer=2**62 - 1).num_rounds == 1
+
+
+def test_an_unpickled_plan_stays_read_only():
+    src = rs.Layout({"w": rs.replicated((64,), [0])}, {0: S(0, 64)})
+    dst = rs.Layout({"w": rs.replicated((64,), [1])}, {1: S(1, 64)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=64)
+    for q in (pickle.loads(pickle.dumps(p)), copy.deepcopy(p)):
+        assert q.fingerprint == p.fingerprint
+        assert not q.direct.flags.writeable
+        assert not q.rounds.segment_rows.flags.writeable
 
 
 def test_numpy_integer_budgets_plan_as_ints():

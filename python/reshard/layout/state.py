@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -68,8 +69,9 @@ class Layout:
                 f"the storages hold {total} elements in all, more than 2**53 (the limit of "
                 "reshard's geometry)"
             )
-        self.tensors = ts
-        self.storages = st
+        # read-only: a plan keeps its layouts, and its fingerprint covers what they held then
+        self.tensors = MappingProxyType(ts)
+        self.storages = MappingProxyType(st)
         self._aliasing_checked = False
         _check_locations(ts, st)
 
@@ -88,11 +90,11 @@ class Layout:
     __hash__ = None
 
     def __getstate__(self):
-        return {"tensors": self.tensors, "storages": self.storages}
+        return {"tensors": dict(self.tensors), "storages": dict(self.storages)}
 
     def __setstate__(self, state):
-        self.tensors = state["tensors"]
-        self.storages = state["storages"]
+        self.tensors = MappingProxyType(state["tensors"])
+        self.storages = MappingProxyType(state["storages"])
         self._aliasing_checked = False
 
     def __repr__(self):

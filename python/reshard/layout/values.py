@@ -31,9 +31,12 @@ DTYPE_ALIASES = {
 
 
 def as_dtype(x) -> torch.dtype:
-    """A torch.dtype from a torch.dtype, a numpy dtype or a name ('bfloat16', 'bf16', ...)."""
+    """A torch.dtype from a torch.dtype, a numpy dtype or scalar type (np.float32) or a name
+    ('bfloat16', 'bf16', ...)."""
     if isinstance(x, torch.dtype):
         return x
+    if isinstance(x, type) and issubclass(x, np.generic):  # np.float32, the scalar type
+        x = np.dtype(x)
     if isinstance(x, np.dtype):
         x = x.name
     if isinstance(x, str):

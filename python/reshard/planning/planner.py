@@ -51,6 +51,11 @@ class Plan:
     fingerprint: str
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
 
+    def __setstate__(self, state):
+        # unpickled or deep-copied arrays are writable again: read-only, as plan() made them
+        self.__dict__.update(state)
+        _read_only(self.storages, self.direct, self.replicated_jobs, self.rounds)
+
     @property
     def num_rounds(self) -> int:
         return self.rounds.num_rounds
