@@ -45,7 +45,7 @@ from . import preflight as pf
 from .errors import TransferError
 from .h2d import HostToDevice, LocalSpans, contiguous_spans, current_progress
 from .report import STAGING_KINDS, Report
-from .rounds import RECV, SEND, build_rounds, local_tables
+from .rounds import RECV, SEND, build_rounds, local_tables, wire_parts
 
 _ops.require_built()  # every torch.ops.reshard op is used here: say how to build, up front
 log = logging.getLogger("reshard")
@@ -131,7 +131,8 @@ class _Engine:
         self.global_peer = {}
         for msgs, acc in ((sched.sends, self.bytes_sent), (sched.recvs, self.bytes_received)):
             for m in (m for round_msgs in msgs for m in round_msgs):
-                acc[m.peer] = acc.get(m.peer, 0) + int(m.nbytes)
+                # the bytes that travel: padding between a message's wires does not
+                acc[m.peer] = acc.get(m.peer, 0) + sum(part.nbytes for part in wire_parts(m))
                 if 0 <= m.peer < self.world_size:  # else a reason of check_schedule
                     self.global_peer[m.peer] = (
                         dist.get_global_rank(self.group, m.peer)

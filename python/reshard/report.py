@@ -33,7 +33,8 @@ def _zero_staging() -> dict[str, int]:
 class Report:
     """One rank's account of one transfer (returned by `execute` and `Transfer.__call__`).
 
-    bytes_sent / bytes_received: wire bytes per peer (group ranks), local copies excluded.
+    bytes_sent / bytes_received: wire bytes per peer (group ranks), local copies excluded:
+        what travels (a message's padding between its wires does not), as `plan.pair_bytes`.
     local_bytes: bytes copied source -> target on this rank without transport (target dtype).
     zero_copy_bytes: of the wire bytes sent + received, those that went straight from a source
         buffer or into a target buffer (a message that is one contiguous range of the same

@@ -201,10 +201,11 @@ def _round(index, sched, direct, dtype_of):
         arena_col = 2 if side == SEND else 0  # pack writes the arena (dst), unpack reads it
         cursor = 0
         for m in msgs:
-            nb = int(m.nbytes)
-            nbytes[side] += nb
+            nb = int(m.nbytes)  # the message's arena layout, padding between parts included
+            parts = wire_parts(m)
+            nbytes[side] += sum(part.nbytes for part in parts)  # what travels
             packed = False
-            for part in wire_parts(m):
+            for part in parts:
                 rng = None
                 if part.segments and (side, getattr(part.segments[0], attr)) in direct:
                     rng = direct_range(part, side, dtype_of[side])

@@ -830,6 +830,32 @@ def w_padded_target(rank, world):
     return out, segments
 
 
+def w_wire_bytes(rank, world):
+    """Two 3-element fp32 tensors on rank 0 into one 6-element storage on rank 1: 24 bytes
+    cross, as two wires (each segment is contiguous on both sides); the message's arena
+    layout pads each to 16 bytes, and that padding never travels. The Report counts what
+    travels, as the plan's pair_bytes does."""
+    f32 = torch.float32
+    src = rs.Layout(
+        {"a": rs.replicated((3,), [0]), "b": rs.replicated((3,), [1])},
+        {0: rs.Storage(0, f32, 3), 1: rs.Storage(0, f32, 3)},
+    )
+    dst = rs.Layout(
+        {"a": rs.flat((3,), [(2, 0, 3, 0)]), "b": rs.flat((3,), [(2, 0, 3, 3)])},
+        {2: rs.Storage(1, f32, 6)},
+    )
+    t = rs.Transfer(src, dst)
+    sb = {0: torch.arange(3.0), 1: torch.arange(3.0) + 10} if rank == 0 else {}
+    db = {2: torch.zeros(6)} if rank == 1 else {}
+    rep = t(sb, db)
+    want = t.plan.pair_bytes()[(0, 1)]
+    got = rep.bytes_sent.get(1, 0) if rank == 0 else rep.bytes_received.get(0, 0)
+    errs = [] if got == want == 24 else [f"rank {rank}: report {got} B, plan {want} B, 24 cross"]
+    if rank == 1 and db[2].tolist() != [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]:
+        errs.append(f"target {db[2].tolist()}")
+    return errs
+
+
 # ---------------------------------------------------------------- hostile input (random)
 
 # Corruptions of one rank's input; "none" must give exactly the reference result.

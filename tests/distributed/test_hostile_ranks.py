@@ -88,6 +88,11 @@ def test_ranks_with_different_timeouts_take_the_same_branch(tmp_path):
         assert errs == []
 
 
+def test_reported_bytes_are_the_bytes_that_travel(tmp_path):
+    for errs in run_ranks(W.w_wire_bytes, 2, tmp_path, timeout=120):
+        assert errs == []
+
+
 def test_multi_segment_message_into_a_padded_target(tmp_path):
     res = run_ranks(W.w_padded_target, 2, tmp_path, timeout=120)
     got, segments = res[1]
