@@ -230,6 +230,7 @@ def test_a_layout_is_read_only_and_dtypes_come_in_every_spelling():
         layout.storages[1] = S(1, 4)
     back = pickle.loads(pickle.dumps(layout))
     assert back == layout
+    assert rs.Layout(layout.tensors, layout.storages) == layout  # a layout's parts build one
     with pytest.raises(TypeError):
         back.tensors["v"] = rs.replicated((4,), [0])
     for spelling in (torch.float32, "float32", np.dtype("float32"), np.float32):

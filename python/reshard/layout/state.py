@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
@@ -46,7 +47,7 @@ class Layout:
     """
 
     def __init__(self, tensors, storages):
-        if not isinstance(tensors, dict) or not isinstance(storages, dict):
+        if not isinstance(tensors, Mapping) or not isinstance(storages, Mapping):
             raise LayoutError("Layout(tensors, storages) takes two dicts")
         st = {}
         for loc, s in storages.items():
