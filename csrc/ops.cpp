@@ -390,6 +390,11 @@ int64_t* progress_words(const char* op, const at::Tensor& p) {
               int_list(p.sizes()), p.is_contiguous() ? "" : " (not contiguous)", " on ",
               p.device().str());
   check_storage(op, "progress", p);
+  // Atomics and futex waits on the word need natural alignment: a misaligned view (a byte
+  // offset into another storage) would tear or never wake.
+  const auto addr = reinterpret_cast<uintptr_t>(p.const_data_ptr());
+  TORCH_CHECK(addr % alignof(int64_t) == 0, op, ": progress must be 8-byte aligned, got address ",
+              std::to_string(addr), " (a view at a byte offset into another storage)");
   return p.mutable_data_ptr<int64_t>();
 }
 

@@ -102,6 +102,23 @@ def test_no_rows_and_empty_rows_write_nothing():
     assert (bits(dst) == POISON).all()
 
 
+def test_wrapper_takes_only_k_by_4_tables():
+    """The Python entry point widens integer tables but never reshapes one: a flat or [k, 8]
+    table is a mistake, not rows to guess."""
+    srcs, pieces = good()
+    for bad in (pieces.flatten(), pieces.reshape(1, 8), pieces.flatten().tolist()):
+        dst = poisoned(20, torch.float32)
+        with pytest.raises(ValueError, match=r"pieces must have shape \[n, 4\]"):
+            _ops.copy_pieces(srcs, bad, dst)
+        assert (bits(dst) == POISON).all()
+    dst = poisoned(20, torch.float32)
+    with pytest.raises(ValueError, match="pieces holds a value outside int64"):
+        _ops.copy_pieces(srcs, [[0, 0, 0, 2**70]], dst)
+    _ops.copy_pieces(srcs, pieces.int(), dst)  # int32 widened, as numpy int32 is
+    _ops.copy_pieces(srcs, [], poisoned(20, torch.float32))
+    assert torch.equal(dst[:10], srcs[0]) and torch.equal(dst[12:17], srcs[1])
+
+
 # ------------------------------------------------------------------ refusals
 
 

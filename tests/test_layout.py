@@ -3,6 +3,7 @@ pickling and equality."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import numpy as np
@@ -233,6 +234,15 @@ def test_a_layout_is_read_only_and_dtypes_come_in_every_spelling():
     assert rs.Layout(layout.tensors, layout.storages) == layout  # a layout's parts build one
     with pytest.raises(TypeError):
         back.tensors["v"] = rs.replicated((4,), [0])
+    other = rs.Layout({"v": rs.replicated((8,), [1])}, {1: S(1, 8)})
+    for attr in ("tensors", "storages", "_tensors", "anything"):
+        with pytest.raises(AttributeError, match="Layout is immutable"):
+            setattr(layout, attr, getattr(other, attr, None))
+        with pytest.raises(AttributeError, match="Layout is immutable"):
+            delattr(layout, attr)
+    assert layout == back and copy.deepcopy(layout) == layout
+    with pytest.raises(rs.LayoutError, match=r"torch.qint8 is quantized.*int_repr"):
+        rs.Storage(0, torch.qint8, 4)
     for spelling in (torch.float32, "float32", np.dtype("float32"), np.float32):
         assert rs.Storage(0, spelling, 4).dtype == torch.float32
 

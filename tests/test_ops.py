@@ -480,8 +480,15 @@ def test_bad_arguments():
         reshard.copy_runs(src, np.array([[0.0, 1, 0, 1, 4, 1]]), dst)
     with pytest.raises(ValueError, match=r"shape \[n, 6\]"):
         reshard.copy_runs(src, np.zeros((2, 5), np.int64), dst)
-    with pytest.raises(TypeError, match="desc must be int64"):
-        reshard.copy_runs(src, desc.int(), dst)
+    with pytest.raises(TypeError, match="desc must hold integers, got torch.float32"):
+        reshard.copy_runs(src, desc.float(), dst)
+    with pytest.raises(ValueError, match="desc holds a value outside int64"):
+        reshard.copy_runs(src, [[0, 1, 0, 1, 2**70, 1]], dst)
+    with pytest.raises(ValueError, match="desc holds a value outside int64"):
+        reshard.copy_runs(src, np.array([[0, 1, 0, 1, 2**63, 1]], np.uint64), dst)
+    with pytest.raises(TypeError, match="rectangular table of integers"):
+        reshard.copy_runs(src, [[0, 1, 0, 1, 2, 1], [0]], dst)
+    assert torch.equal(dst, poisoned(16, torch.float32))
 
 
 def test_error_after_many_good_rows_writes_nothing():
@@ -501,6 +508,7 @@ def test_desc_forms():
     for desc in (
         [[0, 2, 1, 3, 2, 2]],
         np.array([[0, 2, 1, 3, 2, 2]], dtype=np.int32),
+        torch.tensor([[0, 2, 1, 3, 2, 2]], dtype=torch.int32),  # widened, as numpy's int32
         torch.tensor([[0, 2, 1, 3, 2, 2], [5] * 6]).t().contiguous().t()[:1],  # strides (1, 2)
     ):
         dst = poisoned(8, torch.float32)

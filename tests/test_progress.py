@@ -107,6 +107,19 @@ def test_malformed_words_are_refused(word):
         ops.progress_set(word, 1)
 
 
+def test_a_misaligned_word_is_refused():
+    raw = bytearray(64)  # torch refuses misaligned views of its own storages; a buffer does not
+    word = next(
+        w
+        for w in (torch.frombuffer(raw, dtype=torch.int64, count=4, offset=k) for k in (1, 3))
+        if w.data_ptr() % 8
+    )
+    for call in (lambda: ops.progress_set(word, 7), lambda: ops.progress_wait(word, 1, 0)):
+        with pytest.raises(RuntimeError, match="progress must be 8-byte aligned"):
+            call()
+    assert not any(raw)
+
+
 def test_a_word_whose_storage_shrank_is_refused():
     base = torch.zeros(1 << 20, dtype=torch.int64)
     word = base[-4:]

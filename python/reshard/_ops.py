@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 DESC_COLUMNS = ("src_offset", "src_stride", "dst_offset", "dst_stride", "length", "count")
+PIECE_COLUMNS = ("source", "src_offset", "dst_offset", "length")
 
 BUILD_COMMAND = "pip install --no-build-isolation -e ."
 
@@ -150,23 +151,46 @@ def facts_key(tensors: list) -> tuple | None:
     return types, facts.numpy().tobytes()
 
 
-def as_desc(desc) -> torch.Tensor:
-    """A descriptor table as a contiguous int64 [n, 6] tensor (numpy arrays are shared, not
-    copied, when they already are int64 and contiguous)."""
-    if isinstance(desc, torch.Tensor):
-        t = desc
+def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
+    """`table` (a tensor, numpy array or nested sequence of integers) as a contiguous int64
+    [n, len(columns)] tensor; [] is a table with no rows. Int64 contiguous numpy arrays and
+    tensors are shared, not copied; other integer dtypes are widened, whatever holds them."""
+    width = len(columns)
+    if isinstance(table, torch.Tensor):
+        if table.dtype == torch.bool or table.is_floating_point() or table.is_complex():
+            raise TypeError(f"{name} must hold integers, got {table.dtype}")
+        if table.dtype == torch.uint64 and bool((table.view(torch.int64) < 0).any()):
+            raise ValueError(f"{name} holds a value outside int64")
+        t = table
     else:
-        arr = np.asarray(desc)
-        if arr.size == 0 and arr.ndim == 1:  # [] or an empty array: a table with no rows
-            arr = np.zeros((0, 6), dtype=np.int64)
-        if not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_):
-            raise TypeError(f"desc must hold integers, got numpy dtype {arr.dtype}")
+        try:
+            arr = np.asarray(table)
+        except ValueError:  # ragged rows
+            raise TypeError(f"{name} must be a rectangular table of integers") from None
+        if arr.dtype == object:  # Python ints beyond int64 (or ragged rows) land here
+            try:
+                arr = np.asarray(table, dtype=np.int64)
+            except OverflowError:
+                raise ValueError(f"{name} holds a value outside int64") from None
+            except (TypeError, ValueError):
+                raise TypeError(f"{name} must be a rectangular table of integers") from None
+        if arr.size == 0 and arr.ndim == 1:
+            arr = np.zeros((0, width), dtype=np.int64)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name} must hold integers, got numpy dtype {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"{name} holds a value outside int64")
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+    if t.dim() != 2 or t.shape[1] != width:
+        raise ValueError(f"{name} must have shape [n, {width}] {columns}, got {tuple(t.shape)}")
     if t.dtype != torch.int64:
-        raise TypeError(f"desc must be int64, got {t.dtype}")
-    if t.dim() != 2 or t.shape[1] != 6:
-        raise ValueError(f"desc must have shape [n, 6] {DESC_COLUMNS}, got {tuple(t.shape)}")
+        t = t.to(torch.int64)
     return t.contiguous()
+
+
+def as_desc(desc) -> torch.Tensor:
+    """A descriptor table as a contiguous int64 [n, 6] tensor."""
+    return _int64_table(desc, DESC_COLUMNS, "desc")
 
 
 def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
@@ -180,8 +204,6 @@ def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-PIECE_COLUMNS = ("source", "src_offset", "dst_offset", "length")
-
 
 def copy_pieces(srcs: list, pieces, dst: torch.Tensor) -> torch.Tensor:
     """For every row `(source, src_offset, dst_offset, length)` of `pieces` (int64 [k, 4], in
@@ -190,12 +212,8 @@ def copy_pieces(srcs: list, pieces, dst: torch.Tensor) -> torch.Tensor:
     sources 1-D contiguous of one dtype, dst 1-D contiguous. Every row is validated before any
     write; destination ranges must be disjoint and no source may share memory with dst.
     Returns dst."""
-    t = (
-        torch.as_tensor(np.asarray(pieces, dtype=np.int64))
-        if not torch.is_tensor(pieces)
-        else pieces
-    )
-    torch.ops.reshard.copy_pieces(list(srcs), t.reshape(-1, len(PIECE_COLUMNS)), dst)
+    table = _int64_table(pieces, PIECE_COLUMNS, "pieces")
+    torch.ops.reshard.copy_pieces(list(srcs), table, dst)
     return dst
 
 

@@ -15,6 +15,11 @@ from .pieces import TensorLayout
 from .values import I64, MAX_ELEMENTS, as_dtype, as_int
 
 
+_QUANTIZED = frozenset(
+    getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Storage:
     """One buffer: the rank that owns it, its dtype (normalized to torch.dtype), its extent."""
@@ -36,15 +41,24 @@ class Storage:
             )
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "numel", numel)
-        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        dtype = as_dtype(self.dtype)
+        if dtype in _QUANTIZED:
+            raise LayoutError(
+                f"Storage dtype {dtype} is quantized: its scale and zero point are not elements; "
+                "describe the int_repr() values instead"
+            )
+        object.__setattr__(self, "dtype", dtype)
 
 
 class Layout:
     """A whole state: logical tensors by name and the storages their pieces live in.
 
     Checks that every piece's location is a known storage and that its footprint lies
-    inside that storage. Picklable; compares equal across processes.
+    inside that storage. Picklable; compares equal across processes. Immutable: a plan keeps
+    its layouts, and its fingerprint covers what they held then.
     """
+
+    __slots__ = ("_tensors", "_storages", "_aliasing_checked")
 
     def __init__(self, tensors, storages):
         if not isinstance(tensors, Mapping) or not isinstance(storages, Mapping):
@@ -70,18 +84,36 @@ class Layout:
                 f"the storages hold {total} elements in all, more than 2**53 (the limit of "
                 "reshard's geometry)"
             )
-        # read-only: a plan keeps its layouts, and its fingerprint covers what they held then
-        self.tensors = MappingProxyType(ts)
-        self.storages = MappingProxyType(st)
-        self._aliasing_checked = False
+        self._set(ts, st)
         _check_locations(ts, st)
+
+    def _set(self, tensors: dict, storages: dict) -> None:
+        object.__setattr__(self, "_tensors", MappingProxyType(tensors))
+        object.__setattr__(self, "_storages", MappingProxyType(storages))
+        object.__setattr__(self, "_aliasing_checked", False)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Layout is immutable: build a new Layout instead of setting {name!r}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"Layout is immutable: cannot delete {name!r}")
+
+    @property
+    def tensors(self) -> Mapping:
+        """{name: TensorLayout}, read-only."""
+        return self._tensors
+
+    @property
+    def storages(self) -> Mapping:
+        """{location: Storage}, read-only."""
+        return self._storages
 
     def check_no_aliasing(self):
         """As a target: no storage element may be written for two logical elements. Raises
         LayoutError naming both pieces; checked once per Layout object."""
         if not self._aliasing_checked:
             check_target_aliasing(self.tensors)
-            self._aliasing_checked = True
+            object.__setattr__(self, "_aliasing_checked", True)
 
     def __eq__(self, other):
         if not isinstance(other, Layout):
@@ -94,9 +126,7 @@ class Layout:
         return {"tensors": dict(self.tensors), "storages": dict(self.storages)}
 
     def __setstate__(self, state):
-        self.tensors = MappingProxyType(state["tensors"])
-        self.storages = MappingProxyType(state["storages"])
-        self._aliasing_checked = False
+        self._set(dict(state["tensors"]), dict(state["storages"]))
 
     def __repr__(self):
         return f"Layout({len(self.tensors)} tensors, {len(self.storages)} storages)"
