@@ -204,7 +204,6 @@ def copy_runs(src: torch.Tensor, desc, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-
 def copy_pieces(srcs: list, pieces, dst: torch.Tensor) -> torch.Tensor:
     """For every row `(source, src_offset, dst_offset, length)` of `pieces` (int64 [k, 4], in
     elements): `dst[dst_offset : +length] = srcs[source][src_offset : +length]`, cast to

@@ -14,9 +14,10 @@ from .aliasing import check_target_aliasing
 from .pieces import TensorLayout
 from .values import I64, MAX_ELEMENTS, as_dtype, as_int
 
-
 _QUANTIZED = frozenset(
-    getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)
+    getattr(torch, n)
+    for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, n)
 )
 
 
