@@ -9,7 +9,8 @@
  *   f32 -> bf16: every NaN becomes 0xFFFF (torch's vectorized path)
  *   f16 -> bf16: every NaN becomes 0x7FC0
  *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as F16C does)
- *   f16 -> f32: sign and payload kept, quiet bit set; bf16 -> f32 is a plain shift. */
+ *   f16 -> f32: sign and payload kept, quiet bit set (torch's vectorized body; its scalar tail,
+ *   the last numel % 8 elements, gives 0x7FFFFFFF instead); bf16 -> f32 is a plain shift. */
 #ifndef RESHARD_CASTS_H
 #define RESHARD_CASTS_H
 

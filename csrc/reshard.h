@@ -147,7 +147,8 @@ rs_status rs_copy_runs(const void *src, rs_dtype src_dtype, int64_t src_numel, v
  * torch's CPU .to() on contiguous tensors, NaN included; torch's NaN results differ per pair:
  *   f32 -> bf16: every NaN -> 0xFFFF;  f16 -> bf16: every NaN -> 0x7FC0
  *   f32/bf16 -> f16: sign kept, quiet bit set, top 9 payload bits kept (as x86 F16C)
- *   f16 -> f32: sign and payload kept, quiet bit set;  bf16 -> f32: exact (bits << 16) */
+ *   f16 -> f32: sign and payload kept, quiet bit set (torch's vectorized body: its scalar tail
+ *   gives 0x7FFFFFFF for the last numel % 8 elements);  bf16 -> f32: exact (bits << 16) */
 uint16_t rs_f32_to_bf16(float f);
 uint16_t rs_f32_to_f16(float f);
 float rs_bf16_to_f32(uint16_t h);

@@ -3,7 +3,7 @@
     python tests/plan_ab.py REV [--examples N]
 
 Loads the geometry and planning code of git revision REV (`layout.py` and `plan.py`, or the
-packages `layout/` and `planning/`) into a throwaway package, then (1) calls the old and the current builders (`flat`, `split`,
+packages `layout/` and `planning/`, with the modules they import) into a throwaway package, then (1) calls the old and the current builders (`flat`, `split`,
 `replicated`, `nest`) with the same random arguments and compares the pieces they produce,
 and (2) plans the random layout pairs of tests/test_plan.py (small and large) with both
 planners and compares everything a plan says: fingerprint, rounds, budgets, bytes per pair,
@@ -54,7 +54,7 @@ def load_old(rev: str):
         capture_output=True,
         text=True,
     ).stdout.split()
-    wanted = ("errors.py", "layout.py", "plan.py", "layout/", "planning/")
+    wanted = ("errors.py", "staging_bound.py", "layout.py", "plan.py", "layout/", "planning/")
     for path in paths:
         rel = path[len("python/reshard/") :]
         if not rel.startswith(wanted):

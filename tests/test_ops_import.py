@@ -141,3 +141,32 @@ def test_info_runs_without_the_extension(tmp_path):
     )
     assert res.returncode == 1
     assert "NOT LOADED" in res.stdout and _ops.BUILD_COMMAND in res.stdout
+
+
+def test_an_unknown_cpu_capability_is_reported_not_silently_ignored():
+    code = """
+        import warnings
+        warnings.simplefilter("error")
+        try:
+            import reshard
+        except RuntimeWarning as w:
+            print("warned:", w)
+        else:
+            print("silent")
+        """
+    bad = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PACKAGE_ROOT, "RESHARD_CPU_CAPABILITY": "AVX2"},
+        timeout=120,
+    )
+    assert "warned: RESHARD_CPU_CAPABILITY='AVX2' is not one of default, avx2, avx512" in bad.stdout
+    good = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": PACKAGE_ROOT, "RESHARD_CPU_CAPABILITY": "avx2"},
+        timeout=120,
+    )
+    assert good.stdout.strip() == "silent", good.stderr

@@ -17,6 +17,8 @@ import ctypes
 import functools
 import importlib
 import json
+import os
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -82,6 +84,24 @@ except ImportError as exc:
     )
 else:
     _MISSING = None
+
+CPU_CAPABILITIES = ("default", "avx2", "avx512")  # the C core's cast ISAs, by level
+
+
+def _check_cpu_capability_env() -> None:
+    """The C core reads RESHARD_CPU_CAPABILITY on every cast and ignores values it does not
+    know (it cannot raise): say so once, at import, rather than run uncapped silently."""
+    value = os.environ.get("RESHARD_CPU_CAPABILITY")
+    if value is not None and value not in CPU_CAPABILITIES:
+        warnings.warn(
+            f"RESHARD_CPU_CAPABILITY={value!r} is not one of {', '.join(CPU_CAPABILITIES)} "
+            "(lower case): ignored, casts use the widest ISA this CPU runs",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_check_cpu_capability_env()
 
 
 def is_built() -> bool:

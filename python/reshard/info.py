@@ -20,7 +20,7 @@ def build_info() -> dict:
     info = dict(_ops.build_info())
     info["path"] = _ops.library_path()
     level = ctypes.CDLL(info["path"]).rs_cpu_capability()
-    info["cast_isa"] = ("baseline", "avx2", "avx512")[level]
+    info["cast_isa"] = _ops.CPU_CAPABILITIES[level]
     return info
 
 

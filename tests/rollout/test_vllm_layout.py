@@ -212,6 +212,21 @@ def test_unsupported_configs(cfg, tp, match):
         rsvllm.tp_layout(cfg, tp, list(range(tp)))
 
 
+def test_config_json_dict_is_read_as_its_model_config():
+    """A dict (config.json's contents) gives the same layout as the config object; keys it
+    leaves out take the model type's transformers defaults."""
+    cfg = _llama()
+    want = rsvllm.tp_layout(cfg, 2, [0, 1]).layout
+    assert rsvllm.tp_layout(cfg.to_dict(), 2, [0, 1]).layout == want
+    assert rsvllm.tp_layout(cfg.to_diff_dict(), 2, [0, 1]).layout == want
+    with pytest.raises(rs.UnsupportedError, match="needs its 'model_type'"):
+        rsvllm.tp_layout({"hidden_size": 32}, 2, [0, 1])
+    with pytest.raises(rs.UnsupportedError, match="model_type 'no-such-model'"):
+        rsvllm.tp_layout({"model_type": "no-such-model"}, 2, [0, 1])
+    with pytest.raises(rs.UnsupportedError, match="model_type 'gpt2'"):
+        rsvllm.tp_layout(transformers.GPT2Config().to_dict(), 1, [0])
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="one per TP rank"):
         rsvllm.tp_layout(_llama(), 2, [0])

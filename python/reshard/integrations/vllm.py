@@ -185,7 +185,11 @@ def _spec(cfg) -> _Spec:
 
 
 def _text_config(cfg):
-    """The decoder's config (a multimodal config's text part), of a model type tp_layout covers."""
+    """The decoder's config (a multimodal config's text part), of a model type tp_layout covers.
+    A dict (config.json's contents) becomes the transformers config of its model_type, so
+    keys it leaves out take that model's defaults, as vLLM would load them."""
+    if isinstance(cfg, Mapping):
+        cfg = _config_from_dict(cfg)
     get_text = getattr(cfg, "get_text_config", None)
     cfg = get_text() if callable(get_text) else cfg
     model_type = getattr(cfg, "model_type", None)
@@ -195,6 +199,20 @@ def _text_config(cfg):
             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
         )
     return cfg
+
+
+def _config_from_dict(d: Mapping):
+    model_type = d.get("model_type")
+    if not isinstance(model_type, str):
+        raise UnsupportedError(
+            f"a config dict needs its 'model_type' (as in config.json), got {model_type!r}"
+        )
+    import transformers
+
+    try:
+        return transformers.AutoConfig.for_model(**d)
+    except ValueError as exc:  # a model_type transformers does not know
+        raise UnsupportedError(f"model_type {model_type!r}: {exc}") from None
 
 
 def _positive(cfg, key) -> int:
@@ -264,7 +282,7 @@ def _padded_vocab(vocab: int) -> int:
 def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     """vLLM's tensor-parallel layout of a Llama / Mistral / Qwen2 model (GQA included).
 
-    hf_config: the model's `transformers` config. tp_size: vLLM's tensor-parallel size.
+    hf_config: the model's `transformers` config, or config.json's contents as a dict. tp_size: vLLM's tensor-parallel size.
     ranks: `ranks[i]` is the rank (in the transfer's process group) of the process hosting
     TP rank i (one process may host several). dtype: the engine's parameter dtype.
     Tensors are the HF parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so any
