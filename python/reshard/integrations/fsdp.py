@@ -373,14 +373,40 @@ def _moment_locals(module, chosen, moments, optimizer, kind):
 _EMPTY: dict = {}
 
 
-def init_adam_state(optimizer, step) -> None:
-    """Give every parameter of a torch.optim Adam/AdamW its state, with its step counter = step.
+def _step_count(step) -> float:
+    import numbers
 
-    Parameters without state get zero moments, made as torch does on the first step
-    (`zeros_like(param)`: a DTensor placed like the parameter), so that `describe(...,
+    import torch
+
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        raise TypeError(
+            f"step must be an integer (the source's optimizer step count), got "
+            f"{type(step).__name__} {step!r}"
+        )
+    if not float(step).is_integer():
+        raise ValueError(f"step must be an integer (a step count), got {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step!r}")
+    return float(step)
+
+
+def init_adam_state(optimizer, step, params=None) -> None:
+    """Give a torch.optim Adam/AdamW's parameters their state, with the step counter = step.
+
+    params: the parameters to give state (default: every parameter the optimizer holds that
+    requires grad: those torch's first step gives state to, as they get a gradient; a frozen
+    one gets none). Pass a source's set when it differs, e.g. to include parameters frozen
+    after training, whose moments the source keeps: the moments' layout (`describe()`) covers
+    exactly the parameters with state, and a transfer needs the target's to match. Missing
+    state is made as torch makes it on the first step (`zeros_like(param)`: a DTensor placed
+    like the parameter; `max_exp_avg_sq` too in amsgrad groups), so that `describe(...,
     "exp_avg")` has a target to write before the optimizer ever stepped (elastic resize,
-    migration from another framework). Existing moments are kept. The step counter is not part
-    of any layout: set it to the source's step count, or bias correction differs.
+    migration from another framework). Existing moments are kept. Every parameter with state
+    afterwards has its step counter set: the step is not part of any layout, so set it to the
+    source's step count, or bias correction differs. Nothing changes when an argument is
+    refused.
     """
     import torch
 
@@ -388,6 +414,7 @@ def init_adam_state(optimizer, step) -> None:
         raise UnsupportedError(
             f"init_adam_state() supports torch.optim.Adam/AdamW, got {type(optimizer).__name__}"
         )
+    count = _step_count(step)
     from torch.optim.optimizer import _get_scalar_dtype
 
     for group in optimizer.param_groups:
@@ -395,15 +422,29 @@ def init_adam_state(optimizer, step) -> None:
             raise UnsupportedError(
                 "init_adam_state() writes a CPU step counter: use capturable=False, fused=False"
             )
-        for p in group["params"]:
-            state = optimizer.state[p]
-            with torch.no_grad():
-                if not state:  # torch's own order and construction (Adam._init_group)
-                    state["step"] = None
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                state["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+    held = [(p, g) for g in optimizer.param_groups for p in g["params"]]
+    if params is None:
+        wanted = {id(p) for p, _ in held if p.requires_grad}
+    else:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of parameters, got one tensor")
+        params = list(params)
+        ids = {id(p) for p, _ in held}
+        foreign = [i for i, p in enumerate(params) if id(p) not in ids]
+        if foreign:
+            raise ValueError(
+                f"params {foreign[:8]} (positions in params) are not held by the optimizer"
+            )
+        wanted = {id(p) for p in params}
+    state = optimizer.state
+    with torch.no_grad():
+        for p, group in held:
+            if id(p) in wanted and not state.get(p):  # torch's own order (Adam._init_group)
+                st = state[p]
+                st["step"] = None
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if state.get(p):
+                state[p]["step"] = torch.tensor(count, dtype=_get_scalar_dtype())
