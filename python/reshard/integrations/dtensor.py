@@ -4,7 +4,9 @@
 the ranks of its device mesh, as an `rs.Layout` identical on every rank, plus this rank's local
 tensors as 1-D views (never copies). The geometry is computed from each DTensor's spec (global
 shape, mesh, placements) with DTensor's own semantics, so every rank derives it without
-communication, and it is cross-checked against the shape of this rank's local tensor.
+communication. This rank's local tensors are cross-checked against it (shape, contiguity) by
+`check()`, not by `describe()`: only this rank sees them, and the transfer's preflight runs
+`check()` on every rank, so every rank refuses together.
 
 Placements (applied left to right over the mesh dims, as DTensor does):
 - `Shard(d)`: the current local extent of dim d is cut into `torch.chunk` pieces (the last
