@@ -468,7 +468,9 @@ def _errors_worker(rank, world):
     expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
     foreign = torch.optim.AdamW(make_net(1).parameters())
     train(net, opt, 1, seed=1, rank=rank)
-    expect(UnsupportedError, "none of this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign)
+    expect(
+        UnsupportedError, "none of this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign
+    )
     sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
     train(net, sgd, 1, seed=2, rank=rank)
     expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", sgd)
@@ -630,9 +632,8 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
     # named_parameters(), like its "param" kind
     live = rsfsdp.describe(net.fc1, "exp_avg_sq", opt)
     assert sorted(live.layout.tensors) == ["bias", "weight"]
-    assert live.layout == rsdt.describe(
-        {n: opt.state[p]["exp_avg_sq"] for n, p in net.fc1.named_parameters()}
-    ).layout
+    by_name = {n: opt.state[p]["exp_avg_sq"] for n, p in net.fc1.named_parameters()}
+    assert live.layout == rsdt.describe(by_name).layout
     got, want = assemble(live.layout, live.buffers), full_moments(net.fc1, opt, "exp_avg_sq")
     for n in want:
         assert_bitwise(got[n], want[n], f"fc1 exp_avg_sq {n}")
