@@ -80,13 +80,19 @@ def policies(mode):
     return {}
 
 
-def make_fsdp(mesh, seed=0, mode="fp32", dtype=None, adamw=True):
+def make_fsdp(mesh, seed=0, mode="fp32", dtype=None, adamw=True, amsgrad=False):
     import torch
 
     net = shard(make_net(seed, dtype), mesh, **policies(mode))
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    opt = cls(param_groups(net), lr=LR, betas=BETAS)
+    opt = cls(param_groups(net), lr=LR, betas=BETAS, amsgrad=amsgrad)
     return net, opt
+
+
+def kinds_of(opt):
+    """Every describable kind of `opt`'s state: max_exp_avg_sq only under amsgrad."""
+    amsgrad = any(g.get("amsgrad") for g in opt.param_groups)
+    return ("param", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
 
 def batch(seed, dtype=None, device=None):

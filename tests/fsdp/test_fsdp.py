@@ -50,13 +50,21 @@ def _check_geometry(net, opt, tag):
     full_tensor() bitwise; identical on every rank; views of the live tensors; FSDP2's padding
     (poisoned) is never read. Returns the number of padding elements poisoned here."""
     from _dsutil import assemble, assert_bitwise
-    from _fsdputil import poison_padding, reference, same_layout_everywhere
+    from _fsdputil import kinds_of, poison_padding, reference, same_layout_everywhere
+
+    from reshard.integrations import dtensor as rsdt
 
     undo, intact, npad = poison_padding(net)
     try:
-        for kind in KINDS:
+        for kind in kinds_of(opt):
             live = _describe(net, opt, kind)
             assert same_layout_everywhere(live.layout), f"{tag} {kind}: layouts differ"
+            # the same DTensors described by name: the same layout, location ids included
+            # (sorted-name order), storages in the described tensors' own dtype
+            dts = {n: p for n, p in net.named_parameters()}
+            if kind != "param":
+                dts = {n: opt.state[p][kind] for n, p in dts.items() if opt.state.get(p)}
+            assert rsdt.describe(dts).layout == live.layout, f"{tag} {kind}: numbering"
             want = reference(net, opt, kind)
             assert sorted(live.layout.tensors) == sorted(want)
             assert live.check() is None
@@ -314,26 +322,30 @@ def _resize_worker(rank, world, configs, budget):
     from reshard.integrations import fsdp as rsfsdp
 
     done = []
-    for n_src, n_dst, mode, dtype in configs:
+    for n_src, n_dst, mode, dtype, amsgrad in configs:
         dt = getattr(torch, dtype) if dtype else None
-        tag = f"{mode} {dtype} dp {n_src} -> {n_dst}"
+        tag = f"{mode} {dtype}{' amsgrad' if amsgrad else ''} dp {n_src} -> {n_dst}"
         # every rank builds both meshes (group creation is collective); rank 0 is in both
         mesh_a = DeviceMesh("cpu", list(range(n_src)))
         mesh_b = DeviceMesh("cpu", list(range(n_dst)))
         in_a, in_b = rank < n_src, rank < n_dst
         a = b = c = None
+        # amsgrad: a third moment (max_exp_avg_sq) that the next step reads
+        kinds = KINDS + (("max_exp_avg_sq",) if amsgrad else ())
+        moments = kinds[1:]
         if in_a:
-            a, opt_a = make_fsdp(mesh_a, seed=0, mode=mode, dtype=dt)
+            a, opt_a = make_fsdp(mesh_a, seed=0, mode=mode, dtype=dt, amsgrad=amsgrad)
             train(a, opt_a, 2, seed=3, rank=rank, dtype=dt)
         if in_b:
-            b, opt_b = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # fresh: never stepped
-            c, opt_c = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt)  # the control
+            # fresh: never stepped; c: the control
+            b, opt_b = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt, amsgrad=amsgrad)
+            c, opt_c = make_fsdp(mesh_b, seed=9, mode=mode, dtype=dt, amsgrad=amsgrad)
         box = [None, None]
         if rank == 0:
-            box = [{k: reference(a, opt_a, k) for k in KINDS}, steps_of(a, opt_a)]
+            box = [{k: reference(a, opt_a, k) for k in kinds}, steps_of(a, opt_a)]
         # A's full tensors on every rank: the reference (a collective of A's mesh, then a copy)
         if in_a and rank != 0:
-            for k in KINDS:
+            for k in kinds:
                 reference(a, opt_a, k)
         dist.broadcast_object_list(box, src=0)
         want, steps = box
@@ -347,10 +359,10 @@ def _resize_worker(rank, world, configs, budget):
             with torch.no_grad():
                 for p in b.parameters():
                     p._local_tensor.fill_(float("nan"))
-                    for k in MOMENTS if p.requires_grad else ():
+                    for k in moments if p.requires_grad else ():
                         opt_b.state[p][k]._local_tensor.fill_(float("nan"))
             undo, intact, _ = poison_padding(b)
-        for kind in KINDS:
+        for kind in kinds:
             src = _describe(a, opt_a, kind) if in_a else None
             dst = _describe(b, opt_b, kind) if in_b else None
             # ranks outside a mesh get that side's layout from rank 0 (it is in both)
@@ -361,7 +373,7 @@ def _resize_worker(rank, world, configs, budget):
         if in_b:
             assert intact(), f"{tag}: FSDP2 padding was written"
             undo()
-            for kind in KINDS:
+            for kind in kinds:
                 got = reference(b, opt_b, kind)
                 assert sorted(got) == sorted(want[kind])
                 for n in got:
@@ -384,7 +396,7 @@ def _resize_worker(rank, world, configs, budget):
                     pairs = [(p, want["param"][n])]
                     if opt_c.state.get(p):
                         opt_c.state[p]["step"].fill_(step)
-                        pairs += [(opt_c.state[p][k], want[k][n]) for k in MOMENTS]
+                        pairs += [(opt_c.state[p][k], want[k][n]) for k in moments]
                     for t, full in pairs:
                         t._local_tensor.copy_(
                             distribute_tensor(full.to(t.dtype), mesh_b, t.placements).to_local()
@@ -399,7 +411,7 @@ def _resize_worker(rank, world, configs, budget):
                 opt.zero_grad()
                 losses.append(loss.detach())
             assert_bitwise(losses[0], losses[1], f"{tag} next loss")
-            for kind in KINDS:
+            for kind in kinds:
                 rb, rc = reference(b, opt_b, kind), reference(c, opt_c, kind)
                 for n in rc:
                     assert_bitwise(rb[n], rc[n], f"{tag} after the next step {kind} {n}")
@@ -410,7 +422,8 @@ def _resize_worker(rank, world, configs, budget):
 
 
 def test_elastic_resize(tmp_path):
-    configs = [(3, 2, "fp32", None), (2, 3, "fp32", "bfloat16"), (3, 2, "offload", None)]
+    configs = [(3, 2, "fp32", None, True), (2, 3, "fp32", "bfloat16", False)]
+    configs.append((3, 2, "offload", None, False))
     out = run_ranks(_resize_worker, 3, tmp_path, args=(configs, 256), env=ENV, timeout=400)
     assert len(out[0]) == len(configs)
 
@@ -455,7 +468,9 @@ def _errors_worker(rank, world):
     expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
     foreign = torch.optim.AdamW(make_net(1).parameters())
     train(net, opt, 1, seed=1, rank=rank)
-    expect(UnsupportedError, "not this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign)
+    expect(
+        UnsupportedError, "none of this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign
+    )
     sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
     train(net, sgd, 1, seed=2, rank=rank)
     expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", sgd)
@@ -518,18 +533,115 @@ def _errors_worker(rank, world):
     assert frozen not in trained and set(live.layout.tensors) == trained, sorted(
         live.layout.tensors
     )
+    # a target built alike that never stepped: init_adam_state() gives state to what torch's
+    # first step would (not the frozen one), so its moments' layout is the source's
+    twin, _ = make_fsdp(mesh, seed=4)
+    twin.get_parameter(frozen).requires_grad_(False)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=LR, betas=BETAS)
+    rsfsdp.init_adam_state(twin_opt, 2)
+    assert not twin_opt.state.get(twin.get_parameter(frozen))
+    assert rsfsdp.describe(twin, "exp_avg", twin_opt).layout == live.layout
+    # frozen after training: the optimizer keeps its moments, so they are described
+    later = sorted(trained)[0]
+    net.get_parameter(later).requires_grad_(False)
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    assert set(live.layout.tensors) == trained, sorted(live.layout.tensors)
+    _check_views(net, opt, live, "exp_avg")
+    # a target frozen alike gets state for it when init_adam_state() is told to (params=)
+    twin, _ = make_fsdp(mesh, seed=4)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=LR, betas=BETAS)
+    for n in (frozen, later):
+        twin.get_parameter(n).requires_grad_(False)
+    rsfsdp.init_adam_state(twin_opt, 2)
+    assert later not in rsfsdp.describe(twin, "exp_avg", twin_opt).layout.tensors
+    rsfsdp.init_adam_state(twin_opt, 2, params=[twin.get_parameter(n) for n in trained])
+    assert rsfsdp.describe(twin, "exp_avg", twin_opt).layout == live.layout
+    expect(ValueError, "not held by the optimizer", rsfsdp.init_adam_state, opt, 1, [twin.fc1.bias])
 
     # the training loop makes a new optimizer: the described one is gone, not written instead
     opt = torch.optim.AdamW(net.parameters(), lr=LR, betas=BETAS)
     rsfsdp.init_adam_state(opt, 2)
     gc.collect()
     expect(NotReadyError, "no longer exists", live.check)
+    _more_errors(rank, world, mesh, expect, refused_everywhere)
     return seen
+
+
+def _more_errors(rank, world, mesh, expect, refused_everywhere):
+    """Arguments refused with specific errors; an async unshard; a local tensor only one rank
+    sees is wrong; moments of another dtype than their parameters; a submodule's moments."""
+    import torch
+    from _dsutil import assemble, assert_bitwise, check_targets, replicated_targets
+    from _fsdputil import full_moments, make_fsdp, train
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import reshard as rs
+    from reshard.errors import NotReadyError, UnsupportedError
+    from reshard.integrations import dtensor as rsdt
+    from reshard.integrations import fsdp as rsfsdp
+
+    net, opt = make_fsdp(mesh, seed=6)
+    dt = distribute_tensor(torch.arange(24.0).view(6, 4), mesh, [Shard(0)])
+    expect(TypeError, "names must be str", rsdt.describe, {1: dt, "a": dt})
+    expect(TypeError, "group must be", rsdt.describe, {"a": dt}, "world")
+    expect(TypeError, "group must be", rsfsdp.describe, net, "param", None, "world")
+    expect(TypeError, "module must be a torch.nn.Module", rsfsdp.describe, None, "param")
+    expect(ValueError, "kind must be one of", rsfsdp.describe, net, None)
+    expect(TypeError, "optimizer must be a torch.optim", rsfsdp.describe, net, "exp_avg", "x")
+    expect(TypeError, "step must be an integer", rsfsdp.init_adam_state, opt, "two")
+    expect(ValueError, "step must be >= 0", rsfsdp.init_adam_state, opt, -1)
+    expect(ValueError, "step must be an integer", rsfsdp.init_adam_state, opt, 2.5)
+    assert not opt.state  # nothing was created by the refused calls
+    train(net, opt, 1, seed=6, rank=rank)
+    expect(UnsupportedError, "amsgrad", rsfsdp.describe, net, "max_exp_avg_sq", opt)
+
+    # unshard(async_op=True) not waited for: the parameters still say SHARDED while their
+    # all-gather is in flight (the next forward copies out what it gathered)
+    live = rsfsdp.describe(net, "param")
+    handle = net.fc1.unshard(async_op=True)
+    expect(NotReadyError, r"fc1 \(unshard\(async_op=True\)", rsfsdp.describe, net, "param")
+    refused_everywhere(live, r"unshard\(async_op=True\)")
+    handle.wait()
+    expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", live.check)
+    net.fc1.reshard()
+    assert live.reasons() == []
+
+    # a local tensor wrong on rank 0 only (not contiguous; another shape than its spec): every
+    # rank describes, and every rank refuses the transfer (a rank-local raise would leave the
+    # peer waiting in the transfer's collective)
+    bad = {}
+    for name, change in (("strided", lambda t: t.t().contiguous().t()), ("short", lambda t: t[:1])):
+        bad[name] = distribute_tensor(torch.arange(24.0).view(6, 4), mesh, [Shard(0)])
+        if rank == 0:
+            bad[name]._local_tensor = change(bad[name]._local_tensor)
+    live = rsdt.describe(bad)
+    refused_everywhere(live, r"'strided': local tensor is not contiguous")
+    refused_everywhere(live, r"'short': local tensor has shape \(1, 4\)")
+
+    # moments kept in another dtype than their parameters (bf16 state of fp32 parameters):
+    # storages in the moments' dtype, values exact
+    for st in opt.state.values():
+        st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    assert {s.dtype for s in live.layout.storages.values()} == {torch.bfloat16}
+    dst, bufs = replicated_targets(live, list(range(world)), dtype=torch.float32)
+    rs.Transfer(live.layout, dst)(live, bufs)
+    check_targets(dst, bufs, full_moments(net, opt, "exp_avg"), "bf16 moments")
+
+    # a submodule's moments under the whole model's optimizer: named as in its own
+    # named_parameters(), like its "param" kind
+    live = rsfsdp.describe(net.fc1, "exp_avg_sq", opt)
+    assert sorted(live.layout.tensors) == ["bias", "weight"]
+    by_name = {n: opt.state[p]["exp_avg_sq"] for n, p in net.fc1.named_parameters()}
+    assert live.layout == rsdt.describe(by_name).layout
+    got, want = assemble(live.layout, live.buffers), full_moments(net.fc1, opt, "exp_avg_sq")
+    for n in want:
+        assert_bitwise(got[n], want[n], f"fc1 exp_avg_sq {n}")
 
 
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
-    assert len(seen) == 16, seen
+    assert len(seen) == 32, seen
 
 
 def _changed_in_place_worker(rank, world):

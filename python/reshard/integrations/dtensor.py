@@ -4,7 +4,9 @@
 the ranks of its device mesh, as an `rs.Layout` identical on every rank, plus this rank's local
 tensors as 1-D views (never copies). The geometry is computed from each DTensor's spec (global
 shape, mesh, placements) with DTensor's own semantics, so every rank derives it without
-communication, and it is cross-checked against the shape of this rank's local tensor.
+communication. This rank's local tensors are cross-checked against it (shape, contiguity) by
+`check()`, not by `describe()`: only this rank sees them, and the transfer's preflight runs
+`check()` on every rank, so every rank refuses together.
 
 Placements (applied left to right over the mesh dims, as DTensor does):
 - `Shard(d)`: the current local extent of dim d is cut into `torch.chunk` pieces (the last
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from reshard._ops import facts_key
 from reshard.errors import NotReadyError, UnsupportedError
 
-from .dtensor_geometry import build_layout, entry, local_shape, segments
+from .dtensor_geometry import build_layout, check_group, entry, local_shape, segments
 
 __all__ = ["LiveDTensors", "describe", "describe_entries"]
 
@@ -40,18 +42,19 @@ def _identity(t):
     return (t.data_ptr(), t.untyped_storage().data_ptr(), t.numel(), t.dtype, str(t.device))
 
 
-def _local_view(name, local, want_shape):
-    """This rank's local tensor as a 1-D view of its live storage (detached: no autograd)."""
+def _local_problem(name, local, want_shape):
+    """Why this rank's local tensor cannot be viewed as its storage; None when it can.
+
+    Only this rank sees it: `check()` reports it, so that the transfer's preflight refuses on
+    every rank (a raise in describe() would leave the peers waiting in the transfer)."""
     if tuple(local.shape) != tuple(want_shape):
-        raise UnsupportedError(
+        return (
             f"{name!r}: local tensor has shape {tuple(local.shape)}, but its DTensor spec "
             f"places {tuple(want_shape)} on this rank"
         )
     if not local.is_contiguous():
-        raise UnsupportedError(
-            f"{name!r}: local tensor is not contiguous (strides {tuple(local.stride())})"
-        )
-    return local.detach().view(-1)
+        return f"{name!r}: local tensor is not contiguous (strides {tuple(local.stride())})"
+    return None
 
 
 def _mine(entries, where):
@@ -69,8 +72,18 @@ def _mine(entries, where):
 
 
 def _views(entries, mine, locals_):
-    """{location: view} of this rank's storages: `locals_[i]` is entry i's local tensor."""
-    return {loc: _local_view(entries[i].name, locals_[i], shape) for i, loc, shape in mine}
+    """({location: view}, [problem]) of this rank's storages: `locals_[i]` is entry i's local
+    tensor; a view is a 1-D view of its live storage (detached: no autograd). A local tensor
+    with a problem has no view."""
+    views, problems = {}, []
+    for i, loc, shape in mine:
+        local = locals_[i]
+        why = _local_problem(entries[i].name, local, shape)
+        if why is None:
+            views[loc] = local.detach().view(-1)
+        else:
+            problems.append(why)
+    return views, problems
 
 
 _SHAPE = operator.attrgetter("shape")
@@ -113,27 +126,30 @@ class LiveDTensors:
     _locals: object = field(repr=False)  # () -> every entry's local tensor; raises if not ready
     _identity: dict = field(repr=False)  # location -> identity tuple at describe time
     _key: tuple | None = field(repr=False)  # _locals_key at describe time
+    _problems: list = field(repr=False, default_factory=list)  # _views' at describe time
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
         try:
             locals_ = self._locals()
             if self._key is not None and _locals_key(locals_, self._mine) == self._key:
-                return []
-            live = _views(self._entries, self._mine, locals_)
+                return list(self._problems)  # equal keys: the same views, the same problems
+            live, problems = _views(self._entries, self._mine, locals_)
         except (NotReadyError, UnsupportedError) as exc:
             return [str(exc)]
         replaced = sorted(
             loc
-            for loc, ident in self._identity.items()
-            if loc not in live or _identity(live[loc]) != ident
+            for loc in self._identity.keys() | live.keys()
+            if loc not in live
+            or loc not in self._identity
+            or _identity(live[loc]) != self._identity[loc]
         )
         if replaced:
-            return [
+            problems.append(
                 f"storage replaced since describe() at locations {replaced} (load_state_dict, "
                 "a new tensor assigned?): describe() again"
-            ]
-        return []
+            )
+        return problems
 
     def check(self) -> None:
         """Raise NotReadyError naming every reason this state must not be used now."""
@@ -148,7 +164,7 @@ def describe_entries(what, entries, locals_fn, group=None):
     layout, where = build_layout(entries, group)
     mine = _mine(entries, where)
     locals_ = locals_fn()
-    buffers = _views(entries, mine, locals_)
+    buffers, problems = _views(entries, mine, locals_)
     return LiveDTensors(
         layout=layout,
         buffers=buffers,
@@ -158,6 +174,7 @@ def describe_entries(what, entries, locals_fn, group=None):
         _locals=locals_fn,
         _identity={loc: _identity(t) for loc, t in buffers.items()},
         _key=_locals_key(locals_, mine),
+        _problems=problems,
     )
 
 
@@ -168,11 +185,17 @@ def describe(dtensors, group=None) -> LiveDTensors:
     layout is computed from the specs; nothing is communicated). `group`: the process group
     the transfer runs over (default: the world); storages are owned by ranks numbered in it,
     so it must contain every rank of every mesh. Raises `UnsupportedError` for `Partial` and
-    other placements that do not store elements.
+    other placements that do not store elements. A local tensor that only this rank sees is
+    wrong (not contiguous, another shape than its spec places here) is not raised here but by
+    `check()`, which the transfer's preflight runs on every rank, so every rank refuses.
     """
     if not hasattr(dtensors, "items"):
         raise TypeError(f"describe() takes a {{name: DTensor}} mapping, got {type(dtensors)}")
-    items = sorted(dtensors.items())
+    check_group(group)
+    bad = [name for name in dtensors if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"DTensor names must be str, got {bad[:8]!r}")
+    items = sorted(dtensors.items(), key=operator.itemgetter(0))
     entries = [entry(name, dt) for name, dt in items]
     dts = [dt for _, dt in items]
     return describe_entries("DTensors", entries, lambda: list(map(_LOCAL, dts)), group=group)

@@ -21,6 +21,7 @@ __all__ = [
     "Entry",
     "PlacementOp",
     "build_layout",
+    "check_group",
     "entry",
     "local_shape",
     "mesh_ranks",
@@ -192,6 +193,17 @@ def _pieces(location, segs):
     return out
 
 
+def check_group(group) -> None:
+    """TypeError unless `group` is None (the world) or a torch.distributed ProcessGroup."""
+    import torch.distributed as dist
+
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be None (the world) or a torch.distributed ProcessGroup, got "
+            f"{type(group).__name__}"
+        )
+
+
 def _group_ranks(group):
     import torch.distributed as dist
 
@@ -236,7 +248,7 @@ def entry(name, dt, ops=None):
     from torch.distributed.tensor import DTensor
 
     if not isinstance(dt, DTensor):
-        raise UnsupportedError(f"{name!r} is a {type(dt).__name__}, not a DTensor")
+        raise TypeError(f"{name!r} is a {type(dt).__name__}, not a DTensor")
     spec = dt._spec
     shape = tuple(dt.shape)
     if ops is None:

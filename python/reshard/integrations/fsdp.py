@@ -9,8 +9,9 @@ as in the DeepSpeed integration, so layouts of both frameworks plan against each
   view into each FSDPParam's padded shard (`_sharded_param_data`). Under a
   `MixedPrecisionPolicy` these stay in the parameter's own dtype (fp32): the `param_dtype` copy
   exists only while unsharded. Under `CPUOffloadPolicy` they live in CPU memory.
-- "exp_avg" | "exp_avg_sq": a torch.optim Adam/AdamW moment of every parameter the optimizer
-  holds, keyed by the sharded parameter; a DTensor with the parameter's placements.
+- "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq" (amsgrad): a torch.optim Adam/AdamW moment of
+  every parameter of `module` that the optimizer holds state for, keyed by the sharded
+  parameter; a DTensor with the parameter's placements, in its own dtype.
 
 The geometry is the parameters' DTensor placements (reshard.integrations.dtensor_geometry): FSDP shards
 dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks hold fewer rows
@@ -27,16 +28,23 @@ import weakref
 from reshard.errors import NotReadyError, UnsupportedError
 
 from .dtensor import describe_entries
-from .dtensor_geometry import PlacementOp, entry, mesh_ranks, placement_ops, segments
+from .dtensor_geometry import (
+    PlacementOp,
+    check_group,
+    entry,
+    mesh_ranks,
+    placement_ops,
+    segments,
+)
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+KINDS = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_MOMENTS = KINDS[1:]
 
 __all__ = ["KINDS", "describe", "init_adam_state"]
 
 
-def _fsdp_params(module):
-    """Every FSDPParam managed by `module` or its submodules, in module order."""
+def _fsdp_groups(module):
+    """Every FSDPParamGroup of `module` or its submodules, in module order."""
     from torch.distributed.fsdp import FSDPModule
 
     out, seen = [], set()
@@ -57,8 +65,8 @@ def _fsdp_params(module):
         for group in groups:
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
                 seen.add(id(group))
-                out += group.fsdp_params
-    if not out:
+                out.append(group)
+    if not any(g.fsdp_params for g in out):
         raise UnsupportedError(
             f"describe() needs a module with fully_shard() applied, got {type(module).__name__} "
             "without FSDP2 parameters"
@@ -66,52 +74,65 @@ def _fsdp_params(module):
     return out
 
 
-def _unsharded(module, fsdp_params):
-    """'name (STATE)' of every FSDPParam not in its sharded state."""
+def _fsdp_params(module):
+    """Every FSDPParam managed by `module` or its submodules, in module order."""
+    return [fp for g in _fsdp_groups(module) for fp in g.fsdp_params]
+
+
+def _gathering(group) -> bool:
+    """True while `unshard(async_op=True)` of the group was not waited for: its parameters
+    still say SHARDED, but an all-gather of them is in flight and the next forward (or the
+    handle's wait()) installs what it gathered, not what a transfer wrote since."""
+    return getattr(group, "_all_gather_result", None) is not None
+
+
+def _not_ready(module, groups):
+    """'name (why)' of every FSDPParam not in its sharded state and every group with an
+    all-gather in flight."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    bad = [fp for fp in fsdp_params if fp.sharded_state != ShardedState.SHARDED]
-    if not bad:
-        return []
     prefix = {id(m): n for n, m in module.named_modules()}
     out = []
-    for fp in bad:
-        info = fp._module_info
-        at = prefix.get(id(info.module), "?")
-        out.append(f"{at + '.' if at else ''}{info.param_name} ({fp.sharded_state.name})")
+    for g in groups:
+        if _gathering(g):
+            names = [prefix.get(id(m), "?") or "(root)" for m in g.modules]
+            out.append(f"{', '.join(names)} (unshard(async_op=True) not waited for)")
+        for fp in g.fsdp_params:
+            if fp.sharded_state != ShardedState.SHARDED:
+                info = fp._module_info
+                at = prefix.get(id(info.module), "?")
+                out.append(f"{at + '.' if at else ''}{info.param_name} ({fp.sharded_state.name})")
     return out
 
 
 def _sharded_params(module):
-    """[(name, sharded DTensor)] of every parameter; NotReadyError if any is unsharded.
+    """[(name, sharded DTensor)] of every parameter, in sorted-name order; NotReadyError if
+    any is unsharded or being gathered.
 
     Names are `module.named_parameters()` names: while sharded, the module's registered
     parameters are FSDP2's sharded DTensors themselves.
     """
-    fsdp_params = _fsdp_params(module)
-    unsharded = _unsharded(module, fsdp_params)
-    if unsharded:
+    groups = _fsdp_groups(module)
+    bad = _not_ready(module, groups)
+    if bad:
         raise NotReadyError(
-            f"FSDP2 parameters are not sharded: {', '.join(unsharded[:8])}"
-            f"{' ...' if len(unsharded) > 8 else ''} (between forward and backward, after a "
+            f"FSDP2 parameters are not sharded: {', '.join(bad[:8])}"
+            f"{' ...' if len(bad) > 8 else ''} (between forward and backward, after a "
             "forward with reshard_after_forward=False, or after unshard()): the safe boundary "
-            "is after optimizer.step(), before the next forward; or call reshard() on every FSDP "
-            "module"
+            "is after optimizer.step(), before the next forward; or wait() on an async "
+            "unshard's handle and call reshard() on every FSDP module"
         )
-    by_id = {id(fp.sharded_param): fp for fp in fsdp_params}
+    by_id = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
     out, plain = [], []
     for name, p in module.named_parameters():
-        fp = by_id.get(id(p))
-        if fp is None:
-            plain.append(name)
-        else:
-            out.append((name, p))
+        (out if id(p) in by_id else plain).append((name, p))
     if plain:
         raise UnsupportedError(
-            f"parameters {plain[:8]} are not managed by fully_shard() under this module: call "
-            "fully_shard() on the module that owns them (e.g. the root)"
+            f"parameters {[n for n, _ in plain[:8]]} are not managed by fully_shard() under "
+            "this module: call fully_shard() on the module that owns them (e.g. the root)"
         )
-    return out
+    # sorted like dtensor.describe: location ids follow sorted names (docs/fsdp.md)
+    return sorted(out, key=operator.itemgetter(0))
 
 
 def _ops(name, p):
@@ -149,10 +170,8 @@ def _moment(name, p, state, kind, opt_name):
 
     if not state:
         raise NotReadyError(
-            f"{name!r} has no optimizer state yet: Adam moments exist after the first "
-            "optimizer.step() that saw its gradient (or rsfsdp.init_adam_state()); a "
-            "parameter that never gets one (unused in forward) never has them: leave it out "
-            "of the optimizer"
+            f"{name!r}: its optimizer state is gone since describe() (a new optimizer state "
+            "loaded?): describe() again"
         )
     if kind not in state:
         raise UnsupportedError(
@@ -170,55 +189,91 @@ def _moment(name, p, state, kind, opt_name):
     return m
 
 
-def describe(module, kind: str, optimizer=None, group=None):
-    """Describe one kind of an FSDP2 module's live state.
+def _check_args(module, kind, optimizer):
+    import torch
 
-    kind: "param" (the sharded parameters), "exp_avg" or "exp_avg_sq" (a torch.optim
-    Adam/AdamW moment; pass `optimizer`). group: the process group the transfer runs over
-    (default: the world); it must contain the FSDP2 mesh. Call on every rank of the mesh at
-    the safe boundary (after optimizer.step(), before the next forward); it communicates
-    nothing. Returns a `LiveDTensors`: `.layout`, `.buffers`, `.check()`, `.reasons()`.
-    """
-    if kind not in KINDS:
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if kind in _MOMENTS and optimizer is None:
         raise ValueError(f"kind {kind!r} needs the optimizer: describe(module, kind, optimizer=)")
     if kind == "param" and optimizer is not None:
         raise ValueError("kind 'param' takes no optimizer")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+
+
+def describe(module, kind: str, optimizer=None, group=None):
+    """Describe one kind of an FSDP2 module's live state.
+
+    kind: "param" (the sharded parameters), "exp_avg", "exp_avg_sq" or "max_exp_avg_sq" (a
+    torch.optim Adam/AdamW moment, the last under amsgrad=True; pass `optimizer`): the
+    moments of every parameter of `module` that the optimizer holds state for. group: the
+    process group the transfer runs over (default: the world); it must contain the FSDP2
+    mesh. Call on every rank of the mesh at the safe boundary (after optimizer.step(), before
+    the next forward); it communicates nothing. Returns a `LiveDTensors`: `.layout`,
+    `.buffers`, `.check()`, `.reasons()`.
+    """
+    _check_args(module, kind, optimizer)
+    check_group(group)
     params = _sharded_params(module)
-    chosen = params if kind == "param" else _optimized(params, optimizer)
-    entries = [entry(n, p, _ops(n, p)) for n, p in chosen]
     if kind == "param":
-        locals_ = _param_locals(module, chosen)
+        entries = [entry(n, p, _ops(n, p)) for n, p in params]
+        locals_ = _param_locals(module, params)
     else:
-        locals_ = _moment_locals(module, chosen, optimizer, kind)
+        chosen = _optimized(params, optimizer, kind)
+        opt_name = type(optimizer).__name__
+        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
+        # the moment's own dtype: state need not be kept in the parameter's
+        entries = [entry(n, m, _ops(n, p)) for (n, p), m in zip(chosen, moments, strict=True)]
+        locals_ = _moment_locals(module, chosen, moments, optimizer, kind)
     return describe_entries(f"FSDP2 {kind}", entries, locals_, group)
 
 
-def _optimized(params, optimizer):
-    """[(name, sharded parameter)] the optimizer holds and trains (a frozen one never gets
-    state: AdamW(model.parameters()) holds those too); every tensor it holds must be one."""
-    import torch
+def _optimized(params, optimizer, kind):
+    """[(name, sharded parameter)] of `params` that the optimizer holds state for.
 
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    By the state, not by requires_grad: torch's step gives state only to parameters that got a
+    gradient (never to frozen ones, though AdamW(model.parameters()) holds them), and keeps it
+    for a parameter frozen after training. The optimizer may hold other modules' parameters
+    too (a submodule described under the whole model's optimizer)."""
+    opt_name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
+        groups = [g for g in groups if g.get("amsgrad")]
+        if not groups:
+            raise UnsupportedError(
+                f"{opt_name} keeps no 'max_exp_avg_sq': Adam/AdamW keep it only with "
+                "amsgrad=True, which no param group of this optimizer sets"
+            )
+    held = {id(q) for g in groups for q in g["params"]}
+    mine = [(n, p) for n, p in params if id(p) in held]
+    if not mine:
         raise UnsupportedError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            f"the optimizer holds none of this module's FSDP2 sharded parameters"
+            f"{' in an amsgrad group' if kind == 'max_exp_avg_sq' else ''} (built before "
+            "fully_shard(), for another module, or the parameters were replaced since, e.g. "
+            "load_state_dict(assign=True)?)"
         )
-    held = {id(q) for g in optimizer.param_groups for q in g["params"]}
-    known = {id(p) for _, p in params}
-    if held - known:
-        raise UnsupportedError(
-            f"the optimizer holds {len(held - known)} tensors that are not this module's "
-            "FSDP2 sharded parameters (built before fully_shard(), or the parameters were "
-            "replaced since?)"
+    state = optimizer.state
+    out = [(n, p) for n, p in mine if state.get(p)]
+    if not out:
+        raise NotReadyError(
+            f"{opt_name} has no optimizer state yet for the {len(mine)} parameters of this "
+            "module it holds: Adam moments exist after the first optimizer.step() that saw a "
+            "gradient, or after rsfsdp.init_adam_state()"
         )
-    return [(n, p) for n, p in params if id(p) in held and p.requires_grad]
+    return out
 
 
 class _Unchanged:
     """What `describe()` relied on, re-checked by identity on every call: the module tree (every
     module's registered submodules and parameters are the same objects under the same names)
-    and every FSDPParam still in its sharded state. `__call__` is True only when the full
+    and every FSDPParam still in its sharded state with no all-gather in flight. `__call__` is
+    True only when the full
     checks (`_sharded_params`) would pass as they did at describe(); False sends the caller
     to them, which say what changed."""
 
@@ -226,7 +281,8 @@ class _Unchanged:
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
         self.sharded = ShardedState.SHARDED
-        self.fsdp_params = _fsdp_params(module)
+        self.groups = _fsdp_groups(module)
+        self.fsdp_params = [fp for g in self.groups for fp in g.fsdp_params]
         self.tree = [
             (
                 m,
@@ -241,6 +297,8 @@ class _Unchanged:
     def __call__(self) -> bool:
         sharded = self.sharded
         if not all(fp.sharded_state == sharded for fp in self.fsdp_params):
+            return False
+        if any(map(_gathering, self.groups)):
             return False
         is_ = operator.is_
         for m, mod_names, mods, param_names, params in self.tree:
@@ -276,13 +334,12 @@ def _param_locals(module, chosen):
     return locals_
 
 
-def _moment_locals(module, chosen, optimizer, kind):
+def _moment_locals(module, chosen, moments, optimizer, kind):
     """() -> the `kind` moments' local tensors; NotReadyError while the module is unsharded
     or once a moment was replaced (optimizer.load_state_dict)."""
     names = [n for n, _ in chosen]
     params = [p for _, p in chosen]
     opt_name = type(optimizer).__name__
-    moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
     unchanged = _Unchanged(module)
     # held weakly: an optimizer the training loop replaced is gone, not written in its place
     described = weakref.ref(optimizer)
@@ -316,14 +373,40 @@ def _moment_locals(module, chosen, optimizer, kind):
 _EMPTY: dict = {}
 
 
-def init_adam_state(optimizer, step) -> None:
-    """Give every parameter of a torch.optim Adam/AdamW its state, with its step counter = step.
+def _step_count(step) -> float:
+    import numbers
 
-    Parameters without state get zero moments, made as torch does on the first step
-    (`zeros_like(param)`: a DTensor placed like the parameter), so that `describe(...,
+    import torch
+
+    if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
+        raise TypeError(
+            f"step must be an integer (the source's optimizer step count), got "
+            f"{type(step).__name__} {step!r}"
+        )
+    if not float(step).is_integer():
+        raise ValueError(f"step must be an integer (a step count), got {step!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step!r}")
+    return float(step)
+
+
+def init_adam_state(optimizer, step, params=None) -> None:
+    """Give a torch.optim Adam/AdamW's parameters their state, with the step counter = step.
+
+    params: the parameters to give state (default: every parameter the optimizer holds that
+    requires grad: those torch's first step gives state to, as they get a gradient; a frozen
+    one gets none). Pass a source's set when it differs, e.g. to include parameters frozen
+    after training, whose moments the source keeps: the moments' layout (`describe()`) covers
+    exactly the parameters with state, and a transfer needs the target's to match. Missing
+    state is made as torch makes it on the first step (`zeros_like(param)`: a DTensor placed
+    like the parameter; `max_exp_avg_sq` too in amsgrad groups), so that `describe(...,
     "exp_avg")` has a target to write before the optimizer ever stepped (elastic resize,
-    migration from another framework). Existing moments are kept. The step counter is not part
-    of any layout: set it to the source's step count, or bias correction differs.
+    migration from another framework). Existing moments are kept. Every parameter with state
+    afterwards has its step counter set: the step is not part of any layout, so set it to the
+    source's step count, or bias correction differs. Nothing changes when an argument is
+    refused.
     """
     import torch
 
@@ -331,6 +414,7 @@ def init_adam_state(optimizer, step) -> None:
         raise UnsupportedError(
             f"init_adam_state() supports torch.optim.Adam/AdamW, got {type(optimizer).__name__}"
         )
+    count = _step_count(step)
     from torch.optim.optimizer import _get_scalar_dtype
 
     for group in optimizer.param_groups:
@@ -338,15 +422,29 @@ def init_adam_state(optimizer, step) -> None:
             raise UnsupportedError(
                 "init_adam_state() writes a CPU step counter: use capturable=False, fused=False"
             )
-        for p in group["params"]:
-            state = optimizer.state[p]
-            with torch.no_grad():
-                if not state:  # torch's own order and construction (Adam._init_group)
-                    state["step"] = None
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group.get("amsgrad"):
-                        state["max_exp_avg_sq"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                state["step"] = torch.tensor(float(step), dtype=_get_scalar_dtype())
+    held = [(p, g) for g in optimizer.param_groups for p in g["params"]]
+    if params is None:
+        wanted = {id(p) for p, _ in held if p.requires_grad}
+    else:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of parameters, got one tensor")
+        params = list(params)
+        ids = {id(p) for p, _ in held}
+        foreign = [i for i, p in enumerate(params) if id(p) not in ids]
+        if foreign:
+            raise ValueError(
+                f"params {foreign[:8]} (positions in params) are not held by the optimizer"
+            )
+        wanted = {id(p) for p in params}
+    state = optimizer.state
+    with torch.no_grad():
+        for p, group in held:
+            if id(p) in wanted and not state.get(p):  # torch's own order (Adam._init_group)
+                st = state[p]
+                st["step"] = None
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if state.get(p):
+                state[p]["step"] = torch.tensor(count, dtype=_get_scalar_dtype())
