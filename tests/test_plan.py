@@ -791,6 +791,26 @@ def test_schedule_is_cached_and_covers_every_round():
     assert p.schedule(7).sends == [[]] * p.num_rounds  # a rank with nothing to do
 
 
+@pytest.mark.parametrize(
+    "rank, error",
+    [("0", TypeError), (True, TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError)],
+)
+def test_per_rank_methods_refuse_bad_ranks_alike(rank, error):
+    """schedule and staging_bytes take the same ranks: a non-negative int (numpy ints too; a
+    rank past the layout's owns nothing), never a string, bool or float read as one."""
+    shp = (40,)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 40)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [20, 20], [1, 2])}, {1: S(1, 20), 2: S(2, 20)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=32)
+    for method in (p.schedule, p.staging_bytes):
+        with pytest.raises(error, match="rank"):
+            method(rank)
+    assert p.staging_bytes(np.int64(0)) == p.staging_bytes(0)
+    assert p.staging_bytes(0)["device"] > 0
+    assert p.staging_bytes(7) == {"device": 0, "host_pinned": 0, "host": 0}
+    assert p.schedule(np.int32(1)) is p.schedule(1)
+
+
 def test_execute_single_process_with_the_real_op():
     from reshard import _ops as ops
 
