@@ -306,6 +306,7 @@ def test_views_and_tensors_the_ops_cannot_copy_are_refused_before_any_write():
         (0, ValueError),
         (-1.0, ValueError),
         (1e300, ValueError),
+        (1e-4, ValueError),  # gloo counts whole milliseconds: 0 ms would mean no limit
     ],
 )
 def test_bad_timeouts(timeout, error):
@@ -317,6 +318,72 @@ def test_bad_timeouts(timeout, error):
         rs.execute(rs.plan(src, dst), {0: torch.arange(6.0)}, db, timeout=timeout)
     assert bool((db[10] == S.POISON).all())
     assert math.isfinite(rs.Transfer(src, dst, timeout=2).timeout)
+    assert rs.Transfer(src, dst, timeout=pf.MIN_TIMEOUT_S).timeout == 0.001
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _refused(call, match, error=rs.PreflightError):
+    """`call` raises `error` matching `match`, writes no target byte, and the message holds no
+    raw Python error about reshard's internals."""
+    db = {10: torch.full((6,), S.POISON)}
+    with pytest.raises(error, match=match) as ei:
+        call(db)
+    assert bool((db[10] == S.POISON).all())
+    assert "AttributeError" not in str(ei.value), ei.value
+    return str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "checks, match",
+    [
+        (5, "checks must be an iterable of callables, got int 5"),
+        ("ready", "checks must be an iterable of callables, got str 'ready'"),
+        (print, "checks must be an iterable of callables, got builtin_function_or_method"),
+        ([print, 3], "checks\\[1\\] must be callable, got int 3"),
+    ],
+)
+def test_bad_checks_are_a_clear_collective_type_error(checks, match):
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    _refused(lambda db: rs.execute(rs.plan(src, dst), sb, db, checks=checks), "TypeError: " + match)
+    _refused(lambda db: sync(sb, db, checks=checks), "TypeError: " + match)
+    db = {10: torch.zeros(6)}
+    sync(sb, db, checks=[lambda: None])
+    assert torch.equal(db[10], sb[0])
+
+
+def test_docs_name_checks_as_a_call_argument_only():
+    """checks= belongs to a call (execute, Transfer.__call__), not to the constructor."""
+    src, dst = _one_rank()
+    with pytest.raises(TypeError, match="checks"):
+        rs.Transfer(src, dst, checks=())
+
+
+@pytest.mark.parametrize("kind", ["layout", "dict", "none"])
+def test_execute_of_something_that_is_not_a_plan(kind):
+    src, dst = _one_rank()
+    thing = {"layout": src, "dict": {"src": src}, "none": None}[kind]
+    name = type(thing).__name__
+    sb = {0: torch.arange(6.0)}
+    msg = _refused(lambda db: rs.execute(thing, sb, db), f"expected a Plan .*got {name}")
+    assert msg.count("rank 0:") == 1, msg  # one reason, not one per missing attribute
+    msg = _refused(lambda db: rs.Transfer.from_plan(thing)(sb, db), f"expected a Plan .*{name}")
+    assert msg.count("rank 0:") == 1, msg
+
+
+def test_an_expanded_buffer_gets_only_the_right_reason():
+    src, dst = _one_rank()
+    for sb in ({0: torch.zeros(1).expand(6)}, {0: torch.zeros(12)[::2]}):
+        msg = _refused(lambda db, sb=sb: rs.execute(rs.plan(src, dst), sb, db), "contiguous")
+        assert "storage" not in msg, msg
+    # a view whose storage really is too small is still named, strided or not
+    t = torch.zeros(12)[::2]
+    t.untyped_storage().resize_(16)
+    msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), "contiguous")
+    assert "fewer than the 44 its view needs" in msg, msg
 
 
 # ------------------------------------------------------------------ autograd

@@ -323,9 +323,12 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 def _storage_shortfall(t: torch.Tensor) -> str | None:
     """Why `t`'s storage cannot hold what its metadata says (freed, or resized underneath it
     as FSDP does with parameters it frees), else None."""
-    need = (t.storage_offset() + t.numel()) * t.element_size()
-    if need == 0:
+    if t.numel() == 0:
         return None
+    # the last element the view reaches (an expanded or strided view reaches less or more
+    # than storage_offset + numel; its wrong strides are a reason of their own)
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
     storage = t.untyped_storage()
     have = storage.nbytes()
     if have == 0 or storage.data_ptr() == 0:
@@ -763,6 +766,8 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, d
 DEFAULT_TIMEOUT_S = 300.0
 # The longest wait a timeout may ask for (a year): beyond it datetime arithmetic overflows.
 MAX_TIMEOUT_S = 365 * 86400.0
+# The shortest: gloo truncates a wait's timeout to whole milliseconds, and 0 means none.
+MIN_TIMEOUT_S = 0.001
 
 
 def timeout_error(timeout) -> Exception | None:
@@ -775,6 +780,11 @@ def timeout_error(timeout) -> Exception | None:
         return ValueError(
             f"timeout must be a finite number of seconds > 0, got {timeout!r} (every wait is "
             "bounded: a dead peer must become an error, never a hang)"
+        )
+    if timeout < MIN_TIMEOUT_S:
+        return ValueError(
+            f"timeout must be at least {MIN_TIMEOUT_S} seconds (1 ms), got {timeout!r}: gloo "
+            "counts whole milliseconds, and 0 ms would mean no limit at all"
         )
     if timeout > MAX_TIMEOUT_S:
         return ValueError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
@@ -820,6 +830,44 @@ class Collected(NamedTuple):
     short: bool
 
 
+def as_checks(checks) -> tuple[list, str | None]:
+    """(the extra readiness checks as a list, why `checks` is unusable or None). Per call, so
+    its reason goes through the collective like any other."""
+    if isinstance(checks, (str, bytes)) or callable(checks) or not hasattr(checks, "__iter__"):
+        hint = " (pass checks=(fn,))" if callable(checks) else ""
+        return [], (
+            f"TypeError: checks must be an iterable of callables, got {type(checks).__name__} "
+            f"{checks!r}{hint}"
+        )
+    checks = list(checks)
+    for i, check in enumerate(checks):
+        if not callable(check):
+            return [], (
+                f"TypeError: checks[{i}] must be callable, got {type(check).__name__} {check!r}"
+            )
+    return checks, None
+
+
+_PLAN_ATTRS = ("schedule", "staging_bytes", "fingerprint", "src", "dst")
+
+
+def plan_problem(plan) -> str | None:
+    """Why `plan` is not a plan the executor can run (a Layout passed where the Plan belongs),
+    else None."""
+    missing = [a for a in _PLAN_ATTRS if not hasattr(plan, a)]
+    if not missing:
+        return None
+    hint = (
+        ": plan the two layouts first (reshard.plan(src, dst)), or use reshard.Transfer(src, dst)"
+        if type(plan).__name__ == "Layout"
+        else ""
+    )
+    return (
+        f"TypeError: expected a Plan (reshard.plan(src, dst)), got {type(plan).__name__}"
+        f" (it has no {', '.join(missing)}){hint}"
+    )
+
+
 def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     """Every check of this rank before the collective exchange. `ctx` is the executor's
     engine for this plan and rank (`prepare()` builds and checks the schedule once,
@@ -833,6 +881,12 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
+    checks, bad_checks = as_checks(checks)
+    if bad_checks:
+        reasons.append(bad_checks)
+    bad_plan = plan_problem(ctx.plan)
+    if bad_plan:  # nothing else can be checked against it
+        return Collected([*reasons, bad_plan], src_ok, dst_ok, key, need_ring, short)
     try:
         reasons += ctx.prepare()
         src = as_buffer_set(src_buffers, "src")
@@ -936,7 +990,8 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
     reasons = got.reasons
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
     try:
-        fingerprint = ctx.plan.fingerprint
+        # not a plan: one reason already says so (the same text on every rank that erred alike)
+        fingerprint = ctx.plan.fingerprint if not plan_problem(ctx.plan) else "unavailable"
     except Exception as exc:  # noqa: BLE001 - a reason like any other
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
