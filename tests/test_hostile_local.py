@@ -374,6 +374,24 @@ def test_execute_of_something_that_is_not_a_plan(kind):
     assert msg.count("rank 0:") == 1, msg
 
 
+def test_a_transfer_is_not_pickled_and_says_what_to_pickle():
+    import copy
+    import pickle
+
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    for used in (False, True):
+        with pytest.raises(TypeError, match="cannot be pickled.*Transfer.from_plan"):
+            pickle.dumps(sync)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            copy.deepcopy(sync)
+        sync({0: torch.arange(6.0)}, {10: torch.zeros(6)})
+    again = rs.Transfer.from_plan(pickle.loads(pickle.dumps(sync.plan)))
+    db = {10: torch.zeros(6)}
+    again({0: torch.arange(6.0)}, db)
+    assert torch.equal(db[10], torch.arange(6.0))
+
+
 def test_an_expanded_buffer_gets_only_the_right_reason():
     src, dst = _one_rank()
     for sb in ({0: torch.zeros(1).expand(6)}, {0: torch.zeros(12)[::2]}):
@@ -384,6 +402,39 @@ def test_an_expanded_buffer_gets_only_the_right_reason():
     t.untyped_storage().resize_(16)
     msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), "contiguous")
     assert "fewer than the 44 its view needs" in msg, msg
+
+
+@pytest.mark.parametrize("group", ["world", 0, object()])
+def test_a_group_that_is_not_a_process_group_is_a_type_error(group):
+    src, dst = _one_rank()
+    name = type(group).__name__
+    with pytest.raises(TypeError, match=f"group must be a torch.distributed ProcessGroup.*{name}"):
+        rs.Transfer(src, dst, group=group)
+    sb = {0: torch.arange(6.0)}
+    _refused(
+        lambda db: rs.execute(rs.plan(src, dst), sb, db, group=group),
+        f"group must be a torch.distributed ProcessGroup.*{name}",
+        TypeError,
+    )
+    sync = rs.Transfer(src, dst)
+    sync.group = group
+    _refused(lambda db: sync(sb, db), "group must be a torch.distributed ProcessGroup", TypeError)
+
+
+def test_a_launcher_without_init_process_group_is_named(monkeypatch):
+    """WORLD_SIZE > 1 (torchrun) without init_process_group: each process would run alone as
+    rank 0; refused on every process, naming the missing call."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)  # built before init: fine, the group is bound per call
+    sb = {0: torch.arange(6.0)}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for call in (lambda db: rs.execute(rs.plan(src, dst), sb, db), lambda db: sync(sb, db)):
+        msg = _refused(call, "init_process_group", RuntimeError)
+        assert "WORLD_SIZE=4" in msg, msg
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    db = {10: torch.zeros(6)}
+    sync(sb, db)
+    assert torch.equal(db[10], sb[0])
 
 
 # ------------------------------------------------------------------ autograd

@@ -34,6 +34,7 @@ import json
 import math
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -651,8 +652,8 @@ def _arrivals_spread_out(entered_us: list[int], timeout_s: float) -> bool:
 # Process groups on which a collective was abandoned part-way (a wait timed out or failed, a
 # transfer stopped mid-rounds): the ranks no longer agree on the group's sequence of
 # collectives, so the next one would be matched against a stale one (gloo then aborts the
-# process). id(group) -> (group, what happened); the group is kept so ids stay unique.
-_OUT_OF_STEP: dict = {}
+# process). group -> what happened; weak keys, so a destroyed group is freed with its users.
+_OUT_OF_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OUT_OF_STEP_GUARD = threading.Lock()
 REBUILD = (
     "the process group cannot be used again: rebuild it (dist.new_group, or "
@@ -665,13 +666,15 @@ def mark_out_of_step(group, what: str) -> None:
     group)."""
     if group is not None:
         with _OUT_OF_STEP_GUARD:
-            _OUT_OF_STEP.setdefault(id(group), (group, what))
+            _OUT_OF_STEP.setdefault(group, what)
 
 
 def out_of_step(group) -> str | None:
     """What abandoned `group`'s collectives on this rank, or None while it is usable."""
-    entry = _OUT_OF_STEP.get(id(group)) if group is not None else None
-    return entry[1] if entry is not None and entry[0] is group else None
+    if group is None:
+        return None
+    with _OUT_OF_STEP_GUARD:
+        return _OUT_OF_STEP.get(group)
 
 
 def _commit(group, rank, world_size, device, timeout_s) -> None:
