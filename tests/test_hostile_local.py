@@ -380,7 +380,7 @@ def test_a_transfer_is_not_pickled_and_says_what_to_pickle():
 
     src, dst = _one_rank()
     sync = rs.Transfer(src, dst)
-    for used in (False, True):
+    for _ in range(2):  # unused, then used
         with pytest.raises(TypeError, match="cannot be pickled.*Transfer.from_plan"):
             pickle.dumps(sync)
         with pytest.raises(TypeError, match="cannot be pickled"):
@@ -402,6 +402,59 @@ def test_an_expanded_buffer_gets_only_the_right_reason():
     t.untyped_storage().resize_(16)
     msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), "contiguous")
     assert "fewer than the 44 its view needs" in msg, msg
+
+
+class _Live:
+    """What an integration's describe() returns: `.layout`, `.buffers`, `.check()`."""
+
+    def __init__(self, layout, buffers):
+        self.layout, self.buffers = layout, buffers
+
+    def check(self):
+        pass
+
+
+def test_a_live_buffer_set_whose_layout_is_not_the_plans():
+    """A describe() result carries its own layout: preflight holds it to the plan's side,
+    naming the first difference (a tensor's shape, a storage's dtype or extent, a tensor the
+    plan names that it lacks); a layout that agrees on what the plan names (a subset of its
+    tensors) passes."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    other = {
+        "shape": rs.Layout({"w": rs.flat((2, 3), [(0, 0, 6, 0)])}, src.storages),
+        "dtype": rs.Layout(
+            {"w": rs.flat((6,), [(0, 0, 6, 0)])}, {0: rs.Storage(0, torch.bfloat16, 6)}
+        ),
+        "name": rs.Layout({"v": rs.flat((6,), [(0, 0, 6, 0)])}, src.storages),
+        "pieces": rs.Layout({"w": rs.split((6,), 0, [3, 3], [0, 0])}, src.storages),
+    }
+    wants = {
+        "shape": "tensor 'w': shape (6,) in the plan, (2, 3) in the buffers' layout",
+        "dtype": "storage 0: Storage(rank=0, dtype=torch.float32, numel=6) in the plan, "
+        "Storage(rank=0, dtype=torch.bfloat16, numel=6) in the buffers' layout",
+        "name": "tensor 'w' of the plan is not in the buffers' layout",
+        "pieces": "tensor 'w': laid out differently (piece 0:",
+    }
+    for kind, layout in other.items():
+        live = _Live(layout, sb)
+        for call in (
+            lambda db, live=live: rs.execute(rs.plan(src, dst), live, db),
+            lambda db, live=live: sync(live, db),
+        ):
+            msg = _refused(call, "source buffers' layout .*_Live.* differs from the plan's")
+            assert wants[kind] in msg, (kind, msg)
+    # the other side, and a layout that agrees on every tensor the plan names
+    wide = rs.Layout({"w": dst.tensors["w"], "extra": rs.flat((2,), [(10, 0, 2, 4)])}, dst.storages)
+    for layout, ok in ((other["shape"], False), (wide, True), (dst, True)):
+        db = {10: torch.full((6,), S.POISON)}
+        try:
+            sync(sb, _Live(layout, db))
+            assert ok and torch.equal(db[10], sb[0])
+        except rs.PreflightError as exc:
+            assert not ok and "target buffers' layout" in str(exc), exc
+            assert bool((db[10] == S.POISON).all())
 
 
 @pytest.mark.parametrize("group", ["world", 0, object()])

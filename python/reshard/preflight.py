@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from . import _ops
 from .errors import PreflightError
+from .layout import Layout
 from .layout.intervals import first_overlap, merge
 from .layout.values import as_dtype
 
@@ -53,14 +54,19 @@ SUPPORTED_TRANSPORTS = ("gloo", "nccl", "local")
 
 @dataclass
 class BufferSet:
-    """A normalized buffer set: {location: tensor or None} plus readiness hooks."""
+    """A normalized buffer set: {location: tensor or None} plus readiness hooks, and the
+    layout the buffers' object says they hold (an integration's `describe()` result has
+    one; None for a plain mapping), with the object's type name for messages."""
 
     buffers: dict
     checks: list = field(default_factory=list)
+    layout: Layout | None = None
+    source: str = ""
 
 
 def as_buffer_set(obj, side: str) -> BufferSet:
-    """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`)."""
+    """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`
+    and `.layout`)."""
     if isinstance(obj, BufferSet):
         return obj
     if isinstance(obj, Mapping):
@@ -68,7 +74,13 @@ def as_buffer_set(obj, side: str) -> BufferSet:
     buffers = getattr(obj, "buffers", None)
     if isinstance(buffers, Mapping):
         check = getattr(obj, "check", None)
-        return BufferSet(dict(buffers), [check] if callable(check) else [])
+        layout = getattr(obj, "layout", None)
+        return BufferSet(
+            dict(buffers),
+            [check] if callable(check) else [],
+            layout if isinstance(layout, Layout) else None,
+            type(obj).__name__,
+        )
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
@@ -833,6 +845,59 @@ class Collected(NamedTuple):
     short: bool
 
 
+def layout_difference(have: Layout, want: Layout) -> str | None:
+    """The first way `have` (a buffer object's own layout) cannot stand for `want` (the plan's
+    side), else None. It may hold more tensors than the plan names (a plan over a subset);
+    every tensor and every storage of `want` must be in it, equal (tensors first: a name says
+    more than a storage's extent)."""
+    for name, tl in want.tensors.items():
+        other = have.tensors.get(name)
+        if other is tl:
+            continue
+        if other is None:
+            return f"tensor {name!r} of the plan is not in the buffers' layout"
+        if other.shape != tl.shape:
+            return f"tensor {name!r}: shape {tl.shape} in the plan, {other.shape} in the buffers' layout"
+        if other != tl:
+            i = next(
+                (i for i in range(min(len(tl), len(other))) if tl.piece(i) != other.piece(i)),
+                min(len(tl), len(other)),
+            )
+            mine = tl.piece(i) if i < len(tl) else "none"
+            theirs = other.piece(i) if i < len(other) else "none"
+            return (
+                f"tensor {name!r}: laid out differently (piece {i}: {mine} in the plan, "
+                f"{theirs} in the buffers' layout)"
+            )
+    for loc, st in want.storages.items():
+        other = have.storages.get(loc)
+        if other is None:
+            return f"storage {loc} of the plan is not in the buffers' layout"
+        if other != st:
+            return f"storage {loc}: {st} in the plan, {other} in the buffers' layout"
+    return None
+
+
+def layout_reasons(ctx, sets: dict) -> list[str]:
+    """The buffer objects whose own `.layout` disagrees with the plan's side. A layout that
+    agreed once is remembered by identity on `ctx` (a repeated sync compares nothing)."""
+    seen = ctx.__dict__.setdefault("layouts_seen", {})
+    reasons = []
+    for side, (bs, want) in sets.items():
+        have = bs.layout
+        if have is None or have is want or seen.get(side) is have:
+            continue
+        why = layout_difference(have, want)
+        if why:
+            reasons.append(
+                f"the {side} buffers' layout ({bs.source}.layout) differs from the plan's "
+                f"{side} layout: {why}"
+            )
+        else:
+            seen[side] = have
+    return reasons
+
+
 def as_checks(checks) -> tuple[list, str | None]:
     """(the extra readiness checks as a list, why `checks` is unusable or None). Per call, so
     its reason goes through the collective like any other."""
@@ -894,6 +959,9 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
         reasons += ctx.prepare()
         src = as_buffer_set(src_buffers, "src")
         dst = as_buffer_set(dst_buffers, "dst")
+        reasons += layout_reasons(
+            ctx, {"source": (src, ctx.plan.src), "target": (dst, ctx.plan.dst)}
+        )
         key = _call_key(ctx, src.buffers, dst.buffers)
         cleared = getattr(ctx, "verified_buffers", None)
         short = key is not None and cleared is not None and key == cleared[0]

@@ -54,6 +54,37 @@ def _raises(fn, error, *needles):
     return [f"expected {error.__name__}, nothing raised"]
 
 
+class _Live:
+    """What an integration's describe() returns: `.layout`, `.buffers`, `.check()`."""
+
+    def __init__(self, layout, buffers):
+        self.layout, self.buffers = layout, buffers
+
+    def check(self):
+        pass
+
+
+def _live_layout(sync, src, dst, values, rank, world):
+    """Rank 1's source object describes another model (one tensor's shape differs): every
+    rank raises the same PreflightError naming rank 1 and that tensor; nothing is written."""
+    shapes = dict(S.model_shapes())
+    name = sorted(shapes)[0]
+    shapes[name] = (*shapes[name][:-1], shapes[name][-1] + 1)
+    wrong = S.Zero3(shapes, list(range(world)), dtype=torch.float32, loc0=0).layout()
+    layout = wrong if rank == 1 else src.layout()
+    db = dst.empty(rank)
+    before = {k: v.clone() for k, v in db.items()}
+    try:
+        sync(_Live(layout, S.source_buffers(src, values, rank)), db)
+        return ["a live object with another layout was accepted"]
+    except rs.PreflightError as exc:
+        errs = [f"live layout: touched {m}" for m in S.mismatches(db, before)]
+        msg = str(exc)
+        if set(exc.failures) != {1} or f"tensor {name!r}: shape" not in msg:
+            errs.append(f"live layout: unclear refusal {exc.failures}: {msg}")
+        return errs
+
+
 def _reinit(store_dir, name, rank, world):
     dist.destroy_process_group()
     init_group("gloo", os.path.join(store_dir, name), rank, world, 60.0)
@@ -65,11 +96,13 @@ def w_group_lifecycle(rank, world, store_dir):
     sync = rs.Transfer(src.layout(), dst.layout(), budget_bytes_per_peer=64)
     errs += _sync(sync, src, dst, values, want, rank, "first group")
 
+    errs += _live_layout(sync, src, dst, values, rank, world)
+
     # a subgroup used once and left out of step: reshard's per-group state must not keep it
     sub = dist.new_group(list(range(world)))
     plan = rs.plan(src.layout(), dst.layout(), budget_bytes_per_peer=64)
     errs += _sync(
-        lambda s, d: rs.execute(plan, s, d, group=sub), src, dst, values, want, rank, "sub"
+        lambda s, d, g=sub: rs.execute(plan, s, d, group=g), src, dst, values, want, rank, "sub"
     )
     pf.mark_out_of_step(sub, "marked by the test")
     # as after a failed call: the old default group is unusable, a rebuilt one is not
@@ -80,7 +113,9 @@ def w_group_lifecycle(rank, world, store_dir):
     _reinit(store_dir, "store-2", rank, world)
     errs += _sync(sync, src, dst, values, want, rank, "rebuilt group")
     errs += _raises(
-        lambda: rs.execute(plan, S.source_buffers(src, values, rank), dst.empty(rank), group=sub),
+        lambda g=sub: rs.execute(
+            plan, S.source_buffers(src, values, rank), dst.empty(rank), group=g
+        ),
         ValueError,
         "destroy",
         "build the group again",
