@@ -21,7 +21,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: every failure before the first write (argument types and the timeout
-included) is a collective `PreflightError` with nothing written; when the ranks reached the
+included) is a collective `PreflightError` with nothing written, except what leaves this rank
+no group to agree over (a `group` that is not a usable process group, a missing
+init_process_group under a launcher): raised on this rank before any collective; when the ranks reached the
 agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
 (docs/executor.md states the windows left). Any failure after the agreement is a
 `TransferError`: targets may be partially written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
