@@ -306,6 +306,7 @@ def test_views_and_tensors_the_ops_cannot_copy_are_refused_before_any_write():
         (0, ValueError),
         (-1.0, ValueError),
         (1e300, ValueError),
+        (1e-4, ValueError),  # gloo counts whole milliseconds: 0 ms would mean no limit
     ],
 )
 def test_bad_timeouts(timeout, error):
@@ -317,6 +318,176 @@ def test_bad_timeouts(timeout, error):
         rs.execute(rs.plan(src, dst), {0: torch.arange(6.0)}, db, timeout=timeout)
     assert bool((db[10] == S.POISON).all())
     assert math.isfinite(rs.Transfer(src, dst, timeout=2).timeout)
+    assert rs.Transfer(src, dst, timeout=pf.MIN_TIMEOUT_S).timeout == 0.001
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _refused(call, match, error=rs.PreflightError):
+    """`call` raises `error` matching `match`, writes no target byte, and the message holds no
+    raw Python error about reshard's internals."""
+    db = {10: torch.full((6,), S.POISON)}
+    with pytest.raises(error, match=match) as ei:
+        call(db)
+    assert bool((db[10] == S.POISON).all())
+    assert "AttributeError" not in str(ei.value), ei.value
+    return str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "checks, match",
+    [
+        (5, "checks must be an iterable of callables, got int 5"),
+        ("ready", "checks must be an iterable of callables, got str 'ready'"),
+        (print, "checks must be an iterable of callables, got builtin_function_or_method"),
+        ([print, 3], "checks\\[1\\] must be callable, got int 3"),
+    ],
+)
+def test_bad_checks_are_a_clear_collective_type_error(checks, match):
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    _refused(lambda db: rs.execute(rs.plan(src, dst), sb, db, checks=checks), "TypeError: " + match)
+    _refused(lambda db: sync(sb, db, checks=checks), "TypeError: " + match)
+    db = {10: torch.zeros(6)}
+    sync(sb, db, checks=[lambda: None])
+    assert torch.equal(db[10], sb[0])
+
+
+def test_docs_name_checks_as_a_call_argument_only():
+    """checks= belongs to a call (execute, Transfer.__call__), not to the constructor."""
+    src, dst = _one_rank()
+    with pytest.raises(TypeError, match="checks"):
+        rs.Transfer(src, dst, checks=())
+
+
+@pytest.mark.parametrize("kind", ["layout", "dict", "none"])
+def test_execute_of_something_that_is_not_a_plan(kind):
+    src, dst = _one_rank()
+    thing = {"layout": src, "dict": {"src": src}, "none": None}[kind]
+    name = type(thing).__name__
+    sb = {0: torch.arange(6.0)}
+    msg = _refused(lambda db: rs.execute(thing, sb, db), f"expected a Plan .*got {name}")
+    assert msg.count("rank 0:") == 1, msg  # one reason, not one per missing attribute
+    msg = _refused(lambda db: rs.Transfer.from_plan(thing)(sb, db), f"expected a Plan .*{name}")
+    assert msg.count("rank 0:") == 1, msg
+
+
+def test_a_transfer_is_not_pickled_and_says_what_to_pickle():
+    import copy
+    import pickle
+
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    for _ in range(2):  # unused, then used
+        with pytest.raises(TypeError, match="cannot be pickled.*Transfer.from_plan"):
+            pickle.dumps(sync)
+        with pytest.raises(TypeError, match="cannot be pickled"):
+            copy.deepcopy(sync)
+        sync({0: torch.arange(6.0)}, {10: torch.zeros(6)})
+    again = rs.Transfer.from_plan(pickle.loads(pickle.dumps(sync.plan)))
+    db = {10: torch.zeros(6)}
+    again({0: torch.arange(6.0)}, db)
+    assert torch.equal(db[10], torch.arange(6.0))
+
+
+def test_an_expanded_buffer_gets_only_the_right_reason():
+    src, dst = _one_rank()
+    for sb in ({0: torch.zeros(1).expand(6)}, {0: torch.zeros(12)[::2]}):
+        msg = _refused(lambda db, sb=sb: rs.execute(rs.plan(src, dst), sb, db), "contiguous")
+        assert "storage" not in msg, msg
+    # a view whose storage really is too small is still named, strided or not
+    t = torch.zeros(12)[::2]
+    t.untyped_storage().resize_(16)
+    msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), "contiguous")
+    assert "fewer than the 44 its view needs" in msg, msg
+
+
+class _Live:
+    """What an integration's describe() returns: `.layout`, `.buffers`, `.check()`."""
+
+    def __init__(self, layout, buffers):
+        self.layout, self.buffers = layout, buffers
+
+    def check(self):
+        pass
+
+
+def test_a_live_buffer_set_whose_layout_is_not_the_plans():
+    """A describe() result carries its own layout: preflight holds it to the plan's side,
+    naming the first difference (a tensor's shape, a storage's dtype or extent, a tensor the
+    plan names that it lacks); a layout that agrees on what the plan names (a subset of its
+    tensors) passes."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    other = {
+        "shape": rs.Layout({"w": rs.flat((2, 3), [(0, 0, 6, 0)])}, src.storages),
+        "dtype": rs.Layout(
+            {"w": rs.flat((6,), [(0, 0, 6, 0)])}, {0: rs.Storage(0, torch.bfloat16, 6)}
+        ),
+        "name": rs.Layout({"v": rs.flat((6,), [(0, 0, 6, 0)])}, src.storages),
+        "pieces": rs.Layout({"w": rs.split((6,), 0, [3, 3], [0, 0])}, src.storages),
+    }
+    wants = {
+        "shape": "tensor 'w': shape (6,) in the plan, (2, 3) in the buffers' layout",
+        "dtype": "storage 0: Storage(rank=0, dtype=torch.float32, numel=6) in the plan, "
+        "Storage(rank=0, dtype=torch.bfloat16, numel=6) in the buffers' layout",
+        "name": "tensor 'w' of the plan is not in the buffers' layout",
+        "pieces": "tensor 'w': laid out differently (piece 0:",
+    }
+    for kind, layout in other.items():
+        live = _Live(layout, sb)
+        for call in (
+            lambda db, live=live: rs.execute(rs.plan(src, dst), live, db),
+            lambda db, live=live: sync(live, db),
+        ):
+            msg = _refused(call, "source buffers' layout .*_Live.* differs from the plan's")
+            assert wants[kind] in msg, (kind, msg)
+    # the other side, and a layout that agrees on every tensor the plan names
+    wide = rs.Layout({"w": dst.tensors["w"], "extra": rs.flat((2,), [(10, 0, 2, 4)])}, dst.storages)
+    for layout, ok in ((other["shape"], False), (wide, True), (dst, True)):
+        db = {10: torch.full((6,), S.POISON)}
+        try:
+            sync(sb, _Live(layout, db))
+            assert ok and torch.equal(db[10], sb[0])
+        except rs.PreflightError as exc:
+            assert not ok and "target buffers' layout" in str(exc), exc
+            assert bool((db[10] == S.POISON).all())
+
+
+@pytest.mark.parametrize("group", ["world", 0, object()])
+def test_a_group_that_is_not_a_process_group_is_a_type_error(group):
+    src, dst = _one_rank()
+    name = type(group).__name__
+    with pytest.raises(TypeError, match=f"group must be a torch.distributed ProcessGroup.*{name}"):
+        rs.Transfer(src, dst, group=group)
+    sb = {0: torch.arange(6.0)}
+    _refused(
+        lambda db: rs.execute(rs.plan(src, dst), sb, db, group=group),
+        f"group must be a torch.distributed ProcessGroup.*{name}",
+        TypeError,
+    )
+    sync = rs.Transfer(src, dst)
+    sync.group = group
+    _refused(lambda db: sync(sb, db), "group must be a torch.distributed ProcessGroup", TypeError)
+
+
+def test_a_launcher_without_init_process_group_is_named(monkeypatch):
+    """WORLD_SIZE > 1 (torchrun) without init_process_group: each process would run alone as
+    rank 0; refused on every process, naming the missing call."""
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)  # built before init: fine, the group is bound per call
+    sb = {0: torch.arange(6.0)}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for call in (lambda db: rs.execute(rs.plan(src, dst), sb, db), lambda db: sync(sb, db)):
+        msg = _refused(call, "init_process_group", RuntimeError)
+        assert "WORLD_SIZE=4" in msg, msg
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    db = {10: torch.zeros(6)}
+    sync(sb, db)
+    assert torch.equal(db[10], sb[0])
 
 
 # ------------------------------------------------------------------ autograd

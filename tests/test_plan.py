@@ -607,6 +607,69 @@ def test_replicas_spread_the_sending_load():
     assert max(sent.values()) <= total / R * 1.05, sent
 
 
+def _disjoint_regions_quadratic(tensors, r):
+    """The obvious reference: each box minus every earlier box of its tensor, in order."""
+    new = []
+    claimed = {}
+    for i in np.nonzero(np.isin(r.tensor, tensors))[0].tolist():
+        t = int(r.tensor[i])
+        parts = [(r.lo[i].tolist(), r.hi[i].tolist())]
+        for clo, chi in claimed.setdefault(t, []):
+            parts = [q for plo, phi in parts for q in intersect.box_minus(plo, phi, clo, chi)]
+        claimed[t].append((r.lo[i].tolist(), r.hi[i].tolist()))
+        new += [(t, plo, phi, int(r.first[i]), int(r.count[i])) for plo, phi in parts]
+    return new
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dims=st.integers(1, 3),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_disjoint_regions_equals_the_quadratic_reference(dims, n, seed):
+    rng = np.random.default_rng(seed)
+    tensor = rng.integers(0, 3, n)
+    lo = rng.integers(0, 6, (n, dims))
+    hi = lo + rng.integers(1, 5, (n, dims))
+    r = intersect.Regions(tensor, lo, hi, np.arange(n), np.ones(n, np.int64), np.arange(n))
+    bad = np.array([0, 2])
+    got = intersect.disjoint_regions(bad, r)
+    keep = ~np.isin(tensor, bad)
+    assert np.array_equal(got.tensor[: keep.sum()], tensor[keep])
+    m = keep.sum()
+    rows = list(
+        zip(
+            got.tensor[m:].tolist(),
+            got.lo[m:].tolist(),
+            got.hi[m:].tolist(),
+            got.first[m:].tolist(),
+            got.count[m:].tolist(),
+            strict=True,
+        )
+    )
+    assert rows == [tuple(x) for x in _disjoint_regions_quadratic(bad, r)]
+
+
+def test_many_partly_overlapping_replicas_plan_fast():
+    """8000 replica pieces, each overlapping its neighbours by half: only overlapping pairs
+    are subtracted (was quadratic: ~25 s here)."""
+    import time
+
+    N = 8000
+    n = 2 * N + 2
+    pieces = [rs.Piece(i % 4, 4 * (i // 4), (2 * i,), (4,)) for i in range(N)]
+    sizes = [4 * ((N - r + 3) // 4) for r in range(4)]
+    src = rs.Layout({"w": rs.TensorLayout((n,), pieces)}, {r: S(r, sizes[r]) for r in range(4)})
+    dst = rs.Layout(
+        {"w": rs.split((n,), 0, [n // 2, n // 2], [10, 11])}, {10: S(0, N + 1), 11: S(1, N + 1)}
+    )
+    t0 = time.perf_counter()
+    p = rs.plan(src, dst)
+    assert time.perf_counter() - t0 < 10
+    assert sum(p.pair_bytes().values()) + sum(p.local_bytes().values()) == n * 4
+
+
 def test_replica_partial_overlap_regions():
     # two source copies that overlap only partly, plus a third covering the rest
     shp = (6, 6)
@@ -789,6 +852,26 @@ def test_schedule_is_cached_and_covers_every_round():
     sc = p.schedule(0)
     assert [len(x) for x in sc.sends] == [2] * p.num_rounds
     assert p.schedule(7).sends == [[]] * p.num_rounds  # a rank with nothing to do
+
+
+@pytest.mark.parametrize(
+    "rank, error",
+    [("0", TypeError), (True, TypeError), (1.0, TypeError), (None, TypeError), (-1, ValueError)],
+)
+def test_per_rank_methods_refuse_bad_ranks_alike(rank, error):
+    """schedule and staging_bytes take the same ranks: a non-negative int (numpy ints too; a
+    rank past the layout's owns nothing), never a string, bool or float read as one."""
+    shp = (40,)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 40)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [20, 20], [1, 2])}, {1: S(1, 20), 2: S(2, 20)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=32)
+    for method in (p.schedule, p.staging_bytes):
+        with pytest.raises(error, match="rank"):
+            method(rank)
+    assert p.staging_bytes(np.int64(0)) == p.staging_bytes(0)
+    assert p.staging_bytes(0)["device"] > 0
+    assert p.staging_bytes(7) == {"device": 0, "host_pinned": 0, "host": 0}
+    assert p.schedule(np.int32(1)) is p.schedule(1)
 
 
 def test_execute_single_process_with_the_real_op():

@@ -21,7 +21,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 (no process group initialized: every storage must be on rank 0; no collectives).
 
 Failure model: every failure before the first write (argument types and the timeout
-included) is a collective `PreflightError` with nothing written; when the ranks reached the
+included) is a collective `PreflightError` with nothing written, except what leaves this rank
+no group to agree over (a `group` that is not a usable process group, a missing
+init_process_group under a launcher): raised on this rank before any collective; when the ranks reached the
 agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
 (docs/executor.md states the windows left). Any failure after the agreement is a
 `TransferError`: targets may be partially written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
@@ -34,8 +36,10 @@ import collections
 import contextlib
 import datetime
 import logging
+import os
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -57,13 +61,62 @@ def _copy_runs_op():
     return torch.ops.reshard.copy_runs
 
 
+def check_group_type(group) -> None:
+    """A TypeError for a `group` that is no process group at all (a name such as "world"),
+    raised on this rank before any collective: the ranks that share the bug raise it at once;
+    a peer that passed a real group waits out its timeout (it cannot know which group this
+    rank meant) and raises PreflightError."""
+    if group is None or group is _NON_MEMBER:
+        return
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            "group must be a torch.distributed ProcessGroup (dist.new_group(...), "
+            f"dist.group.WORLD) or None for the default group, got {type(group).__name__} "
+            f"{group!r}"
+        )
+
+
+_NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER if dist.is_available() else object()
+
+
+def _launched_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def resolve_group(group):
-    """(group, rank, world_size, transport) with rank and size taken from the group itself."""
+    """(group, rank, world_size, transport) with rank and size taken from the group itself.
+    group=None is the default group as it is now (a group built again after
+    destroy_process_group is a new one), or in-process execution when none is initialized."""
+    check_group_type(group)
     if group is None and not (dist.is_available() and dist.is_initialized()):
+        world = _launched_world_size()
+        if world > 1:  # torchrun & co. set WORLD_SIZE; each process would run alone as rank 0
+            raise RuntimeError(
+                f"WORLD_SIZE={world} in the environment (a launcher started {world} processes) "
+                "but torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) before the transfer, or each "
+                "process would run it alone as rank 0"
+            )
         return None, 0, 1, "local"
     if group is None:
         group = dist.group.WORLD
-    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+    if group is _NON_MEMBER:
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the process group it was given: "
+            "only the group's members call a transfer on that group"
+        )
+    try:
+        rank = dist.get_rank(group)
+    except (ValueError, RuntimeError) as exc:  # destroyed, or of an earlier init
+        raise ValueError(
+            f"the process group passed ({group!r}) is not usable here: it was destroyed "
+            "(destroy_process_group) or belongs to an earlier init_process_group; build the "
+            f"group again and pass the new one ({exc})"
+        ) from exc
+    if rank < 0:
         raise ValueError(
             f"global rank {dist.get_rank()} is not a member of the process group it was given: "
             "only the group's members call a transfer on that group"
@@ -77,7 +130,7 @@ def resolve_group(group):
         transport = "gloo"
     else:
         transport = backend
-    return group, dist.get_rank(group), dist.get_world_size(group), transport
+    return group, rank, dist.get_world_size(group), transport
 
 
 class _Engine:
@@ -553,7 +606,8 @@ class _CallLock:
 
 # One lock per process group: the collectives of two calls on one group from two threads would
 # interleave (gloo pairs operations in issue order), so calls on a group run one at a time.
-_GROUP_LOCKS: dict = {}  # id(group) -> (group, _CallLock); the group is kept so ids stay unique
+# Weak keys: a destroyed group (and its sockets) is freed once its users drop it.
+_GROUP_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GROUP_LOCKS_GUARD = threading.Lock()
 
 
@@ -563,10 +617,10 @@ def _call_lock(group, in_process):
     if group is None:
         return in_process
     with _GROUP_LOCKS_GUARD:
-        entry = _GROUP_LOCKS.get(id(group))
-        if entry is None or entry[0] is not group:
-            entry = _GROUP_LOCKS[id(group)] = (group, _CallLock())
-        return entry[1]
+        lock = _GROUP_LOCKS.get(group)
+        if lock is None:
+            lock = _GROUP_LOCKS[group] = _CallLock()
+        return lock
 
 
 def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DEFAULT_TIMEOUT_S):
@@ -661,6 +715,7 @@ class Transfer:
         bad_timeout = pf.timeout_error(timeout)
         if bad_timeout:
             raise bad_timeout
+        check_group_type(group)  # resolved per call: the default group may be built later
         self.group, self.timeout = group, timeout
         self._engine = None
         self._make_staging = None
@@ -676,14 +731,19 @@ class Transfer:
     def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
         """One sync (collective over the group). Calls never interleave: a call made while
         another runs on the same group (or, without a group, on this Transfer) waits for it."""
-        with _call_lock(resolve_group(self.group)[0], self._lock):
-            return self._call(src_buffers, dst_buffers, checks)
+        resolved = resolve_group(self.group)
+        with _call_lock(resolved[0], self._lock):
+            return self._call(resolved, src_buffers, dst_buffers, checks)
 
-    def _call(self, src_buffers, dst_buffers, checks) -> Report:
-        if self._engine is not None and self._engine.broken:
-            self._engine = None  # a failed call's arenas may still be written: start afresh
+    def _call(self, resolved, src_buffers, dst_buffers, checks) -> Report:
+        e = self._engine
+        if e is not None and (e.broken or (e.group, e.rank, e.world_size) != resolved[:3]):
+            # a failed call's arenas may still be written; or group=None now resolves to
+            # another group (destroy_process_group and init again, or a first call made before
+            # init_process_group): start afresh
+            self._engine = None
         if self._engine is None:
-            group, rank, world, transport = resolve_group(self.group)
+            group, rank, world, transport = resolved
             self._engine = _Engine(self.plan, group, rank, world, transport, self._make_staging)
             plan_s, self._plan_seconds = self._plan_seconds, 0.0
         else:
@@ -718,6 +778,14 @@ class Transfer:
                 )
                 if registry is not None
             }
+
+    def __reduce_ex__(self, protocol):
+        # its arenas, locks, host registrations and group are this process's own
+        raise TypeError(
+            "a reshard.Transfer cannot be pickled or copied (it holds this process's staging, "
+            "locks and process group): pickle its .plan and build "
+            "reshard.Transfer.from_plan(plan, group=...) where it is needed"
+        )
 
     def close(self) -> None:
         """Undo host registrations (if any). The Transfer stays usable (it re-registers)."""

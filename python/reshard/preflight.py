@@ -34,6 +34,7 @@ import json
 import math
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from . import _ops
 from .errors import PreflightError
+from .layout import Layout
 from .layout.intervals import first_overlap, merge
 from .layout.values import as_dtype
 
@@ -52,14 +54,19 @@ SUPPORTED_TRANSPORTS = ("gloo", "nccl", "local")
 
 @dataclass
 class BufferSet:
-    """A normalized buffer set: {location: tensor or None} plus readiness hooks."""
+    """A normalized buffer set: {location: tensor or None} plus readiness hooks, and the
+    layout the buffers' object says they hold (an integration's `describe()` result has
+    one; None for a plain mapping), with the object's type name for messages."""
 
     buffers: dict
     checks: list = field(default_factory=list)
+    layout: Layout | None = None
+    source: str = ""
 
 
 def as_buffer_set(obj, side: str) -> BufferSet:
-    """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`)."""
+    """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`
+    and `.layout`)."""
     if isinstance(obj, BufferSet):
         return obj
     if isinstance(obj, Mapping):
@@ -67,7 +74,13 @@ def as_buffer_set(obj, side: str) -> BufferSet:
     buffers = getattr(obj, "buffers", None)
     if isinstance(buffers, Mapping):
         check = getattr(obj, "check", None)
-        return BufferSet(dict(buffers), [check] if callable(check) else [])
+        layout = getattr(obj, "layout", None)
+        return BufferSet(
+            dict(buffers),
+            [check] if callable(check) else [],
+            layout if isinstance(layout, Layout) else None,
+            type(obj).__name__,
+        )
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
@@ -323,9 +336,12 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 def _storage_shortfall(t: torch.Tensor) -> str | None:
     """Why `t`'s storage cannot hold what its metadata says (freed, or resized underneath it
     as FSDP does with parameters it frees), else None."""
-    need = (t.storage_offset() + t.numel()) * t.element_size()
-    if need == 0:
+    if t.numel() == 0:
         return None
+    # the last element the view reaches (an expanded or strided view reaches less or more
+    # than storage_offset + numel; its wrong strides are a reason of their own)
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    need = (last + 1) * t.element_size()
     storage = t.untyped_storage()
     have = storage.nbytes()
     if have == 0 or storage.data_ptr() == 0:
@@ -648,8 +664,8 @@ def _arrivals_spread_out(entered_us: list[int], timeout_s: float) -> bool:
 # Process groups on which a collective was abandoned part-way (a wait timed out or failed, a
 # transfer stopped mid-rounds): the ranks no longer agree on the group's sequence of
 # collectives, so the next one would be matched against a stale one (gloo then aborts the
-# process). id(group) -> (group, what happened); the group is kept so ids stay unique.
-_OUT_OF_STEP: dict = {}
+# process). group -> what happened; weak keys, so a destroyed group is freed with its users.
+_OUT_OF_STEP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OUT_OF_STEP_GUARD = threading.Lock()
 REBUILD = (
     "the process group cannot be used again: rebuild it (dist.new_group, or "
@@ -662,13 +678,15 @@ def mark_out_of_step(group, what: str) -> None:
     group)."""
     if group is not None:
         with _OUT_OF_STEP_GUARD:
-            _OUT_OF_STEP.setdefault(id(group), (group, what))
+            _OUT_OF_STEP.setdefault(group, what)
 
 
 def out_of_step(group) -> str | None:
     """What abandoned `group`'s collectives on this rank, or None while it is usable."""
-    entry = _OUT_OF_STEP.get(id(group)) if group is not None else None
-    return entry[1] if entry is not None and entry[0] is group else None
+    if group is None:
+        return None
+    with _OUT_OF_STEP_GUARD:
+        return _OUT_OF_STEP.get(group)
 
 
 def _commit(group, rank, world_size, device, timeout_s) -> None:
@@ -763,6 +781,8 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, d
 DEFAULT_TIMEOUT_S = 300.0
 # The longest wait a timeout may ask for (a year): beyond it datetime arithmetic overflows.
 MAX_TIMEOUT_S = 365 * 86400.0
+# The shortest: gloo truncates a wait's timeout to whole milliseconds, and 0 means none.
+MIN_TIMEOUT_S = 0.001
 
 
 def timeout_error(timeout) -> Exception | None:
@@ -775,6 +795,11 @@ def timeout_error(timeout) -> Exception | None:
         return ValueError(
             f"timeout must be a finite number of seconds > 0, got {timeout!r} (every wait is "
             "bounded: a dead peer must become an error, never a hang)"
+        )
+    if timeout < MIN_TIMEOUT_S:
+        return ValueError(
+            f"timeout must be at least {MIN_TIMEOUT_S} seconds (1 ms), got {timeout!r}: gloo "
+            "counts whole milliseconds, and 0 ms would mean no limit at all"
         )
     if timeout > MAX_TIMEOUT_S:
         return ValueError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
@@ -820,6 +845,97 @@ class Collected(NamedTuple):
     short: bool
 
 
+def layout_difference(have: Layout, want: Layout) -> str | None:
+    """The first way `have` (a buffer object's own layout) cannot stand for `want` (the plan's
+    side), else None. It may hold more tensors than the plan names (a plan over a subset);
+    every tensor and every storage of `want` must be in it, equal (tensors first: a name says
+    more than a storage's extent)."""
+    for name, tl in want.tensors.items():
+        other = have.tensors.get(name)
+        if other is tl:
+            continue
+        if other is None:
+            return f"tensor {name!r} of the plan is not in the buffers' layout"
+        if other.shape != tl.shape:
+            return f"tensor {name!r}: shape {tl.shape} in the plan, {other.shape} in the buffers' layout"
+        if other != tl:
+            i = next(
+                (i for i in range(min(len(tl), len(other))) if tl.piece(i) != other.piece(i)),
+                min(len(tl), len(other)),
+            )
+            mine = tl.piece(i) if i < len(tl) else "none"
+            theirs = other.piece(i) if i < len(other) else "none"
+            return (
+                f"tensor {name!r}: laid out differently (piece {i}: {mine} in the plan, "
+                f"{theirs} in the buffers' layout)"
+            )
+    for loc, st in want.storages.items():
+        other = have.storages.get(loc)
+        if other is None:
+            return f"storage {loc} of the plan is not in the buffers' layout"
+        if other != st:
+            return f"storage {loc}: {st} in the plan, {other} in the buffers' layout"
+    return None
+
+
+def layout_reasons(ctx, sets: dict) -> list[str]:
+    """The buffer objects whose own `.layout` disagrees with the plan's side. A layout that
+    agreed once is remembered by identity on `ctx` (a repeated sync compares nothing)."""
+    seen = ctx.__dict__.setdefault("layouts_seen", {})
+    reasons = []
+    for side, (bs, want) in sets.items():
+        have = bs.layout
+        if have is None or have is want or seen.get(side) is have:
+            continue
+        why = layout_difference(have, want)
+        if why:
+            reasons.append(
+                f"the {side} buffers' layout ({bs.source}.layout) differs from the plan's "
+                f"{side} layout: {why}"
+            )
+        else:
+            seen[side] = have
+    return reasons
+
+
+def as_checks(checks) -> tuple[list, str | None]:
+    """(the extra readiness checks as a list, why `checks` is unusable or None). Per call, so
+    its reason goes through the collective like any other."""
+    if isinstance(checks, (str, bytes)) or callable(checks) or not hasattr(checks, "__iter__"):
+        hint = " (pass checks=(fn,))" if callable(checks) else ""
+        return [], (
+            f"TypeError: checks must be an iterable of callables, got {type(checks).__name__} "
+            f"{checks!r}{hint}"
+        )
+    checks = list(checks)
+    for i, check in enumerate(checks):
+        if not callable(check):
+            return [], (
+                f"TypeError: checks[{i}] must be callable, got {type(check).__name__} {check!r}"
+            )
+    return checks, None
+
+
+_PLAN_ATTRS = ("schedule", "staging_bytes", "fingerprint", "src", "dst")
+
+
+def plan_problem(plan) -> str | None:
+    """Why `plan` is not a plan the executor can run (a Layout passed where the Plan belongs),
+    else None."""
+    missing = [a for a in _PLAN_ATTRS if not hasattr(plan, a)]
+    if not missing:
+        return None
+    hint = (
+        ": plan the two layouts first (reshard.plan(src, dst)), or use reshard.Transfer(src, dst)"
+        if type(plan).__name__ == "Layout"
+        else ""
+    )
+    return (
+        f"TypeError: expected a Plan (reshard.plan(src, dst)), got {type(plan).__name__}"
+        f" (it has no {', '.join(missing)}){hint}"
+    )
+
+
 def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     """Every check of this rank before the collective exchange. `ctx` is the executor's
     engine for this plan and rank (`prepare()` builds and checks the schedule once,
@@ -833,10 +949,19 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
+    checks, bad_checks = as_checks(checks)
+    if bad_checks:
+        reasons.append(bad_checks)
+    bad_plan = plan_problem(ctx.plan)
+    if bad_plan:  # nothing else can be checked against it
+        return Collected([*reasons, bad_plan], src_ok, dst_ok, key, need_ring, short)
     try:
         reasons += ctx.prepare()
         src = as_buffer_set(src_buffers, "src")
         dst = as_buffer_set(dst_buffers, "dst")
+        reasons += layout_reasons(
+            ctx, {"source": (src, ctx.plan.src), "target": (dst, ctx.plan.dst)}
+        )
         key = _call_key(ctx, src.buffers, dst.buffers)
         cleared = getattr(ctx, "verified_buffers", None)
         short = key is not None and cleared is not None and key == cleared[0]
@@ -936,7 +1061,8 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
     reasons = got.reasons
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
     try:
-        fingerprint = ctx.plan.fingerprint
+        # not a plan: one reason already says so (the same text on every rank that erred alike)
+        fingerprint = ctx.plan.fingerprint if not plan_problem(ctx.plan) else "unavailable"
     except Exception as exc:  # noqa: BLE001 - a reason like any other
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")

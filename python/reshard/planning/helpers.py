@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from .records import I64
@@ -35,3 +37,18 @@ def rows_equal(*cols):
             c = c.reshape(n, -1)
             same[1:] &= (c[1:] == c[:-1]).all(axis=1)
     return same
+
+
+def check_rank(rank) -> int:
+    """`rank` as an int for the per-rank methods: a non-negative integer (numpy ints too). A
+    rank past the layouts' is a group member that owns nothing (an empty schedule), so only
+    negatives are out of range; a str, bool or float is refused, never read as a rank."""
+    if isinstance(rank, bool):
+        raise TypeError(f"rank must be an int, got bool {rank!r}")
+    try:
+        rank = operator.index(rank)
+    except TypeError:
+        raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}") from None
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    return rank

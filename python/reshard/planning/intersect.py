@@ -209,22 +209,37 @@ def disjoint_regions(tensors, r: Regions) -> Regions:
     """Make the distinct source boxes of `tensors` disjoint (partially overlapping replicas).
 
     Each box keeps only what earlier boxes did not claim; the pieces it keeps are read from its
-    own holders. Quadratic in the boxes of such a tensor; only unusual layouts get here.
+    own holders. Only the earlier boxes that intersect it are subtracted (found by `intersect`,
+    output-sensitive), in order, so the cost follows the overlapping pairs, not the square of
+    the boxes; subtracting a disjoint box changes nothing, so the result is the same.
     """
     bad = np.isin(r.tensor, tensors)
     keep = np.nonzero(~bad)[0]
+    idx = np.nonzero(bad)[0]
+    ti, lo, hi = r.tensor[idx], r.lo[idx], r.hi[idx]
+    # earlier boxes of the same tensor that intersect each box, in order (ti is a batch
+    # position: one dim-0 key range per tensor, as in `batch_of`)
+    span = np.zeros(int(ti.max()) + 1 if len(ti) else 0, I64)
+    np.maximum.at(span, ti, hi[:, 0])
+    base = np.cumsum(span) - span
+    ov = intersect(base, ti, lo, hi, ti, lo, hi)
+    earlier = ov.b < ov.a
+    a, b = ov.a[earlier], ov.b[earlier]
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    starts = np.searchsorted(a, np.arange(len(idx) + 1))
+    lo_l, hi_l, b_l = lo.tolist(), hi.tolist(), b.tolist()
     new_ti, new_lo, new_hi, new_first, new_count = [], [], [], [], []
-    claimed = {}
-    for i in np.nonzero(bad)[0].tolist():
-        t = int(r.tensor[i])
-        prev = claimed.setdefault(t, [])
-        parts = [(r.lo[i].tolist(), r.hi[i].tolist())]
-        for clo, chi in prev:
+    for k, i in enumerate(idx.tolist()):
+        parts = [(lo_l[k], hi_l[k])]
+        for j in b_l[starts[k] : starts[k + 1]]:
             nxt = []
             for plo, phi in parts:
-                nxt.extend(box_minus(plo, phi, clo, chi))
+                nxt.extend(box_minus(plo, phi, lo_l[j], hi_l[j]))
             parts = nxt
-        prev.append((r.lo[i].tolist(), r.hi[i].tolist()))
+            if not parts:
+                break
+        t = int(r.tensor[i])
         for plo, phi in parts:
             new_ti.append(t)
             new_lo.append(plo)

@@ -12,6 +12,7 @@ from .. import staging_bound
 from ..errors import LayoutError
 from ..layout import Layout
 from .hashing import fingerprint
+from .helpers import check_rank
 from .rank_schedule import rank_runs, schedule
 from .records import ALIGN, I64, Jobs, RankSchedule, StorageIndex
 from .rounds import Rounds, cut_rounds, per_peer_budget
@@ -62,7 +63,7 @@ class Plan:
 
     def schedule(self, rank) -> RankSchedule:
         """`schedule(plan, rank)` (what `rank` does), built on first call and then cached."""
-        rank = int(rank)
+        rank = check_rank(rank)
         key = ("schedule", rank)
         if key not in self._cache:
             self._cache[key] = schedule(self, rank)
@@ -76,6 +77,7 @@ class Plan:
         0}``; under ``transport="gloo"`` -> ``{"device": 0, "host_pinned": 0, "host": arenas}``.
         Local copies stage nothing.
         """
+        rank = check_rank(rank)
         r = self.rounds
         return staging_bound.staging_bytes(
             self.num_rounds,

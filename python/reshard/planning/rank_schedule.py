@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .helpers import expand, rows_equal, segments_of
+from .helpers import check_rank, expand, rows_equal, segments_of
 from .intersect import batch_of, batches, gather, intersect, jobs_of, templates
 from .records import (
     CNT,
@@ -37,7 +37,7 @@ from .runs import jobs_to_runs
 def schedule(plan, rank) -> RankSchedule:
     """What `rank` does under `plan`: local copies, and per round the messages it sends and
     receives. Built from the pieces on this rank's storages only."""
-    rank = int(rank)
+    rank = check_rank(rank)
     out_runs, in_runs = rank_runs(plan, rank)
     is_local = plan.storages.dst_rank[plan.storages.dst_index(out_runs[DL])] == rank
     local = []
