@@ -112,8 +112,8 @@ MUTANTS = (
     Mutant(
         "buffer_key_without_facts",
         PKG,
-        "    return None if facts is None else (tuple(buffers), facts)",
-        "    return None if facts is None else (tuple(buffers), facts[0])",
+        "    return grad, inference, cuda, tuple(src), tuple(dst), facts",
+        "    return grad, inference, cuda, tuple(src), tuple(dst), facts[0]",
         (
             REPEAT_LOCAL,
             f"{LOCAL_HOSTILE}::"
@@ -124,16 +124,16 @@ MUTANTS = (
     Mutant(
         "buffer_key_grad_mode",
         PKG,
-        "    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cuda, s, d",
-        "    return torch.is_inference_mode_enabled(), cuda, s, d",
+        "    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()",
+        "    grad, inference = True, torch.is_inference_mode_enabled()",
         (REPEAT_LOCAL,),
         "a target that requires grad, passed under no_grad, is written under grad mode",
     ),
     Mutant(
         "buffer_key_inference_mode",
         PKG,
-        "    return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cuda, s, d",
-        "    return torch.is_grad_enabled(), cuda, s, d",
+        "    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()",
+        "    grad, inference = torch.is_grad_enabled(), False",
         (f"{LOCAL_HOSTILE}::test_leaving_inference_mode_is_seen_on_a_repeated_call",),
         "an inference tensor target, passed in inference mode, is written outside it",
     ),
@@ -309,8 +309,8 @@ MUTANTS = (
     Mutant(
         "version_bump",
         PKG,
-        "            torch.autograd.graph.increment_version(t)",
-        "            pass",
+        "        torch.autograd.graph.increment_version(written)",
+        "        pass",
         (f"{HOSTILE}::test_writes_move_version_counters_and_grad_targets_are_refused",),
         "zero-copy receives write targets without autograd noticing",
     ),
