@@ -325,7 +325,16 @@ def _positive_int(what, value) -> None:
 
 def _resolve_device(device, backend) -> torch.device:
     if device is not None:
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a device ({exc})") from None
+        if device.type not in ("cpu", "cuda"):
+            # the executor's copies run on the CPU or CUDA only (a meta buffer would yield
+            # tensors without values)
+            raise ValueError(
+                f"device {device}: receivers' tensors live on the cpu or a CUDA device"
+            )
         if backend == "gloo" and device.type != "cpu":
             raise ValueError(
                 f"device {device}: the gloo transport delivers into CPU memory; use "
@@ -333,6 +342,10 @@ def _resolve_device(device, backend) -> torch.device:
             )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available in this process")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device}: this process has {torch.cuda.device_count()} CUDA device(s)"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device

@@ -450,6 +450,12 @@ def test_constructor_refuses_what_the_first_call_would():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             rs.Stream(layout, device="cuda")
+    # receivers' tensors live on the CPU or a CUDA device this process has, nothing else
+    for device in ("meta", "mps", torch.device("meta")):
+        with pytest.raises(ValueError, match="device .*cpu or a CUDA device"):
+            rs.Stream(layout, device=device)
+    with pytest.raises(ValueError, match="not a device"):
+        rs.Stream(layout, device="nonsense")
 
 
 class _NotReady:
