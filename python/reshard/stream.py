@@ -155,6 +155,8 @@ class Stream:
         self._active = False  # a call is being iterated (calls are not reentrant)
         self._report = None  # the last completed call's Report, once read
         self._last_call = None  # the last completed call, until its Report is read
+        # what moving the rest failed with after a caller stopped early: fails the next call
+        self.stopped_error = None
 
     @property
     def report(self):
@@ -221,23 +223,36 @@ class Stream:
                 "this Stream is already being iterated: finish (or close) that iteration "
                 "first; its buffer holds the tensors it yields"
             )
+        stuck = self.mover.still_moving()
+        if stuck is not None:
+            raise RuntimeError(
+                f"this Stream's worker is still moving bucket {stuck} of a call that gave up "
+                f"waiting for it (timeout {self.timeout:g} s): a new call would queue behind it"
+            )
         self._active = True
         try:
             t0 = time.perf_counter()
             self._buffer_error = self._allocate_buffer()
             self.mover.register(bufs)
-            call = Call(self, bufs, hooks)
+            stopped, self.stopped_error = self.stopped_error, None
+            call = Call(self, bufs, hooks, stopped)
             yield from call.run()
             call.completed(time.perf_counter() - t0)
             self._last_call, self._report = call, None
         finally:
             self._active = False
 
-    def check_sources(self, bufs) -> None:
+    def check_sources(self, bufs, stopped=None) -> None:
         """bucket 0's preflight check: every source buffer the whole stream reads on this
         rank (bucket 0's own are its transfer's to check), and the receiver's buffer."""
         later = [loc for loc in self.used_locations if loc not in self._first_locations]
         reasons = check_sources(self.src_layout, later, self.rank, self.backend, bufs)
+        if stopped is not None:
+            reasons.append(
+                "this rank's previous call of the Stream stopped early (break, or an exception "
+                "in the loop) and moving its remaining buckets failed: "
+                f"{type(stopped).__name__}: {stopped}"
+            )
         if self._buffer_error is not None:
             reasons.append(self._buffer_error)
         if reasons:

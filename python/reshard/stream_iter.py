@@ -26,6 +26,7 @@ tensor it did not write.
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from concurrent.futures import Future
 
 import torch
 
+from . import preflight as pf
+from .errors import TransferError
 from .report import PHASES, STAGING_KINDS, Report
 from .stream_mover import DONE
 
@@ -52,8 +55,9 @@ class Call:
     """One call's state. `stream`: the Stream (buckets, buffer, mover); `bufs`: {location:
     tensor}; `hooks`: the buffer set's readiness checks (run in bucket 0's preflight)."""
 
-    def __init__(self, stream, bufs, hooks):
+    def __init__(self, stream, bufs, hooks, stopped=None):
         self.s, self.bufs, self.hooks = stream, bufs, hooks
+        self.stopped = stopped  # the previous call's failure after an early stop, or None
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
         self.cuda = stream.mover.cuda_device is not None
         self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
@@ -68,7 +72,7 @@ class Call:
         """Queue the next bucket on the worker."""
         s, k = self.s, self.next
         b = s.buckets[k]
-        checks = [*self.hooks, lambda: s.check_sources(self.bufs)] if k == 0 else []
+        checks = [*self.hooks, lambda: s.check_sources(self.bufs, self.stopped)] if k == 0 else []
         done = None
         if self.cuda:
             # the caller's kernels may still write the sources or read the bytes this bucket
@@ -93,17 +97,44 @@ class Call:
             self.start()
 
     def finish(self) -> None:
-        """Wait for the oldest queued bucket to land."""
+        """Wait for the oldest queued bucket to land (at most the Stream's timeout)."""
         t0 = time.perf_counter()
-        _, fut = self.pending.popleft()
+        k, fut = self.pending[0]
         try:
-            rep, self.landed = fut.result()
+            try:
+                rep, self.landed = fut.result(timeout=self.s.timeout)
+            except concurrent.futures.TimeoutError:
+                raise self.timed_out(k) from None  # left to the worker (`timed_out`)
+            finally:
+                if self.pending and self.pending[0][1] is fut:
+                    self.pending.popleft()
             self.outcomes.append(rep)
         except BaseException:
             self.failed = True
             raise
         finally:
             self.waited += time.perf_counter() - t0
+
+    def timed_out(self, k: int) -> TransferError:
+        """Bucket k (still pending) did not finish within the timeout: the call stops; the peers
+        no longer see this rank's collectives in step, so the group is marked (its next use
+        on this rank raises at once instead of pairing with a stale collective)."""
+        s = self.s
+        self.failed = True
+        if self.pending and self.pending[0][0] == k:  # left to the worker: not waited for again
+            s.mover.leftover.append(self.pending.popleft())
+        what = (
+            f"bucket {k} of {len(s.buckets)} did not finish within the Stream's timeout "
+            f"({s.timeout:g} s) on rank {s.rank}"
+        )
+        hint = ""
+        if s.world_size > 1:
+            pf.mark_out_of_step(s.mover.group, f"an rs.Stream call was abandoned ({what})")
+            hint = f"; {pf.REBUILD}"
+        return TransferError(
+            f"rs.Stream: {what}; the call stops and the stream's buffer may be partially "
+            f"written{hint}"
+        )
 
     def settle(self, k: int) -> None:
         """Wait for bucket k (the oldest pending, which publishes progress) to be done, as
@@ -114,7 +145,7 @@ class Call:
         fut = self.pending[0][1]
         v = self.wait_word(k, DONE, fut, SETTLE_SPIN_US)
         if v < DONE:  # failed (or the worker ended without publishing): its Future says
-            self.finish()
+            self.finish()  # done already: no further wait
             return
         self.pending.popleft()
         self.outcomes.append(fut)
@@ -126,12 +157,15 @@ class Call:
         The time counts as waited."""
         word = self.s.mover.progress_word_of(k)
         t0 = time.perf_counter()
-        while True:
-            v = torch.ops.reshard.progress_wait(word, at_least, PROGRESS_POLL_US, spin_us)
-            if v >= at_least or v < 0 or fut.done():
-                break
-        self.waited += time.perf_counter() - t0
-        return v
+        try:
+            while True:
+                v = torch.ops.reshard.progress_wait(word, at_least, PROGRESS_POLL_US, spin_us)
+                if v >= at_least or v < 0 or fut.done():
+                    return v
+                if time.perf_counter() - t0 > self.s.timeout:
+                    raise self.timed_out(k)
+        finally:
+            self.waited += time.perf_counter() - t0
 
     def await_queued(self, k: int, end: int) -> int:
         """Block until the copies of bucket k (the oldest pending) that write the buffer's
@@ -159,7 +193,7 @@ class Call:
     def run(self):
         s = self.s
         nb = len(s.buckets)
-        completed = False
+        completed = stopped = False
         try:
             s.mover.begin_call()
             everything = sum(len(b.entries) for b in s.buckets)
@@ -187,8 +221,24 @@ class Call:
                     yield item
                     consumed += 1
             completed = True
+        except GeneratorExit:
+            stopped = True
+            raise
         finally:
-            self.drain(completed)
+            if stopped:
+                self.stop()
+            else:
+                self.drain(completed)
+
+    def stop(self) -> None:
+        """The caller stopped early (break, an exception in its loop, the generator collected):
+        move the rest for the peers. Python drops what a generator's close raises ("Exception
+        ignored"), while the peers raise the failure in their loops: it is kept and fails the
+        Stream's next call on every rank instead (a reason of bucket 0's preflight)."""
+        try:
+            self.drain(False)
+        except Exception as exc:  # noqa: BLE001 - reported by the next call
+            self.s.stopped_error = exc
 
     def completed(self, total: float) -> None:
         """The call returned after `total` seconds: keep what its Report needs that a later
@@ -230,8 +280,23 @@ class Call:
                 while self.pending:
                     self.finish()
         finally:
-            while self.pending:
-                self.pending.popleft()[1].exception()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """After a failure: buckets queued but not started never start (the worker would skip
+        them); one still moving is waited for up to the timeout, then left to the worker
+        (`BucketMover.leftover`: the Stream refuses calls until it ended)."""
+        for _, fut in self.pending:
+            fut.cancel()
+        while self.pending:
+            k, fut = self.pending.popleft()
+            if fut.cancelled():
+                continue
+            try:
+                fut.exception(timeout=self.s.timeout)
+            except concurrent.futures.TimeoutError:
+                self.pending.appendleft((k, fut))
+                self.timed_out(k)  # marks the group, leaves the move to the worker
 
 
 def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str]:

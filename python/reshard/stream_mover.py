@@ -156,6 +156,13 @@ class BucketMover:
         self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
         self._events: dict = {}  # bucket index -> (caller_done, landed) CUDA events, kept
         self._queued_event = None  # recorded per wait of the caller (see `queued_event`)
+        # (bucket index, Future) of moves a call gave up waiting for (timeout) and left running
+        self.leftover: list = []
+
+    def still_moving(self):
+        """The bucket a call gave up on that the worker still moves, or None."""
+        self.leftover = [(k, f) for k, f in self.leftover if not f.done()]
+        return self.leftover[0][0] if self.leftover else None
 
     def begin_call(self) -> None:
         """A new call: nothing is queued (every bucket of the previous call has returned, or

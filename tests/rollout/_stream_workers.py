@@ -275,5 +275,52 @@ def w_early_stop(rank, world):
         break
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the early stop")
+    errs += _failure_after_an_early_stop(rank, s, bufs, want)
     dist.barrier()
+    return errs
+
+
+def _refuse():
+    raise RuntimeError("injected: the last bucket is refused on rank 0")
+
+
+def _failure_after_an_early_stop(rank, s, bufs, want):
+    """The last bucket fails (collectively) after the receiver stopped: its peers raise in
+    their loop, the receiver's generator close cannot raise (Python would print "Exception
+    ignored"), so the Stream's next call fails on every rank naming it; the one after works."""
+    import sys
+
+    errs, unraisable, msgs = [], [], []
+    last = len(s.buckets) - 1
+    move = s.mover._move
+    if rank == 0:
+
+        def refusing(bucket, src, dst, checks, *args):
+            return move(
+                bucket, src, dst, [*checks, _refuse] if bucket.index == last else checks, *args
+            )
+
+        s.mover._move = refusing
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        for call in range(2):
+            try:
+                for _ in s(bufs):
+                    if rank == 0 and call == 0:
+                        break
+            except rs.PreflightError as exc:
+                msgs.append(str(exc))
+            s.mover._move = move
+    finally:
+        sys.unraisablehook = hook
+    if unraisable:
+        errs.append(f"rank {rank}: printed {[str(u.exc_value) for u in unraisable]}")
+    expect = (
+        [["stopped early", "injected"]]
+        if rank == 0
+        else [["injected"], ["stopped early", "injected"]]
+    )
+    if len(msgs) != len(expect) or any(w not in m for m, ws in zip(msgs, expect) for w in ws):
+        errs.append(f"rank {rank}: expected PreflightErrors with {expect}, got {msgs}")
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the failed early stop")
     return errs

@@ -220,6 +220,54 @@ def test_a_failed_bucket_stops_the_ones_queued_behind_it():
         assert torch.equal(t, values[name].to(torch.bfloat16))
 
 
+def _stick(stream, index):
+    """Make the worker hang in bucket `index`'s move until the returned event is set."""
+    import threading
+
+    release, move = threading.Event(), stream.mover._move
+
+    def stuck(bucket, *args):
+        if bucket.index == index:
+            release.wait(120)
+        return move(bucket, *args)
+
+    stream.mover._move = stuck
+    return release
+
+
+def test_a_bucket_that_never_finishes_is_an_error_within_the_timeout():
+    """Every wait on the worker is bounded by the Stream's timeout: a bucket that never
+    finishes ends the call with a TransferError naming it (in the loop, and when a caller that
+    stopped early is drained); the Stream refuses calls while its worker is still stuck, and
+    works again once it is not (no process group: nothing is out of step)."""
+    import time
+
+    values, layout, bufs = _local()
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16, timeout=1.0)
+    assert len(s.buckets) >= 3
+    for stop_early in (False, True):
+        release = _stick(s, 1)
+        t0 = time.perf_counter()
+        if stop_early:  # the close moves the rest: bounded too, and reported by the next call
+            for _ in s(bufs):
+                break
+        else:
+            with pytest.raises(rs.TransferError, match=r"bucket 1 of \d+ did not finish within"):
+                for _ in s(bufs):
+                    pass
+        assert time.perf_counter() - t0 < 15
+        with pytest.raises(RuntimeError, match="still moving bucket 1"):
+            next(s(bufs))
+        release.set()
+        s.mover._worker.submit(int).result(timeout=60)  # the worker is idle again
+        del s.mover._move
+        if stop_early:
+            with pytest.raises(rs.PreflightError, match="stopped early.*did not finish within"):
+                next(s(bufs))
+        assert W.consume(s, bufs, want, True, f"after a stuck bucket ({stop_early})") == []
+
+
 def test_plans_are_built_once_and_reused():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 512, dtype=torch.bfloat16)
