@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from collections.abc import Mapping
 
@@ -112,12 +113,14 @@ class Stream:
         _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
         if buffer_bytes is not None:
             _positive_int("buffer_bytes", buffer_bytes)
-        self.rank, self.world_size, self.backend = _group_info(group)
+        bound = _resolve_group(group)
         self.group, self.timeout, self.dtype = group, float(timeout), dtype
-        self.receivers = sb.check_receivers(receivers, self.world_size)
+        self.receivers = sb.check_receivers(receivers, bound[2])
         self.names = sb.check_names(names, src_layout)
         self.bucket_bytes, self.staging_bytes_per_rank = bucket_bytes, staging_bytes_per_rank
-        self.device = _resolve_device(device, self.backend)
+        self._device_arg = device  # None: the group's default, resolved with the group
+        self.device = _resolve_device(device, bound[3])
+        self.register_host_sources = register_host_sources
         self.src_layout = src_layout
         out_dtypes = {n: sb.out_dtype(n, src_layout, dtype) for n in self.names}
         self.buckets = sb.make_buckets(self.names, src_layout, out_dtypes, bucket_bytes)
@@ -139,24 +142,62 @@ class Stream:
         )
         self.used_locations = sorted({loc for b in self.buckets for loc in b.src_locations})
         self._first_locations = set(self.buckets[0].src_locations)
-        cuda = self.device.index if self.device.type == "cuda" else None
-        if cuda is None and "nccl" in self.backend and torch.cuda.is_available():
+        self._clear_runtime()
+        self._bind(bound)
+
+    # The state a call builds and keeps (a Stream pickles without it, and rebuilds it when the
+    # group `group=None` stands for changes).
+    _RUNTIME = (
+        "mover",  # the worker thread, the bucket Transfers and their staging pool
+        "_bound",  # (group, rank, world size, backend) the mover and buffer were made for
+        "buffer",  # the receivers' buffer, allocated on the first call
+        "_buffer_error",
+        "_target_views",  # per bucket: {location: view of the buffer}
+        "_yields",  # per bucket: [(name, typed buffer, shape, strides, offset)]
+        "_ends",  # per bucket: per yielded tensor, the end of its bytes in the buffer
+        "_active",  # the pid of the process iterating a call (not reentrant)
+        "_report",  # the last completed call's Report, once read
+        "_last_call",  # the last completed call, until its Report is read
+        "stopped_error",  # what moving the rest failed with after an early stop: fails the next call
+    )
+
+    def _clear_runtime(self) -> None:
+        for name in self._RUNTIME:
+            setattr(self, name, None)
+
+    def _bind(self, bound) -> None:
+        """Make the mover (and drop the buffer) for `bound`, the resolved group; raises the
+        constructor's ValueError when the receivers or the device do not fit it."""
+        group, rank, world, backend = bound
+        sb.check_receivers(self.receivers, world)
+        device = _resolve_device(self._device_arg, backend)
+        cuda = device.index if device.type == "cuda" else None
+        if cuda is None and "nccl" in backend and torch.cuda.is_available():
             cuda = torch.cuda.current_device()
+        if self.mover is not None:
+            self.mover.shutdown()
+        self.rank, self.world_size, self.backend, self.device = rank, world, backend, device
         self.mover = BucketMover(
-            self.buckets, group, self.rank, self.timeout, cuda, register_host_sources
+            self.buckets, group, rank, self.timeout, cuda, self.register_host_sources
         )
         # a CUDA receiver's caller works on its tensors while the worker packs the next ones
-        self.mover.caller_overlaps = self.rank in self.receivers and self.device.type == "cuda"
-        self.buffer = None  # the receivers' buffer, allocated on the first call
-        self._buffer_error = None
-        self._target_views = None  # per bucket: {location: view of the buffer}
-        self._yields = None  # per bucket: [(name, typed buffer, shape, strides, offset)]
-        self._ends = None  # per bucket: per yielded tensor, the end of its bytes in the buffer
-        self._active = False  # a call is being iterated (calls are not reentrant)
-        self._report = None  # the last completed call's Report, once read
-        self._last_call = None  # the last completed call, until its Report is read
-        # what moving the rest failed with after a caller stopped early: fails the next call
-        self.stopped_error = None
+        self.mover.caller_overlaps = rank in self.receivers and device.type == "cuda"
+        self.buffer = self._target_views = self._yields = self._ends = None
+        self._bound = bound
+
+    def __getstate__(self):
+        """Pickles (and copies) as a fresh Stream: its plans and settings, without what calls
+        built (worker, buffer, staging, last Report); the group is resolved at its first call
+        wherever it is unpickled."""
+        if self.group is not None:
+            raise TypeError(
+                "an rs.Stream on an explicit process group cannot be pickled: a process group "
+                "belongs to its process (build the Stream where it runs, or use group=None, "
+                "resolved at each call)"
+            )
+        state = dict(self.__dict__)
+        state.update(dict.fromkeys(self._RUNTIME))
+        return state
 
     @property
     def report(self):
@@ -202,7 +243,8 @@ class Stream:
 
     def close(self) -> None:
         """Undo host registrations (if any). The Stream stays usable."""
-        self.mover.close()
+        if self.mover is not None:
+            self.mover.close()
 
     # ------------------------------------------------------------------ a call
 
@@ -218,18 +260,23 @@ class Stream:
 
     def _run(self, src_buffers):
         bufs, hooks = _buffers_and_hooks(src_buffers)
-        if self._active:
+        if self._active == os.getpid():  # a call copied into a forked child is not this one
             raise RuntimeError(
                 "this Stream is already being iterated: finish (or close) that iteration "
                 "first; its buffer holds the tensors it yields"
             )
-        stuck = self.mover.still_moving()
+        stuck = self.mover.still_moving() if self.mover is not None else None
         if stuck is not None:
             raise RuntimeError(
                 f"this Stream's worker is still moving bucket {stuck} of a call that gave up "
                 f"waiting for it (timeout {self.timeout:g} s): a new call would queue behind it"
             )
-        self._active = True
+        # the group is resolved per call, as a Transfer's (group=None: the default group now)
+        bound = _resolve_group(self.group)
+        if self._bound is None or bound[0] is not self._bound[0] or bound[1:] != self._bound[1:]:
+            self._bind(bound)
+        lock = _hold_group(bound[0])
+        self._active = os.getpid()
         try:
             t0 = time.perf_counter()
             self._buffer_error = self._allocate_buffer()
@@ -240,7 +287,9 @@ class Stream:
             call.completed(time.perf_counter() - t0)
             self._last_call, self._report = call, None
         finally:
-            self._active = False
+            self._active = None
+            if lock is not None:
+                lock.__exit__(None, None, None)
 
     def check_sources(self, bufs, stopped=None) -> None:
         """bucket 0's preflight check: every source buffer the whole stream reads on this
@@ -320,17 +369,41 @@ class Stream:
         return self._ends[k]
 
 
-def _group_info(group):
-    """(rank, world size, backend) of the group the stream runs over; no process group: local."""
+def _resolve_group(group):
+    """(group, rank, world size, backend) the stream runs over now: group=None is the default
+    group (or, without one, in-process: (None, 0, 1, "local"))."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, "local"
+        return None, 0, 1, "local"
     g = dist.group.WORLD if group is None else group
     if g is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(g) < 0:
         raise ValueError(
             f"global rank {dist.get_rank()} is not a member of the stream's process group: "
             "only the group's members build and iterate a stream on that group"
         )
-    return dist.get_rank(g), dist.get_world_size(g), str(dist.get_backend(g)).lower()
+    return g, dist.get_rank(g), dist.get_world_size(g), str(dist.get_backend(g)).lower()
+
+
+def _hold_group(group):
+    """Enter `group`'s call lock (the executor's, shared with every Transfer on the group) for
+    a whole call: its buckets' collectives must not interleave with another call's on the
+    group (gloo pairs them in issue order; identical Streams would silently swap data). From
+    other threads, calls wait; from this thread (the loop body, a readiness hook, a Stream
+    call left unfinished) they raise: waiting would be waiting for itself. None: no group."""
+    if group is None:
+        return None
+    from .executor import _call_lock  # needs the built ops; planning does not
+
+    lock = _call_lock(group, None)
+    try:
+        lock.__enter__()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "an rs.Stream was iterated inside another call on the same process group on this "
+            "thread (a readiness hook, the loop body of another Stream, or while a Stream "
+            "iteration on the group is left unfinished): calls on a group run one at a time, "
+            "so it would wait for itself; finish (or close) the other call first"
+        ) from exc
+    return lock
 
 
 def _positive_int(what, value) -> None:

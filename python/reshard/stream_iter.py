@@ -27,6 +27,8 @@ tensor it did not write.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import os
 import sys
 import time
 from collections import deque
@@ -58,6 +60,7 @@ class Call:
     def __init__(self, stream, bufs, hooks, stopped=None):
         self.s, self.bufs, self.hooks = stream, bufs, hooks
         self.stopped = stopped  # the previous call's failure after an early stop, or None
+        self.pid = os.getpid()  # a call resumed in a forked child has no worker there
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
         self.cuda = stream.mover.cuda_device is not None
         self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
@@ -72,7 +75,7 @@ class Call:
         """Queue the next bucket on the worker."""
         s, k = self.s, self.next
         b = s.buckets[k]
-        checks = [*self.hooks, lambda: s.check_sources(self.bufs, self.stopped)] if k == 0 else []
+        checks = self.first_checks() if k == 0 else []
         done = None
         if self.cuda:
             # the caller's kernels may still write the sources or read the bytes this bucket
@@ -89,6 +92,19 @@ class Call:
         self.pending.append((k, fut))
         self.next = k + 1
 
+    def first_checks(self) -> list:
+        """Bucket 0's extra preflight checks, run here on the caller's thread, which holds the
+        group's lock (on the worker, a hook that calls a Transfer or iterates a Stream on the
+        group would wait for that lock forever; here it raises at once): each failure is
+        raised again in the preflight, where it is a reason like any other."""
+        failed = []
+        for check in [*self.hooks, lambda: self.s.check_sources(self.bufs, self.stopped)]:
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
+                failed.append(exc)
+        return [functools.partial(_raise, exc) for exc in failed]
+
     def advance(self, consumed: int) -> None:
         """The caller is done with `consumed` tensors of the stream: queue every bucket (in
         order) that may now be written."""
@@ -101,6 +117,7 @@ class Call:
         t0 = time.perf_counter()
         k, fut = self.pending[0]
         try:
+            self.same_process()
             try:
                 rep, self.landed = fut.result(timeout=self.s.timeout)
             except concurrent.futures.TimeoutError:
@@ -114,6 +131,15 @@ class Call:
             raise
         finally:
             self.waited += time.perf_counter() - t0
+
+    def same_process(self) -> None:
+        if self.pid != os.getpid():
+            self.failed = True
+            self.pending.clear()  # queued on the parent's worker: nothing moves them here
+            raise RuntimeError(
+                f"this Stream call was started in process {self.pid} before os.fork(): its "
+                "buckets move on that process's worker thread; start a new call in this process"
+            )
 
     def timed_out(self, k: int) -> TransferError:
         """Bucket k (still pending) did not finish within the timeout: the call stops; the peers
@@ -155,6 +181,7 @@ class Call:
         """Bucket k's progress word once it is >= at_least or negative, or once `fut` (the
         bucket's move) is done: a worker that ended without publishing cannot hold the caller.
         The time counts as waited."""
+        self.same_process()
         word = self.s.mover.progress_word_of(k)
         t0 = time.perf_counter()
         try:
@@ -274,7 +301,9 @@ class Call:
         queued. Nothing may write after the call returns. A call left unfinished when the
         interpreter exits moves nothing more: its worker thread is gone."""
         try:
-            if not completed and not self.failed and not sys.is_finalizing():
+            if self.pid != os.getpid():  # a forked child's copy: nothing of it moves here
+                self.pending.clear()
+            elif not completed and not self.failed and not sys.is_finalizing():
                 while self.next < len(self.s.buckets):  # the caller holds no tensor now
                     self.start()
                 while self.pending:
@@ -297,6 +326,10 @@ class Call:
             except concurrent.futures.TimeoutError:
                 self.pending.appendleft((k, fut))
                 self.timed_out(k)  # marks the group, leaves the move to the worker
+
+
+def _raise(exc):
+    raise exc
 
 
 def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str]:

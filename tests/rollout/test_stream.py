@@ -412,6 +412,59 @@ def test_an_unfinished_call_at_interpreter_exit_is_quiet():
     assert out.stderr == "", out.stderr
 
 
+def test_a_forked_child_gets_a_worker_of_its_own():
+    """After os.fork() the child has none of the parent's threads: its calls start a worker of
+    their own (they would wait forever on the parent's) and move the child's values."""
+    import subprocess
+
+    code = (
+        "import os, time, torch, reshard as rs\n"
+        "torch.set_num_threads(1)\n"
+        "L = rs.Layout({f't{i}': rs.replicated((64,), [i]) for i in range(4)},\n"
+        "              {i: rs.Storage(0, torch.float32, 64) for i in range(4)})\n"
+        "bufs = {i: torch.randn(64) for i in range(4)}\n"
+        "s = rs.Stream(L, [0], 256, timeout=20)\n"
+        "assert all(torch.equal(t, bufs[int(n[1:])]) for n, t in s(bufs))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    two = {i: b * 2 for i, b in bufs.items()}\n"
+        "    ok = all(torch.equal(t, two[int(n[1:])]) for n, t in s(two))\n"
+        "    os._exit(0 if ok else 3)\n"
+        "for _ in range(600):\n"
+        "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if done:\n"
+        "        print('child', os.waitstatus_to_exitcode(status))\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "else:\n"
+        "    os.kill(pid, 9)\n"
+        "    print('child hung')\n"
+        "it = s(bufs)\n"  # forked mid-call: the child's copy of the call refuses at once
+        "next(it)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        list(it)\n"
+        "    except RuntimeError as exc:\n"
+        "        ok = 'before os.fork()' in str(exc)\n"
+        "        ok = ok and len(list(s(bufs))) == 4\n"
+        "        os._exit(0 if ok else 4)\n"
+        "    os._exit(5)\n"
+        "for _ in range(600):\n"
+        "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if done:\n"
+        "        print('child', os.waitstatus_to_exitcode(status))\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "else:\n"
+        "    os.kill(pid, 9)\n"
+        "    print('child hung')\n"
+        "assert len(list(it)) == 3\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout == "child 0\nchild 0\n", out
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
@@ -555,5 +608,11 @@ def test_stream_gloo_ranks_that_disagree_fail_together(tmp_path):
 
 
 def test_stream_gloo_early_stop(tmp_path):
-    for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180):
+    """Also: group holding, the group resolved per call, pickling (`W._group_is_held`,
+    `W._resolved_per_call`)."""
+    layout, _ = W.zero3_source(2, W.full_values(seed=3), 0)
+    local = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)  # no process group here
+    assert (local.rank, local.world_size, local.backend) == (0, 1, "local")
+    args = (local,)
+    for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180, args=args):
         assert errs == []
