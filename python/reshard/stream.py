@@ -31,7 +31,19 @@ ranks, or a bad or missing buffer anywhere, raise the same PreflightError on eve
 anything is yielded or written. Sources must stay as they are until the iteration ends: the next
 bucket reads them while the caller consumes this one. Every rank must iterate the stream to its end; a caller
 that stops early (break, an exception in the loop body) closes the generator, which then moves
-the remaining buckets without yielding them, so its peers finish normally.
+the remaining buckets without yielding them into the same buffer, so its peers finish normally
+(a tensor kept past `break` is overwritten: copy it in the loop). Python drops what a
+generator's close raises, so a failure while moving the rest fails the Stream's next call on
+every rank (a PreflightError naming it). Every wait on the worker is bounded by `timeout`: a
+bucket that does not finish in time ends the call with a TransferError.
+
+Calls and the process group: a call holds its group (the executor's per-group lock, shared with
+every Transfer on it) from its first tensor to its end, so its collectives never interleave with
+another call's. Calls on the group from other threads wait for it; from the same thread (the
+loop body, a readiness hook, a Stream call left unfinished) they raise. `group=None` is the
+default group at each call, as for a Transfer: when it changes, the Stream rebuilds its worker,
+Transfers and buffer. A forked child starts a worker of its own. A Stream pickles (and copies)
+without its runtime state; one on an explicit group does not pickle.
 """
 
 from __future__ import annotations
@@ -68,13 +80,15 @@ class Stream:
     dtype: the dtype tensors arrive in (fp32/bf16/fp16 casts happen on the way); None keeps
         each tensor's source dtype.
     names: the tensors to stream, in this order (default: every tensor of `src_layout`).
-    group: the process group (default: the world; no process group: in-process, rank 0).
+    group: the process group (default: the default group as it is at each call; no process
+        group: in-process, rank 0).
     device: where receivers' tensors live (default: the current CUDA device under NCCL, else
         the CPU).
     staging_bytes_per_rank: cap on one bucket transfer's arenas on any rank (default
         `min(bucket_bytes // 4, 64 MiB)`, at least 64 KiB).
-    timeout: seconds any single wait may take (gloo); a receiver's consumption of one bucket
-        counts against its peers' wait for the next.
+    timeout: seconds any single wait may take (gloo), the caller's wait for one bucket's move
+        included; a receiver's consumption of one bucket counts against its peers' wait for
+        the next.
     register_host_sources: page-lock CPU source storages in place on the first call (CUDA
         receivers: DMA straight from them), undone by `close()`.
     buffer_bytes: the receivers' buffer (default max(largest bucket, min(2 * bucket_bytes,
@@ -254,7 +268,9 @@ class Stream:
         src_buffers: {location: tensor} for the source locations this rank owns, or an object
         with `.buffers` and an optional `.check()` readiness hook (a DeepSpeed `describe()`
         result). A yielded tensor is a view of the stream's buffer, valid until the next
-        iteration: copy it to keep it.
+        iteration, or until the loop stops (break, an exception: the rest of the stream then
+        moves through the buffer): copy it to keep it. The call holds the process group until
+        it ends (see the module docstring).
         """
         return self._run(src_buffers)
 

@@ -9,8 +9,9 @@ two buckets, bucket k+1 is queued once the caller is done with bucket k-1: it mo
 bucket k, while the caller consumes bucket k, and the worker never idles waiting for the caller
 to hand it the next bucket. Ranks that receive nothing queue every bucket at once. A caller that
 stops early closes the generator, which then moves the remaining buckets without yielding them,
-so its peers finish normally; after a failed transfer (its peers failed too) the worker skips
-the buckets queued behind it and the call stops.
+so its peers finish normally (a failure there fails the next call: `Call.stop`); after a failed
+transfer (its peers failed too) the worker skips the buckets queued behind it and the call
+stops. Every wait on the worker is bounded by the Stream's timeout (`Call.timed_out`).
 
 CUDA receivers take a bucket's tensors while it still moves: a tensor is yielded once the
 copies that write its bytes are queued on the worker's stream (the bucket's progress word,

@@ -285,10 +285,16 @@ def test_plans_are_built_once_and_reused():
 
 
 def test_early_break_then_full_call():
+    """A yielded tensor is valid until the next iteration, and `break` ends the iteration: the
+    close moves the remaining buckets through the same buffer (the peers expect them), so a
+    view kept past the loop is the Stream's memory; a copy taken in the loop stays right."""
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
-    for _ in s(bufs):
+    for name, t in s(bufs):
+        kept, copy, want = t, t.clone(), values[name].to(torch.bfloat16)
         break
+    assert kept.untyped_storage().data_ptr() == s.buffer.untyped_storage().data_ptr()
+    assert torch.equal(copy, want)
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "after break") == []
 
