@@ -31,13 +31,26 @@ ranks, or a bad or missing buffer anywhere, raise the same PreflightError on eve
 anything is yielded or written. Sources must stay as they are until the iteration ends: the next
 bucket reads them while the caller consumes this one. Every rank must iterate the stream to its end; a caller
 that stops early (break, an exception in the loop body) closes the generator, which then moves
-the remaining buckets without yielding them, so its peers finish normally.
+the remaining buckets without yielding them into the same buffer, so its peers finish normally
+(a tensor kept past `break` is overwritten: copy it in the loop). Python drops what a
+generator's close raises, so a failure while moving the rest fails the Stream's next call on
+every rank (a PreflightError naming it). Every wait on the worker is bounded by `timeout`: a
+bucket that does not finish in time ends the call with a TransferError.
+
+Calls and the process group: a call holds its group (the executor's per-group lock, shared with
+every Transfer on it) from its first tensor to its end, so its collectives never interleave with
+another call's. Calls on the group from other threads wait for it; from the same thread (the
+loop body, a readiness hook, a Stream call left unfinished) they raise. `group=None` is the
+default group at each call, as for a Transfer: when it changes, the Stream rebuilds its worker,
+Transfers and buffer. A forked child starts a worker of its own. A Stream pickles (and copies)
+without its runtime state; one on an explicit group does not pickle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import time
 from collections.abc import Mapping
 
@@ -67,13 +80,15 @@ class Stream:
     dtype: the dtype tensors arrive in (fp32/bf16/fp16 casts happen on the way); None keeps
         each tensor's source dtype.
     names: the tensors to stream, in this order (default: every tensor of `src_layout`).
-    group: the process group (default: the world; no process group: in-process, rank 0).
+    group: the process group (default: the default group as it is at each call; no process
+        group: in-process, rank 0).
     device: where receivers' tensors live (default: the current CUDA device under NCCL, else
         the CPU).
     staging_bytes_per_rank: cap on one bucket transfer's arenas on any rank (default
         `min(bucket_bytes // 4, 64 MiB)`, at least 64 KiB).
-    timeout: seconds any single wait may take (gloo); a receiver's consumption of one bucket
-        counts against its peers' wait for the next.
+    timeout: seconds any single wait may take (gloo), the caller's wait for one bucket's move
+        included; a receiver's consumption of one bucket counts against its peers' wait for
+        the next.
     register_host_sources: page-lock CPU source storages in place on the first call (CUDA
         receivers: DMA straight from them), undone by `close()`.
     buffer_bytes: the receivers' buffer (default max(largest bucket, min(2 * bucket_bytes,
@@ -112,12 +127,14 @@ class Stream:
         _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
         if buffer_bytes is not None:
             _positive_int("buffer_bytes", buffer_bytes)
-        self.rank, self.world_size, self.backend = _group_info(group)
+        bound = _resolve_group(group)
         self.group, self.timeout, self.dtype = group, float(timeout), dtype
-        self.receivers = sb.check_receivers(receivers, self.world_size)
+        self.receivers = sb.check_receivers(receivers, bound[2])
         self.names = sb.check_names(names, src_layout)
         self.bucket_bytes, self.staging_bytes_per_rank = bucket_bytes, staging_bytes_per_rank
-        self.device = _resolve_device(device, self.backend)
+        self._device_arg = device  # None: the group's default, resolved with the group
+        self.device = _resolve_device(device, bound[3])
+        self.register_host_sources = register_host_sources
         self.src_layout = src_layout
         out_dtypes = {n: sb.out_dtype(n, src_layout, dtype) for n in self.names}
         self.buckets = sb.make_buckets(self.names, src_layout, out_dtypes, bucket_bytes)
@@ -139,22 +156,62 @@ class Stream:
         )
         self.used_locations = sorted({loc for b in self.buckets for loc in b.src_locations})
         self._first_locations = set(self.buckets[0].src_locations)
-        cuda = self.device.index if self.device.type == "cuda" else None
-        if cuda is None and "nccl" in self.backend and torch.cuda.is_available():
+        self._clear_runtime()
+        self._bind(bound)
+
+    # The state a call builds and keeps (a Stream pickles without it, and rebuilds it when the
+    # group `group=None` stands for changes).
+    _RUNTIME = (
+        "mover",  # the worker thread, the bucket Transfers and their staging pool
+        "_bound",  # (group, rank, world size, backend) the mover and buffer were made for
+        "buffer",  # the receivers' buffer, allocated on the first call
+        "_buffer_error",
+        "_target_views",  # per bucket: {location: view of the buffer}
+        "_yields",  # per bucket: [(name, typed buffer, shape, strides, offset)]
+        "_ends",  # per bucket: per yielded tensor, the end of its bytes in the buffer
+        "_active",  # the pid of the process iterating a call (not reentrant)
+        "_report",  # the last completed call's Report, once read
+        "_last_call",  # the last completed call, until its Report is read
+        "stopped_error",  # what moving the rest failed with after an early stop: fails the next call
+    )
+
+    def _clear_runtime(self) -> None:
+        for name in self._RUNTIME:
+            setattr(self, name, None)
+
+    def _bind(self, bound) -> None:
+        """Make the mover (and drop the buffer) for `bound`, the resolved group; raises the
+        constructor's ValueError when the receivers or the device do not fit it."""
+        group, rank, world, backend = bound
+        sb.check_receivers(self.receivers, world)
+        device = _resolve_device(self._device_arg, backend)
+        cuda = device.index if device.type == "cuda" else None
+        if cuda is None and "nccl" in backend and torch.cuda.is_available():
             cuda = torch.cuda.current_device()
+        if self.mover is not None:
+            self.mover.shutdown()
+        self.rank, self.world_size, self.backend, self.device = rank, world, backend, device
         self.mover = BucketMover(
-            self.buckets, group, self.rank, self.timeout, cuda, register_host_sources
+            self.buckets, group, rank, self.timeout, cuda, self.register_host_sources
         )
         # a CUDA receiver's caller works on its tensors while the worker packs the next ones
-        self.mover.caller_overlaps = self.rank in self.receivers and self.device.type == "cuda"
-        self.buffer = None  # the receivers' buffer, allocated on the first call
-        self._buffer_error = None
-        self._target_views = None  # per bucket: {location: view of the buffer}
-        self._yields = None  # per bucket: [(name, typed buffer, shape, strides, offset)]
-        self._ends = None  # per bucket: per yielded tensor, the end of its bytes in the buffer
-        self._active = False  # a call is being iterated (calls are not reentrant)
-        self._report = None  # the last completed call's Report, once read
-        self._last_call = None  # the last completed call, until its Report is read
+        self.mover.caller_overlaps = rank in self.receivers and device.type == "cuda"
+        self.buffer = self._target_views = self._yields = self._ends = None
+        self._bound = bound
+
+    def __getstate__(self):
+        """Pickles (and copies) as a fresh Stream: its plans and settings, without what calls
+        built (worker, buffer, staging, last Report); the group is resolved at its first call
+        wherever it is unpickled."""
+        if self.group is not None:
+            raise TypeError(
+                "an rs.Stream on an explicit process group cannot be pickled: a process group "
+                "belongs to its process (build the Stream where it runs, or use group=None, "
+                "resolved at each call)"
+            )
+        state = dict(self.__dict__)
+        state.update(dict.fromkeys(self._RUNTIME))
+        return state
 
     @property
     def report(self):
@@ -200,7 +257,8 @@ class Stream:
 
     def close(self) -> None:
         """Undo host registrations (if any). The Stream stays usable."""
-        self.mover.close()
+        if self.mover is not None:
+            self.mover.close()
 
     # ------------------------------------------------------------------ a call
 
@@ -210,34 +268,56 @@ class Stream:
         src_buffers: {location: tensor} for the source locations this rank owns, or an object
         with `.buffers` and an optional `.check()` readiness hook (a DeepSpeed `describe()`
         result). A yielded tensor is a view of the stream's buffer, valid until the next
-        iteration: copy it to keep it.
+        iteration, or until the loop stops (break, an exception: the rest of the stream then
+        moves through the buffer): copy it to keep it. The call holds the process group until
+        it ends (see the module docstring).
         """
         return self._run(src_buffers)
 
     def _run(self, src_buffers):
         bufs, hooks = _buffers_and_hooks(src_buffers)
-        if self._active:
+        if self._active == os.getpid():  # a call copied into a forked child is not this one
             raise RuntimeError(
                 "this Stream is already being iterated: finish (or close) that iteration "
                 "first; its buffer holds the tensors it yields"
             )
-        self._active = True
+        stuck = self.mover.still_moving() if self.mover is not None else None
+        if stuck is not None:
+            raise RuntimeError(
+                f"this Stream's worker is still moving bucket {stuck} of a call that gave up "
+                f"waiting for it (timeout {self.timeout:g} s): a new call would queue behind it"
+            )
+        # the group is resolved per call, as a Transfer's (group=None: the default group now)
+        bound = _resolve_group(self.group)
+        if self._bound is None or bound[0] is not self._bound[0] or bound[1:] != self._bound[1:]:
+            self._bind(bound)
+        lock = _hold_group(bound[0])
+        self._active = os.getpid()
         try:
             t0 = time.perf_counter()
             self._buffer_error = self._allocate_buffer()
             self.mover.register(bufs)
-            call = Call(self, bufs, hooks)
+            stopped, self.stopped_error = self.stopped_error, None
+            call = Call(self, bufs, hooks, stopped)
             yield from call.run()
             call.completed(time.perf_counter() - t0)
             self._last_call, self._report = call, None
         finally:
-            self._active = False
+            self._active = None
+            if lock is not None:
+                lock.__exit__(None, None, None)
 
-    def check_sources(self, bufs) -> None:
+    def check_sources(self, bufs, stopped=None) -> None:
         """bucket 0's preflight check: every source buffer the whole stream reads on this
         rank (bucket 0's own are its transfer's to check), and the receiver's buffer."""
         later = [loc for loc in self.used_locations if loc not in self._first_locations]
         reasons = check_sources(self.src_layout, later, self.rank, self.backend, bufs)
+        if stopped is not None:
+            reasons.append(
+                "this rank's previous call of the Stream stopped early (break, or an exception "
+                "in the loop) and moving its remaining buckets failed: "
+                f"{type(stopped).__name__}: {stopped}"
+            )
         if self._buffer_error is not None:
             reasons.append(self._buffer_error)
         if reasons:
@@ -305,17 +385,41 @@ class Stream:
         return self._ends[k]
 
 
-def _group_info(group):
-    """(rank, world size, backend) of the group the stream runs over; no process group: local."""
+def _resolve_group(group):
+    """(group, rank, world size, backend) the stream runs over now: group=None is the default
+    group (or, without one, in-process: (None, 0, 1, "local"))."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1, "local"
+        return None, 0, 1, "local"
     g = dist.group.WORLD if group is None else group
     if g is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(g) < 0:
         raise ValueError(
             f"global rank {dist.get_rank()} is not a member of the stream's process group: "
             "only the group's members build and iterate a stream on that group"
         )
-    return dist.get_rank(g), dist.get_world_size(g), str(dist.get_backend(g)).lower()
+    return g, dist.get_rank(g), dist.get_world_size(g), str(dist.get_backend(g)).lower()
+
+
+def _hold_group(group):
+    """Enter `group`'s call lock (the executor's, shared with every Transfer on the group) for
+    a whole call: its buckets' collectives must not interleave with another call's on the
+    group (gloo pairs them in issue order; identical Streams would silently swap data). From
+    other threads, calls wait; from this thread (the loop body, a readiness hook, a Stream
+    call left unfinished) they raise: waiting would be waiting for itself. None: no group."""
+    if group is None:
+        return None
+    from .executor import _call_lock  # needs the built ops; planning does not
+
+    lock = _call_lock(group, None)
+    try:
+        lock.__enter__()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            "an rs.Stream was iterated inside another call on the same process group on this "
+            "thread (a readiness hook, the loop body of another Stream, or while a Stream "
+            "iteration on the group is left unfinished): calls on a group run one at a time, "
+            "so it would wait for itself; finish (or close) the other call first"
+        ) from exc
+    return lock
 
 
 def _positive_int(what, value) -> None:
@@ -325,7 +429,16 @@ def _positive_int(what, value) -> None:
 
 def _resolve_device(device, backend) -> torch.device:
     if device is not None:
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device {device!r} is not a device ({exc})") from None
+        if device.type not in ("cpu", "cuda"):
+            # the executor's copies run on the CPU or CUDA only (a meta buffer would yield
+            # tensors without values)
+            raise ValueError(
+                f"device {device}: receivers' tensors live on the cpu or a CUDA device"
+            )
         if backend == "gloo" and device.type != "cpu":
             raise ValueError(
                 f"device {device}: the gloo transport delivers into CPU memory; use "
@@ -333,6 +446,10 @@ def _resolve_device(device, backend) -> torch.device:
             )
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: CUDA is not available in this process")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device}: this process has {torch.cuda.device_count()} CUDA device(s)"
+            )
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device

@@ -9,8 +9,9 @@ two buckets, bucket k+1 is queued once the caller is done with bucket k-1: it mo
 bucket k, while the caller consumes bucket k, and the worker never idles waiting for the caller
 to hand it the next bucket. Ranks that receive nothing queue every bucket at once. A caller that
 stops early closes the generator, which then moves the remaining buckets without yielding them,
-so its peers finish normally; after a failed transfer (its peers failed too) the worker skips
-the buckets queued behind it and the call stops.
+so its peers finish normally (a failure there fails the next call: `Call.stop`); after a failed
+transfer (its peers failed too) the worker skips the buckets queued behind it and the call
+stops. Every wait on the worker is bounded by the Stream's timeout (`Call.timed_out`).
 
 CUDA receivers take a bucket's tensors while it still moves: a tensor is yielded once the
 copies that write its bytes are queued on the worker's stream (the bucket's progress word,
@@ -26,6 +27,9 @@ tensor it did not write.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
+import os
 import sys
 import time
 from collections import deque
@@ -33,6 +37,8 @@ from concurrent.futures import Future
 
 import torch
 
+from . import preflight as pf
+from .errors import TransferError
 from .report import PHASES, STAGING_KINDS, Report
 from .stream_mover import DONE
 
@@ -52,8 +58,10 @@ class Call:
     """One call's state. `stream`: the Stream (buckets, buffer, mover); `bufs`: {location:
     tensor}; `hooks`: the buffer set's readiness checks (run in bucket 0's preflight)."""
 
-    def __init__(self, stream, bufs, hooks):
+    def __init__(self, stream, bufs, hooks, stopped=None):
         self.s, self.bufs, self.hooks = stream, bufs, hooks
+        self.stopped = stopped  # the previous call's failure after an early stop, or None
+        self.pid = os.getpid()  # a call resumed in a forked child has no worker there
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
         self.cuda = stream.mover.cuda_device is not None
         self.pending = deque()  # (bucket index, Future) of the buckets queued, in order
@@ -68,7 +76,7 @@ class Call:
         """Queue the next bucket on the worker."""
         s, k = self.s, self.next
         b = s.buckets[k]
-        checks = [*self.hooks, lambda: s.check_sources(self.bufs)] if k == 0 else []
+        checks = self.first_checks() if k == 0 else []
         done = None
         if self.cuda:
             # the caller's kernels may still write the sources or read the bytes this bucket
@@ -85,6 +93,19 @@ class Call:
         self.pending.append((k, fut))
         self.next = k + 1
 
+    def first_checks(self) -> list:
+        """Bucket 0's extra preflight checks, run here on the caller's thread, which holds the
+        group's lock (on the worker, a hook that calls a Transfer or iterates a Stream on the
+        group would wait for that lock forever; here it raises at once): each failure is
+        raised again in the preflight, where it is a reason like any other."""
+        failed = []
+        for check in [*self.hooks, lambda: self.s.check_sources(self.bufs, self.stopped)]:
+            try:
+                check()
+            except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
+                failed.append(exc)
+        return [functools.partial(_raise, exc) for exc in failed]
+
     def advance(self, consumed: int) -> None:
         """The caller is done with `consumed` tensors of the stream: queue every bucket (in
         order) that may now be written."""
@@ -93,17 +114,54 @@ class Call:
             self.start()
 
     def finish(self) -> None:
-        """Wait for the oldest queued bucket to land."""
+        """Wait for the oldest queued bucket to land (at most the Stream's timeout)."""
         t0 = time.perf_counter()
-        _, fut = self.pending.popleft()
+        k, fut = self.pending[0]
         try:
-            rep, self.landed = fut.result()
+            self.same_process()
+            try:
+                rep, self.landed = fut.result(timeout=self.s.timeout)
+            except concurrent.futures.TimeoutError:
+                raise self.timed_out(k) from None  # left to the worker (`timed_out`)
+            finally:
+                if self.pending and self.pending[0][1] is fut:
+                    self.pending.popleft()
             self.outcomes.append(rep)
         except BaseException:
             self.failed = True
             raise
         finally:
             self.waited += time.perf_counter() - t0
+
+    def same_process(self) -> None:
+        if self.pid != os.getpid():
+            self.failed = True
+            self.pending.clear()  # queued on the parent's worker: nothing moves them here
+            raise RuntimeError(
+                f"this Stream call was started in process {self.pid} before os.fork(): its "
+                "buckets move on that process's worker thread; start a new call in this process"
+            )
+
+    def timed_out(self, k: int) -> TransferError:
+        """Bucket k (still pending) did not finish within the timeout: the call stops; the peers
+        no longer see this rank's collectives in step, so the group is marked (its next use
+        on this rank raises at once instead of pairing with a stale collective)."""
+        s = self.s
+        self.failed = True
+        if self.pending and self.pending[0][0] == k:  # left to the worker: not waited for again
+            s.mover.leftover.append(self.pending.popleft())
+        what = (
+            f"bucket {k} of {len(s.buckets)} did not finish within the Stream's timeout "
+            f"({s.timeout:g} s) on rank {s.rank}"
+        )
+        hint = ""
+        if s.world_size > 1:
+            pf.mark_out_of_step(s.mover.group, f"an rs.Stream call was abandoned ({what})")
+            hint = f"; {pf.REBUILD}"
+        return TransferError(
+            f"rs.Stream: {what}; the call stops and the stream's buffer may be partially "
+            f"written{hint}"
+        )
 
     def settle(self, k: int) -> None:
         """Wait for bucket k (the oldest pending, which publishes progress) to be done, as
@@ -114,7 +172,7 @@ class Call:
         fut = self.pending[0][1]
         v = self.wait_word(k, DONE, fut, SETTLE_SPIN_US)
         if v < DONE:  # failed (or the worker ended without publishing): its Future says
-            self.finish()
+            self.finish()  # done already: no further wait
             return
         self.pending.popleft()
         self.outcomes.append(fut)
@@ -124,14 +182,18 @@ class Call:
         """Bucket k's progress word once it is >= at_least or negative, or once `fut` (the
         bucket's move) is done: a worker that ended without publishing cannot hold the caller.
         The time counts as waited."""
+        self.same_process()
         word = self.s.mover.progress_word_of(k)
         t0 = time.perf_counter()
-        while True:
-            v = torch.ops.reshard.progress_wait(word, at_least, PROGRESS_POLL_US, spin_us)
-            if v >= at_least or v < 0 or fut.done():
-                break
-        self.waited += time.perf_counter() - t0
-        return v
+        try:
+            while True:
+                v = torch.ops.reshard.progress_wait(word, at_least, PROGRESS_POLL_US, spin_us)
+                if v >= at_least or v < 0 or fut.done():
+                    return v
+                if time.perf_counter() - t0 > self.s.timeout:
+                    raise self.timed_out(k)
+        finally:
+            self.waited += time.perf_counter() - t0
 
     def await_queued(self, k: int, end: int) -> int:
         """Block until the copies of bucket k (the oldest pending) that write the buffer's
@@ -159,7 +221,7 @@ class Call:
     def run(self):
         s = self.s
         nb = len(s.buckets)
-        completed = False
+        completed = stopped = False
         try:
             s.mover.begin_call()
             everything = sum(len(b.entries) for b in s.buckets)
@@ -187,8 +249,24 @@ class Call:
                     yield item
                     consumed += 1
             completed = True
+        except GeneratorExit:
+            stopped = True
+            raise
         finally:
-            self.drain(completed)
+            if stopped:
+                self.stop()
+            else:
+                self.drain(completed)
+
+    def stop(self) -> None:
+        """The caller stopped early (break, an exception in its loop, the generator collected):
+        move the rest for the peers. Python drops what a generator's close raises ("Exception
+        ignored"), while the peers raise the failure in their loops: it is kept and fails the
+        Stream's next call on every rank instead (a reason of bucket 0's preflight)."""
+        try:
+            self.drain(False)
+        except Exception as exc:  # noqa: BLE001 - reported by the next call
+            self.s.stopped_error = exc
 
     def completed(self, total: float) -> None:
         """The call returned after `total` seconds: keep what its Report needs that a later
@@ -224,14 +302,35 @@ class Call:
         queued. Nothing may write after the call returns. A call left unfinished when the
         interpreter exits moves nothing more: its worker thread is gone."""
         try:
-            if not completed and not self.failed and not sys.is_finalizing():
+            if self.pid != os.getpid():  # a forked child's copy: nothing of it moves here
+                self.pending.clear()
+            elif not completed and not self.failed and not sys.is_finalizing():
                 while self.next < len(self.s.buckets):  # the caller holds no tensor now
                     self.start()
                 while self.pending:
                     self.finish()
         finally:
-            while self.pending:
-                self.pending.popleft()[1].exception()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """After a failure: buckets queued but not started never start (the worker would skip
+        them); one still moving is waited for up to the timeout, then left to the worker
+        (`BucketMover.leftover`: the Stream refuses calls until it ended)."""
+        for _, fut in self.pending:
+            fut.cancel()
+        while self.pending:
+            k, fut = self.pending.popleft()
+            if fut.cancelled():
+                continue
+            try:
+                fut.exception(timeout=self.s.timeout)
+            except concurrent.futures.TimeoutError:
+                self.pending.appendleft((k, fut))
+                self.timed_out(k)  # marks the group, leaves the move to the worker
+
+
+def _raise(exc):
+    raise exc
 
 
 def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str]:

@@ -24,6 +24,7 @@ writes the whole target, else nothing until it is done), then DONE once its tran
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import torch
 
@@ -146,6 +147,7 @@ class BucketMover:
         self.registry = HostRegistry() if register_host_sources else None
         self.registration = None  # what the last call's registration did
         self._worker = None
+        self._pid = os.getpid()  # the process the worker thread (and CUDA stream) belong to
         self._cuda_stream = None
         self._failed = None  # the exception of this call's failed bucket (worker thread only)
         # the caller runs beside the worker's packing (it takes tensors as they are queued):
@@ -156,6 +158,13 @@ class BucketMover:
         self.landed: dict = {}  # bucket index -> its landed event, set before DONE is published
         self._events: dict = {}  # bucket index -> (caller_done, landed) CUDA events, kept
         self._queued_event = None  # recorded per wait of the caller (see `queued_event`)
+        # (bucket index, Future) of moves a call gave up waiting for (timeout) and left running
+        self.leftover: list = []
+
+    def still_moving(self):
+        """The bucket a call gave up on that the worker still moves, or None."""
+        self.leftover = [(k, f) for k, f in self.leftover if not f.done()]
+        return self.leftover[0][0] if self.leftover else None
 
     def begin_call(self) -> None:
         """A new call: nothing is queued (every bucket of the previous call has returned, or
@@ -208,6 +217,11 @@ class BucketMover:
         preflight's extra checks. caller_done: a CUDA event the move waits for before writing.
         host_sync: the targets are read by the host once the Future is done. progress_origin:
         publish to the bucket's progress word, target bytes counted from this address."""
+        if self._pid != os.getpid():
+            # a forked child has none of the parent's threads: a job queued on the parent's
+            # worker would never run. The child starts its own (CUDA cannot be used there).
+            self._worker = self._cuda_stream = None
+            self.caller_has_core, self.leftover, self._pid = False, [], os.getpid()
         if self._worker is None:
             # one worker thread for the Stream's life: its allocator arena (CPU staging) and
             # CUDA stream are reused by every call. Its intra-op team is the caller's, one
@@ -267,8 +281,10 @@ class BucketMover:
 
     def _move_now(self, bucket, src, dst, checks, caller_done, host_sync, progress):
         transfer = self._transfer(bucket)
+        # `_call`, not `transfer(...)`: the Stream's call holds the group's lock for all its
+        # buckets (stream._hold_group), which the Transfer would take again on this thread
         if self.cuda_device is None:
-            return transfer(src, dst, checks=checks), None
+            return transfer._call(src, dst, checks), None
         stream = self._cuda_stream
         if stream is None:  # this thread's device and current stream, for every later move
             torch.cuda.set_device(self.cuda_device)
@@ -278,7 +294,7 @@ class BucketMover:
         if caller_done is not None:
             stream.wait_event(caller_done)
         with publishing(progress):
-            rep = transfer(src, dst, checks=checks)
+            rep = transfer._call(src, dst, checks)
         landed = self._bucket_events(bucket.index)[1]
         landed.record(stream)
         if progress is not None:
@@ -303,6 +319,14 @@ class BucketMover:
         """Undo host registrations (the Stream stays usable: the next call re-registers)."""
         if self.registry is not None:
             self.registry.close()
+
+    def shutdown(self) -> None:
+        """This mover is replaced (the Stream's group changed): undo its registrations and let
+        its worker thread end once idle."""
+        self.close()
+        if self._worker is not None and self._pid == os.getpid():
+            self._worker.shutdown(wait=False)
+        self._worker = None
 
 
 def _own_team(threads: int) -> None:

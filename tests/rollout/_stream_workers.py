@@ -264,16 +264,182 @@ def w_disagree(rank, world):
     return errs, msgs
 
 
-def w_early_stop(rank, world):
+def w_early_stop(rank, world, local=None):
     """The receiver stops after its first tensor; its peers iterate to the end and finish
-    normally (the closed generator moves the rest); the next call is complete everywhere."""
+    normally (the closed generator moves the rest); the next call is complete everywhere.
+    local: a Stream built (and pickled) in a process without a process group."""
     values = full_values(seed=3)
     layout, bufs = zero3_source(world, values, rank)
     s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)
-    errs = []
+    errs = _group_is_held(rank, s, layout, bufs, values)
+    errs += _resolved_per_call(rank, local, bufs, values)
     for _name, _t in s(bufs):
         break
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the early stop")
+    errs += _failure_after_an_early_stop(rank, s, bufs, want)
     dist.barrier()
+    return errs
+
+
+def _refuse():
+    raise RuntimeError("injected: the last bucket is refused on rank 0")
+
+
+def _failure_after_an_early_stop(rank, s, bufs, want):
+    """The last bucket fails (collectively) after the receiver stopped: its peers raise in
+    their loop, the receiver's generator close cannot raise (Python would print "Exception
+    ignored"), so the Stream's next call fails on every rank naming it; the one after works."""
+    import sys
+
+    errs, unraisable, msgs = [], [], []
+    last = len(s.buckets) - 1
+    move = s.mover._move
+    if rank == 0:
+
+        def refusing(bucket, src, dst, checks, *args):
+            return move(
+                bucket, src, dst, [*checks, _refuse] if bucket.index == last else checks, *args
+            )
+
+        s.mover._move = refusing
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        for call in range(2):
+            try:
+                for _ in s(bufs):
+                    if rank == 0 and call == 0:
+                        break
+            except rs.PreflightError as exc:
+                msgs.append(str(exc))
+            s.mover._move = move
+    finally:
+        sys.unraisablehook = hook
+    if unraisable:
+        errs.append(f"rank {rank}: printed {[str(u.exc_value) for u in unraisable]}")
+    expect = (
+        [["stopped early", "injected"]]
+        if rank == 0
+        else [["injected"], ["stopped early", "injected"]]
+    )
+    if len(msgs) != len(expect) or any(w not in m for m, ws in zip(msgs, expect) for w in ws):
+        errs.append(f"rank {rank}: expected PreflightErrors with {expect}, got {msgs}")
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the failed early stop")
+    return errs
+
+
+class _Hooked:
+    """A buffer set whose readiness hook runs `hook`."""
+
+    def __init__(self, buffers, hook):
+        self.buffers, self.hook = buffers, hook
+
+    def check(self):
+        self.hook()
+
+
+def _group_is_held(rank, s, layout, bufs, values):
+    """A Stream call holds its group from its first tensor to its end: a Stream or Transfer on
+    the group from inside it on the same thread (a readiness hook, a call left unfinished)
+    raises at once instead of waiting for itself, and identical Streams iterated from two
+    threads never pair their collectives with each other's."""
+    import threading
+
+    errs = []
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    other = rs.Stream(layout, [0], 4096, dtype=torch.bfloat16)
+    sync = rs.Transfer(layout, layout)
+    dst = {loc: torch.empty_like(b) for loc, b in bufs.items()}
+    inside = "iterated inside another call on the same process group"
+    cases = [  # (what, call, expected message)
+        (
+            "a Stream in a Transfer's hook",
+            lambda: sync(_Hooked(bufs, lambda: list(s(bufs))), dst),
+            inside,
+        ),
+        (
+            "a Stream in a Stream's hook",
+            lambda: list(s(_Hooked(bufs, lambda: list(other(bufs))))),
+            inside,
+        ),
+        (
+            "a Transfer in a Stream's hook",
+            lambda: list(s(_Hooked(bufs, lambda: sync(bufs, dst)))),
+            "called again",
+        ),
+    ]
+    for what, call, match in cases:
+        try:
+            call()
+            errs.append(f"rank {rank}: {what} did not raise")
+        except rs.PreflightError as exc:  # the hook's error, on every rank
+            if match not in str(exc):
+                errs.append(f"rank {rank}: {what}: {exc}")
+    # a call left unfinished holds the group: a Transfer on it raises on that rank, before
+    # any collective; closing the call moves the rest (a sender's call yields nothing: it ran
+    # to its end)
+    it = s(bufs)
+    next(it, None)
+    if rank == 0:
+        try:
+            sync(bufs, dst)
+            errs.append(f"rank {rank}: a Transfer during an unfinished Stream call ran")
+        except RuntimeError as exc:
+            if "called again" not in str(exc):
+                errs.append(f"rank {rank}: Transfer during an unfinished Stream call: {exc}")
+    it.close()
+    dist.barrier()
+    # two identical Streams from two threads, each over its own sources, the second started
+    # while the first is iterated: each gets its own values
+    twins = [rs.Stream(layout, [0], 1024, dtype=torch.bfloat16) for _ in range(2)]
+    vals = [values, {n: v * 3 - 1 for n, v in values.items()}]
+    srcs = [zero3_source(dist.get_world_size(), v, rank)[1] for v in vals]
+    started = threading.Event()
+    results = [[], []]
+
+    def run(i):
+        try:
+            for n, t in twins[i](srcs[i]):
+                started.set()
+                time.sleep(0.005)
+                ok = _same(t, vals[i][n].to(torch.bfloat16))
+                results[i].append(n if ok else f"{n} differs")
+        except Exception as exc:  # noqa: BLE001 - reported
+            results[i].append(repr(exc))
+        started.set()
+
+    first = threading.Thread(target=run, args=(0,))
+    first.start()
+    started.wait(60)
+    second = threading.Thread(target=run, args=(1,))
+    second.start()
+    first.join(120)
+    second.join(120)
+    expect = list(values) if rank == 0 else []
+    if results != [expect, expect]:
+        errs.append(f"rank {rank}: two threads' Streams got {results}")
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the group checks")
+    return errs
+
+
+def _resolved_per_call(rank, local, bufs, values):
+    """`local` was built without a process group (rank 0 of 1) and pickled: its group=None is
+    the default group at each call, so here it streams over the ranks; an explicit group is
+    not pickled."""
+    import pickle
+
+    errs = []
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    s = pickle.loads(pickle.dumps(local))
+    errs += consume(s, bufs, want, rank == 0, f"rank {rank} unpickled, built without a group")
+    if (s.rank, s.world_size, s.backend) != (rank, dist.get_world_size(), "gloo"):
+        errs.append(f"rank {rank}: resolved {(s.rank, s.world_size, s.backend)}")
+    copy = pickle.loads(pickle.dumps(s))  # used: pickles without its runtime state
+    errs += consume(copy, bufs, want, rank == 0, f"rank {rank} unpickled after use")
+    try:
+        pickle.dumps(rs.Stream(s.src_layout, [0], 1024, torch.bfloat16, group=dist.group.WORLD))
+        errs.append(f"rank {rank}: a Stream on an explicit group pickled")
+    except TypeError as exc:
+        if "explicit process group cannot be pickled" not in str(exc):
+            errs.append(f"rank {rank}: pickling a Stream on a group: {exc}")
     return errs

@@ -220,6 +220,54 @@ def test_a_failed_bucket_stops_the_ones_queued_behind_it():
         assert torch.equal(t, values[name].to(torch.bfloat16))
 
 
+def _stick(stream, index):
+    """Make the worker hang in bucket `index`'s move until the returned event is set."""
+    import threading
+
+    release, move = threading.Event(), stream.mover._move
+
+    def stuck(bucket, *args):
+        if bucket.index == index:
+            release.wait(120)
+        return move(bucket, *args)
+
+    stream.mover._move = stuck
+    return release
+
+
+def test_a_bucket_that_never_finishes_is_an_error_within_the_timeout():
+    """Every wait on the worker is bounded by the Stream's timeout: a bucket that never
+    finishes ends the call with a TransferError naming it (in the loop, and when a caller that
+    stopped early is drained); the Stream refuses calls while its worker is still stuck, and
+    works again once it is not (no process group: nothing is out of step)."""
+    import time
+
+    values, layout, bufs = _local()
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16, timeout=1.0)
+    assert len(s.buckets) >= 3
+    for stop_early in (False, True):
+        release = _stick(s, 1)
+        t0 = time.perf_counter()
+        if stop_early:  # the close moves the rest: bounded too, and reported by the next call
+            for _ in s(bufs):
+                break
+        else:
+            with pytest.raises(rs.TransferError, match=r"bucket 1 of \d+ did not finish within"):
+                for _ in s(bufs):
+                    pass
+        assert time.perf_counter() - t0 < 15
+        with pytest.raises(RuntimeError, match="still moving bucket 1"):
+            next(s(bufs))
+        release.set()
+        s.mover._worker.submit(int).result(timeout=60)  # the worker is idle again
+        del s.mover._move
+        if stop_early:
+            with pytest.raises(rs.PreflightError, match="stopped early.*did not finish within"):
+                next(s(bufs))
+        assert W.consume(s, bufs, want, True, f"after a stuck bucket ({stop_early})") == []
+
+
 def test_plans_are_built_once_and_reused():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 512, dtype=torch.bfloat16)
@@ -237,10 +285,16 @@ def test_plans_are_built_once_and_reused():
 
 
 def test_early_break_then_full_call():
+    """A yielded tensor is valid until the next iteration, and `break` ends the iteration: the
+    close moves the remaining buckets through the same buffer (the peers expect them), so a
+    view kept past the loop is the Stream's memory; a copy taken in the loop stays right."""
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
-    for _ in s(bufs):
+    for name, t in s(bufs):
+        kept, copy, want = t, t.clone(), values[name].to(torch.bfloat16)
         break
+    assert kept.untyped_storage().data_ptr() == s.buffer.untyped_storage().data_ptr()
+    assert torch.equal(copy, want)
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     assert W.consume(s, bufs, want, True, "after break") == []
 
@@ -364,6 +418,59 @@ def test_an_unfinished_call_at_interpreter_exit_is_quiet():
     assert out.stderr == "", out.stderr
 
 
+def test_a_forked_child_gets_a_worker_of_its_own():
+    """After os.fork() the child has none of the parent's threads: its calls start a worker of
+    their own (they would wait forever on the parent's) and move the child's values."""
+    import subprocess
+
+    code = (
+        "import os, time, torch, reshard as rs\n"
+        "torch.set_num_threads(1)\n"
+        "L = rs.Layout({f't{i}': rs.replicated((64,), [i]) for i in range(4)},\n"
+        "              {i: rs.Storage(0, torch.float32, 64) for i in range(4)})\n"
+        "bufs = {i: torch.randn(64) for i in range(4)}\n"
+        "s = rs.Stream(L, [0], 256, timeout=20)\n"
+        "assert all(torch.equal(t, bufs[int(n[1:])]) for n, t in s(bufs))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    two = {i: b * 2 for i, b in bufs.items()}\n"
+        "    ok = all(torch.equal(t, two[int(n[1:])]) for n, t in s(two))\n"
+        "    os._exit(0 if ok else 3)\n"
+        "for _ in range(600):\n"
+        "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if done:\n"
+        "        print('child', os.waitstatus_to_exitcode(status))\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "else:\n"
+        "    os.kill(pid, 9)\n"
+        "    print('child hung')\n"
+        "it = s(bufs)\n"  # forked mid-call: the child's copy of the call refuses at once
+        "next(it)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        list(it)\n"
+        "    except RuntimeError as exc:\n"
+        "        ok = 'before os.fork()' in str(exc)\n"
+        "        ok = ok and len(list(s(bufs))) == 4\n"
+        "        os._exit(0 if ok else 4)\n"
+        "    os._exit(5)\n"
+        "for _ in range(600):\n"
+        "    done, status = os.waitpid(pid, os.WNOHANG)\n"
+        "    if done:\n"
+        "        print('child', os.waitstatus_to_exitcode(status))\n"
+        "        break\n"
+        "    time.sleep(0.1)\n"
+        "else:\n"
+        "    os.kill(pid, 9)\n"
+        "    print('child hung')\n"
+        "assert len(list(it)) == 3\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and out.stdout == "child 0\nchild 0\n", out
+
+
 def test_not_reentrant():
     values, layout, bufs = _local()
     s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
@@ -450,6 +557,12 @@ def test_constructor_refuses_what_the_first_call_would():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             rs.Stream(layout, device="cuda")
+    # receivers' tensors live on the CPU or a CUDA device this process has, nothing else
+    for device in ("meta", "mps", torch.device("meta")):
+        with pytest.raises(ValueError, match="device .*cpu or a CUDA device"):
+            rs.Stream(layout, device=device)
+    with pytest.raises(ValueError, match="not a device"):
+        rs.Stream(layout, device="nonsense")
 
 
 class _NotReady:
@@ -501,5 +614,11 @@ def test_stream_gloo_ranks_that_disagree_fail_together(tmp_path):
 
 
 def test_stream_gloo_early_stop(tmp_path):
-    for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180):
+    """Also: group holding, the group resolved per call, pickling (`W._group_is_held`,
+    `W._resolved_per_call`)."""
+    layout, _ = W.zero3_source(2, W.full_values(seed=3), 0)
+    local = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16)  # no process group here
+    assert (local.rank, local.world_size, local.backend) == (0, 1, "local")
+    args = (local,)
+    for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180, args=args):
         assert errs == []
