@@ -554,10 +554,36 @@ def test_reentrant_call_from_a_hook_is_refused():
     def hook():
         sync(sb, {10: torch.zeros(6)})
 
-    with pytest.raises(rs.PreflightError, match="called again from inside a call"):
+    with pytest.raises(rs.PreflightError, match="on the thread where a Transfer call holds"):
         sync(sb, db, checks=(hook,))
     assert bool((db[10] == S.POISON).all())
     sync(sb, db)  # the Transfer is still usable
+
+
+def test_a_call_waits_for_another_threads_call_at_most_its_timeout():
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst, timeout=0.3)
+    sb, db = {0: torch.arange(6.0)}, {10: torch.full((6,), S.POISON)}
+    inside, release = threading.Event(), threading.Event()
+
+    def hook():
+        inside.set()
+        release.wait(30)
+
+    holder = threading.Thread(
+        target=sync, args=(sb, {10: torch.zeros(6)}), kwargs={"checks": (hook,)}
+    )
+    holder.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(TimeoutError, match="waited 0.3 s for a Transfer call on another"):
+            sync(sb, db)
+        assert bool((db[10] == S.POISON).all())
+    finally:
+        release.set()
+        holder.join(30)
+    sync(sb, db)
+    assert torch.equal(db[10], sb[0])
     assert torch.equal(db[10], sb[0])
 
 

@@ -580,28 +580,54 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
 
 
 class _CallLock:
-    """Serializes calls; a call from the thread that already holds it (a readiness hook that
-    calls the transfer it runs in) is refused instead of waiting for itself forever."""
+    """Serializes calls. A call from the thread that already holds it (a readiness hook that
+    calls the transfer it runs in, a Transfer inside a Stream's loop body) is refused instead
+    of waiting for itself forever; a call from another thread waits at most its timeout.
+    Either error names what holds the lock."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._owner = None
+        self._holder = None
 
-    def __enter__(self):
+    def acquire(self, holder: str, timeout: float | None = None) -> _CallLock:
         if self._owner == threading.get_ident():
             raise RuntimeError(
-                "a reshard transfer was called again from inside a call on the same thread "
-                "(e.g. from a readiness hook); calls on one Transfer or one process group "
-                "run one at a time"
+                f"a reshard call was made on the thread where {self._holder} holds this "
+                "process group (or Transfer), e.g. from a readiness hook or a Stream's loop "
+                "body: calls on one Transfer or one process group run one at a time, so it "
+                "would wait for itself; finish or close the other call first"
             )
-        self._lock.acquire()
-        self._owner = threading.get_ident()
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(
+                f"waited {timeout:g} s for {self._holder} on another thread to release this "
+                "process group: calls on a group run one at a time (an rs.Stream iteration "
+                "holds it until its loop ends or the generator is closed)"
+            )
+        self._owner, self._holder = threading.get_ident(), holder
         return self
 
+    def __enter__(self):
+        return self.acquire("a reshard call")
+
     def __exit__(self, *exc):
-        self._owner = None
+        self._owner = self._holder = None
         self._lock.release()
         return False
+
+
+@contextlib.contextmanager
+def _holding(lock, holder: str, timeout: float):
+    """Hold `lock` (a _CallLock, or a nullcontext when there is nothing to order) for a call."""
+    if isinstance(lock, _CallLock):
+        lock.acquire(holder, timeout)
+        try:
+            yield
+        finally:
+            lock.__exit__()
+    else:
+        with lock:
+            yield
 
 
 # One lock per process group: the collectives of two calls on one group from two threads would
@@ -633,7 +659,8 @@ def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DE
     """
     group, rank, world, transport = resolve_group(group)
     engine = _Engine(plan, group, rank, world, transport)
-    with _call_lock(group, contextlib.nullcontext()):  # a fresh engine: nothing shared
+    lock = _call_lock(group, contextlib.nullcontext())  # a fresh engine: nothing else shared
+    with _holding(lock, "a reshard.execute call", timeout):
         return _run(engine, src_buffers, dst_buffers, checks, timeout, 0.0)[0]
 
 
@@ -732,7 +759,7 @@ class Transfer:
         """One sync (collective over the group). Calls never interleave: a call made while
         another runs on the same group (or, without a group, on this Transfer) waits for it."""
         resolved = resolve_group(self.group)
-        with _call_lock(resolved[0], self._lock):
+        with _holding(_call_lock(resolved[0], self._lock), "a Transfer call", self.timeout):
             return self._call(resolved, src_buffers, dst_buffers, checks)
 
     def _call(self, resolved, src_buffers, dst_buffers, checks) -> Report:
@@ -769,7 +796,8 @@ class Transfer:
     def wait_host_registration(self) -> dict:
         """Wait for the background host registration of this Transfer's buffers (if any) and
         return what it did ({"sources": ..., "targets": ...}, as HostRegistry.wait says)."""
-        with _call_lock(resolve_group(self.group)[0], self._lock):
+        lock = _call_lock(resolve_group(self.group)[0], self._lock)
+        with _holding(lock, "a Transfer call", self.timeout):
             return {
                 side: registry.wait()
                 for side, registry in (

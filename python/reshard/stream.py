@@ -55,7 +55,6 @@ import time
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from . import stream_buckets as sb
 from .layout import Layout
@@ -192,7 +191,7 @@ class Stream:
             self.mover.shutdown()
         self.rank, self.world_size, self.backend, self.device = rank, world, backend, device
         self.mover = BucketMover(
-            self.buckets, group, rank, self.timeout, cuda, self.register_host_sources
+            self.buckets, bound, self.timeout, cuda, self.register_host_sources
         )
         # a CUDA receiver's caller works on its tensors while the worker packs the next ones
         self.mover.caller_overlaps = rank in self.receivers and device.type == "cuda"
@@ -291,7 +290,7 @@ class Stream:
         bound = _resolve_group(self.group)
         if self._bound is None or bound[0] is not self._bound[0] or bound[1:] != self._bound[1:]:
             self._bind(bound)
-        lock = _hold_group(bound[0])
+        lock = _hold_group(bound[0], self.timeout)
         self._active = os.getpid()
         try:
             t0 = time.perf_counter()
@@ -386,32 +385,27 @@ class Stream:
 
 
 def _resolve_group(group):
-    """(group, rank, world size, backend) the stream runs over now: group=None is the default
-    group (or, without one, in-process: (None, 0, 1, "local"))."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return None, 0, 1, "local"
-    g = dist.group.WORLD if group is None else group
-    if g is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(g) < 0:
-        raise ValueError(
-            f"global rank {dist.get_rank()} is not a member of the stream's process group: "
-            "only the group's members build and iterate a stream on that group"
-        )
-    return g, dist.get_rank(g), dist.get_world_size(g), str(dist.get_backend(g)).lower()
+    """(group, rank, world size, transport) the stream runs over now, resolved as a Transfer's
+    (executor.resolve_group): group=None is the default group, or in-process without one."""
+    from .executor import resolve_group  # needs the built ops; planning does not
+
+    return resolve_group(group)
 
 
-def _hold_group(group):
+def _hold_group(group, timeout):
     """Enter `group`'s call lock (the executor's, shared with every Transfer on the group) for
     a whole call: its buckets' collectives must not interleave with another call's on the
     group (gloo pairs them in issue order; identical Streams would silently swap data). From
-    other threads, calls wait; from this thread (the loop body, a readiness hook, a Stream
-    call left unfinished) they raise: waiting would be waiting for itself. None: no group."""
+    other threads, calls wait up to `timeout`; from this thread (the loop body, a readiness
+    hook, a Stream call left unfinished) they raise: waiting would be waiting for itself.
+    None: no group."""
     if group is None:
         return None
     from .executor import _call_lock  # needs the built ops; planning does not
 
     lock = _call_lock(group, None)
     try:
-        lock.__enter__()
+        lock.acquire("an rs.Stream iteration (until its loop ends or it is closed)", timeout)
     except RuntimeError as exc:
         raise RuntimeError(
             "an rs.Stream was iterated inside another call on the same process group on this "

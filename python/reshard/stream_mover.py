@@ -138,8 +138,10 @@ class BucketMover:
     """Moves a Stream's buckets, one at a time, on one worker thread (see the module
     docstring). `submit` returns a Future of (Report, CUDA event or None)."""
 
-    def __init__(self, buckets, group, rank, timeout, cuda_device, register_host_sources):
-        self.group, self.timeout = group, timeout
+    def __init__(self, buckets, bound, timeout, cuda_device, register_host_sources):
+        """bound: the resolved (group, rank, world size, transport) every bucket runs over."""
+        self.bound, self.group, self.timeout = bound, bound[0], timeout
+        rank = bound[1]
         self.plans = [b.plan for b in buckets]
         self.pool = StagingPool(self.plans, rank)
         self.transfers: dict = {}  # bucket index -> Transfer, created on its first move
@@ -284,7 +286,7 @@ class BucketMover:
         # `_call`, not `transfer(...)`: the Stream's call holds the group's lock for all its
         # buckets (stream._hold_group), which the Transfer would take again on this thread
         if self.cuda_device is None:
-            return transfer._call(src, dst, checks), None
+            return transfer._call(self.bound, src, dst, checks), None
         stream = self._cuda_stream
         if stream is None:  # this thread's device and current stream, for every later move
             torch.cuda.set_device(self.cuda_device)
@@ -294,7 +296,7 @@ class BucketMover:
         if caller_done is not None:
             stream.wait_event(caller_done)
         with publishing(progress):
-            rep = transfer._call(src, dst, checks)
+            rep = transfer._call(self.bound, src, dst, checks)
         landed = self._bucket_events(bucket.index)[1]
         landed.record(stream)
         if progress is not None:

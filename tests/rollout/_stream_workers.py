@@ -365,7 +365,7 @@ def _group_is_held(rank, s, layout, bufs, values):
         (
             "a Transfer in a Stream's hook",
             lambda: list(s(_Hooked(bufs, lambda: sync(bufs, dst)))),
-            "called again",
+            "where an rs.Stream iteration (until its loop ends or it is closed) holds",
         ),
     ]
     for what, call, match in cases:
@@ -384,8 +384,8 @@ def _group_is_held(rank, s, layout, bufs, values):
         try:
             sync(bufs, dst)
             errs.append(f"rank {rank}: a Transfer during an unfinished Stream call ran")
-        except RuntimeError as exc:
-            if "called again" not in str(exc):
+        except RuntimeError as exc:  # names what holds the group
+            if "where an rs.Stream iteration (until its loop ends" not in str(exc):
                 errs.append(f"rank {rank}: Transfer during an unfinished Stream call: {exc}")
     it.close()
     dist.barrier()
