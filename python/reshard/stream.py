@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Mapping
 
@@ -275,23 +276,33 @@ class Stream:
 
     def _run(self, src_buffers):
         bufs, hooks = _buffers_and_hooks(src_buffers)
-        if self._active == os.getpid():  # a call copied into a forked child is not this one
-            raise RuntimeError(
-                "this Stream is already being iterated: finish (or close) that iteration "
-                "first; its buffer holds the tensors it yields"
-            )
-        stuck = self.mover.still_moving() if self.mover is not None else None
-        if stuck is not None:
-            raise RuntimeError(
-                f"this Stream's worker is still moving bucket {stuck} of a call that gave up "
-                f"waiting for it (timeout {self.timeout:g} s): a new call would queue behind it"
-            )
-        # the group is resolved per call, as a Transfer's (group=None: the default group now)
-        bound = _resolve_group(self.group)
-        if self._bound is None or bound[0] is not self._bound[0] or bound[1:] != self._bound[1:]:
-            self._bind(bound)
-        lock = _hold_group(bound[0], self.timeout)
-        self._active = os.getpid()
+        with _ENTRY_GUARD:  # checked and taken at once: two threads never both pass
+            if self._active == os.getpid():  # a call copied into a forked child is not this one
+                raise RuntimeError(
+                    "this Stream is already being iterated: finish (or close) that iteration "
+                    "first; its buffer holds the tensors it yields"
+                )
+            self._active = os.getpid()
+        try:
+            stuck = self.mover.still_moving() if self.mover is not None else None
+            if stuck is not None:
+                raise RuntimeError(
+                    f"this Stream's worker is still moving bucket {stuck} of a call that gave "
+                    f"up waiting for it (timeout {self.timeout:g} s): a new call would queue "
+                    "behind it"
+                )
+            # the group is resolved per call, as a Transfer's (group=None: the default group)
+            bound = _resolve_group(self.group)
+            if (
+                self._bound is None
+                or bound[0] is not self._bound[0]
+                or bound[1:] != self._bound[1:]
+            ):
+                self._bind(bound)
+            lock = _hold_group(bound[0], self.timeout)
+        except BaseException:
+            self._active = None
+            raise
         try:
             t0 = time.perf_counter()
             self._buffer_error = self._allocate_buffer()
@@ -382,6 +393,9 @@ class Stream:
     def view_ends(self, k) -> list:
         """Per tensor of `views(k)`: the end of its bytes, as an offset in the buffer."""
         return self._ends[k]
+
+
+_ENTRY_GUARD = threading.Lock()  # a Stream's "already iterated" check and its claim, as one
 
 
 def _resolve_group(group):

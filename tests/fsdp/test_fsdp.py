@@ -474,6 +474,11 @@ def _errors_worker(rank, world):
     sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
     train(net, sgd, 1, seed=2, rank=rank)
     expect(UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", sgd)
+    plain_sgd = torch.optim.SGD(param_groups(net), lr=LR)  # stepped, and still no state
+    train(net, plain_sgd, 1, seed=3, rank=rank)
+    expect(
+        UnsupportedError, "SGD keeps no 'exp_avg' state", rsfsdp.describe, net, "exp_avg", plain_sgd
+    )
 
     # between forward and backward the root's parameters are unsharded: describe refuses, a
     # state described before refuses in preflight on every rank
@@ -641,7 +646,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
 
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
-    assert len(seen) == 32, seen
+    assert len(seen) == 33, seen
 
 
 def _changed_in_place_worker(rank, world):

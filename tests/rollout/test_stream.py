@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -481,6 +482,52 @@ def test_not_reentrant():
     rest = [n for n, _ in first]
     assert len(rest) == len(s.names) - 1
     assert len(list(s(bufs))) == len(s.names)  # usable again once the first call ended
+
+
+def test_threads_starting_one_stream_at_once_get_one_call():
+    """Threads that start the same Stream together: exactly one call runs, every other raises
+    at once (none waits and runs a call of its own after it: its peers would not). A fresh
+    Stream each round, so the calls' first steps include binding its worker."""
+
+    values, layout, bufs = _local()
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave inside a call's first steps
+    try:
+        for _ in range(20):
+            outcomes = _start_together(rs.Stream(layout, [0], 256, dtype=torch.bfloat16), bufs)
+            assert sorted(outcomes) == ["already"] * 3 + ["ran"], outcomes
+    finally:
+        sys.setswitchinterval(switch)
+
+
+def _start_together(s, bufs, threads=4):
+    """What each of `threads` threads got from starting `s` at once: "ran" (it held its call
+    until every other thread had its answer), "already", or the unexpected exception."""
+    import threading
+
+    gate, release, outcomes = threading.Barrier(threads), threading.Event(), []
+
+    def start():
+        it = s(bufs)
+        gate.wait(30)
+        try:
+            next(it)
+        except RuntimeError as exc:
+            outcomes.append("already" if "already being iterated" in str(exc) else repr(exc))
+            return
+        outcomes.append("ran")
+        release.wait(30)
+        it.close()
+
+    workers = [threading.Thread(target=start) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    while outcomes.count("already") < threads - 1 and any(w.is_alive() for w in workers):
+        time.sleep(0.002)
+    release.set()
+    for w in workers:
+        w.join(30)
+    return outcomes
 
 
 def test_validation_errors():

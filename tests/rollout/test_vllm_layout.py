@@ -223,6 +223,9 @@ def test_config_json_dict_is_read_as_its_model_config():
         rsvllm.tp_layout({"hidden_size": 32}, 2, [0, 1])
     with pytest.raises(rs.UnsupportedError, match="model_type 'no-such-model'"):
         rsvllm.tp_layout({"model_type": "no-such-model"}, 2, [0, 1])
+    for bad in ({"rope_scaling": {"rope_type": "yarn"}}, {"num_hidden_layers": "2"}):
+        with pytest.raises(rs.UnsupportedError, match="cannot build its config from this dict"):
+            rsvllm.tp_layout({**cfg.to_dict(), **bad}, 2, [0, 1])
     with pytest.raises(rs.UnsupportedError, match="model_type 'gpt2'"):
         rsvllm.tp_layout(transformers.GPT2Config().to_dict(), 1, [0])
 

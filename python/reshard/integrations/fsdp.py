@@ -260,6 +260,12 @@ def _optimized(params, optimizer, kind):
         )
     state = optimizer.state
     out = [(n, p) for n, p in mine if state.get(p)]
+    if not out and "betas" not in optimizer.defaults:
+        # no state may just mean "not stepped yet" only for an optimizer that would keep it
+        raise UnsupportedError(
+            f"{opt_name} keeps no {kind!r} state: Adam moments come from an Adam-family "
+            "optimizer (Adam, AdamW)"
+        )
     if not out:
         raise NotReadyError(
             f"{opt_name} has no optimizer state yet for the {len(mine)} parameters of this "

@@ -211,8 +211,11 @@ def _config_from_dict(d: Mapping):
 
     try:
         return transformers.AutoConfig.for_model(**d)
-    except ValueError as exc:  # a model_type transformers does not know
-        raise UnsupportedError(f"model_type {model_type!r}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - an unknown model_type, or a value its config refuses
+        raise UnsupportedError(
+            f"model_type {model_type!r}: transformers cannot build its config from this dict "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def _positive(cfg, key) -> int:
