@@ -307,6 +307,8 @@ def test_views_and_tensors_the_ops_cannot_copy_are_refused_before_any_write():
         (-1.0, ValueError),
         (1e300, ValueError),
         (1e-4, ValueError),  # gloo counts whole milliseconds: 0 ms would mean no limit
+        (10**400, ValueError),  # beyond float's range
+        (np.float32(1.0), TypeError),
     ],
 )
 def test_bad_timeouts(timeout, error):
@@ -455,6 +457,74 @@ def test_a_live_buffer_set_whose_layout_is_not_the_plans():
         except rs.PreflightError as exc:
             assert not ok and "target buffers' layout" in str(exc), exc
             assert bool((db[10] == S.POISON).all())
+
+
+class _Hooked:
+    """A buffers object whose readiness hook runs `hook` (it may change the buffers)."""
+
+    def __init__(self, buffers, hook):
+        self.buffers, self.hook = buffers, hook
+
+    def check(self):
+        self.hook()
+
+
+@pytest.mark.parametrize("call", ["first", "repeated"])
+def test_checks_see_the_buffers_as_the_readiness_hooks_leave_them(call):
+    """A hook may swap a buffer's .data or free its storage (as FSDP and ZeRO-3 do): every
+    check, and a repeated call's short path, reads the buffers after the hooks ran, so the
+    swap onto a source and the freed storage are refused and no source is written."""
+    two = rs.Layout(
+        {"w": rs.flat((6,), [(0, 0, 6, 0)]), "v": rs.flat((6,), [(1, 0, 6, 0)])},
+        {0: rs.Storage(0, torch.float32, 6), 1: rs.Storage(0, torch.float32, 6)},
+    )
+    dst = rs.Layout(
+        {"w": rs.flat((6,), [(10, 0, 6, 0)]), "v": rs.flat((6,), [(11, 0, 6, 0)])},
+        {10: rs.Storage(0, torch.float32, 6), 11: rs.Storage(0, torch.float32, 6)},
+    )
+    sync = rs.Transfer(two, dst)
+    a, b = torch.arange(6.0), torch.full((6,), 9.0)
+    target, other = torch.zeros(6), torch.zeros(6)
+    sb, db = {0: a, 1: b}, {10: target, 11: other}
+    if call == "repeated":
+        sync(sb, _Hooked(db, lambda: None))
+    swap = _Hooked(db, lambda: setattr(target, "data", b))
+    with pytest.raises(rs.PreflightError, match="aliases source location 1"):
+        sync(sb, swap)
+    assert torch.equal(b, torch.full((6,), 9.0)), "a source was written"
+    target.data = torch.zeros(6)
+    if call == "repeated":
+        sync(sb, _Hooked(db, lambda: None))
+
+    def free():
+        other.untyped_storage().resize_(0)
+
+    with pytest.raises(rs.PreflightError, match="target location 11: .*storage"):
+        sync(sb, _Hooked(db, free))
+    assert torch.equal(a, torch.arange(6.0)) and torch.equal(b, torch.full((6,), 9.0))
+
+
+def test_checks_and_buffer_objects_that_raise_or_mislead_are_collective_reasons():
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+
+    def raising():
+        yield lambda: None
+        raise KeyError("from the checks generator")
+
+    _refused(lambda db: sync(sb, db, checks=raising()), "KeyError: 'from the checks generator'")
+
+    class Odd:
+        def __init__(self, buffers, **attrs):
+            self.buffers = buffers
+            self.__dict__.update(attrs)
+
+    _refused(lambda db: sync(Odd(sb, check=5), db), r"src_buffers' `.check` must be callable")
+    _refused(
+        lambda db: sync(sb, Odd(db, layout={"w": 1})),
+        r"dst_buffers' `.layout` must be a reshard Layout \(or absent\), got dict",
+    )
 
 
 @pytest.mark.parametrize("group", ["world", 0, object()])

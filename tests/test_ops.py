@@ -8,6 +8,8 @@ all show up. Destinations are poisoned with a byte pattern that no copy writes.
 import ctypes
 import itertools
 import platform
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -488,6 +490,12 @@ def test_bad_arguments():
         reshard.copy_runs(src, np.array([[0, 1, 0, 1, 2**63, 1]], np.uint64), dst)
     with pytest.raises(TypeError, match="rectangular table of integers"):
         reshard.copy_runs(src, [[0, 1, 0, 1, 2, 1], [0]], dst)
+    # numpy would truncate these, or read True as 1
+    for bad in (Fraction(3, 2), Decimal("1.9"), True, 1.0):
+        with pytest.raises(TypeError, match="desc must hold integers, got"):
+            reshard.copy_runs(src, [[bad, 1, 0, 1, 2, 1]], dst)
+    with pytest.raises(ValueError, match="desc holds a value outside int64"):
+        reshard.copy_runs(src, [[2**63, 1, 0, 1, 2, 1]], dst)
     assert torch.equal(dst, poisoned(16, torch.float32))
 
 

@@ -183,17 +183,14 @@ def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
             raise ValueError(f"{name} holds a value outside int64")
         t = table
     else:
+        if not isinstance(table, np.ndarray):
+            _check_python_ints(table, name)  # numpy would truncate 1.5 or Fraction, take True
         try:
             arr = np.asarray(table)
         except ValueError:  # ragged rows
             raise TypeError(f"{name} must be a rectangular table of integers") from None
-        if arr.dtype == object:  # Python ints beyond int64 (or ragged rows) land here
-            try:
-                arr = np.asarray(table, dtype=np.int64)
-            except OverflowError:
-                raise ValueError(f"{name} holds a value outside int64") from None
-            except (TypeError, ValueError):
-                raise TypeError(f"{name} must be a rectangular table of integers") from None
+        if arr.dtype == object:  # Python ints of int64's range that numpy did not type
+            arr = np.asarray(table, dtype=np.int64)
         if arr.size == 0 and arr.ndim == 1:
             arr = np.zeros((0, width), dtype=np.int64)
         if not np.issubdtype(arr.dtype, np.integer):
@@ -206,6 +203,25 @@ def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
     if t.dtype != torch.int64:
         t = t.to(torch.int64)
     return t.contiguous()
+
+
+def _check_python_ints(table, name: str) -> None:
+    """Every entry of a table given as nested sequences is an integer (bool refused) that
+    fits int64."""
+    try:
+        rows = list(table)
+    except TypeError:
+        raise TypeError(f"{name} must be a table of integers, got {type(table).__name__}") from None
+    for row in rows:
+        try:
+            values = list(row)
+        except TypeError:  # a flat list: its values are checked here, its shape later
+            values = [row]
+        for x in values:
+            if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+                raise TypeError(f"{name} must hold integers, got {type(x).__name__} {x!r}")
+            if not -(2**63) <= int(x) < 2**63:
+                raise ValueError(f"{name} holds a value outside int64: {x}")
 
 
 def as_desc(desc) -> torch.Tensor:

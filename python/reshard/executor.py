@@ -619,9 +619,9 @@ class _CallLock:
 @contextlib.contextmanager
 def _holding(lock, holder: str, timeout: float):
     """Hold `lock` (a _CallLock, or a nullcontext when there is nothing to order) for a call.
-    A bad timeout waits without limit: the call's preflight refuses it on every rank."""
+    A bad timeout (the call's preflight refuses it, on every rank) waits the default one."""
     if isinstance(lock, _CallLock):
-        lock.acquire(holder, None if pf.timeout_error(timeout) else timeout)
+        lock.acquire(holder, DEFAULT_TIMEOUT_S if pf.timeout_error(timeout) else timeout)
         try:
             yield
         finally:

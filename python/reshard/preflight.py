@@ -73,18 +73,34 @@ def as_buffer_set(obj, side: str) -> BufferSet:
         return BufferSet(dict(obj))
     buffers = getattr(obj, "buffers", None)
     if isinstance(buffers, Mapping):
-        check = getattr(obj, "check", None)
         layout = getattr(obj, "layout", None)
-        return BufferSet(
-            dict(buffers),
-            [check] if callable(check) else [],
-            layout if isinstance(layout, Layout) else None,
-            type(obj).__name__,
-        )
+        if layout is not None and not isinstance(layout, Layout):
+            raise TypeError(
+                f"{side}_buffers' `.layout` must be a reshard Layout (or absent), got "
+                f"{type(layout).__name__}"
+            )
+        return BufferSet(dict(buffers), readiness_hooks(obj, side), layout, type(obj).__name__)
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
     )
+
+
+def readiness_hooks(obj, side: str) -> list:
+    """The readiness hook of a buffers object (its `.check`), as a list; none for a mapping."""
+    if isinstance(obj, BufferSet):
+        return obj.checks
+    if isinstance(obj, Mapping):
+        return []
+    check = getattr(obj, "check", None)
+    if check is None:
+        return []
+    if not callable(check):
+        raise TypeError(
+            f"{side}_buffers' `.check` must be callable (a readiness hook), got "
+            f"{type(check).__name__}"
+        )
+    return [check]
 
 
 def fingerprint_words(fp) -> tuple[int, int]:
@@ -551,23 +567,23 @@ def _any_overlap(src_ok, dst_ok) -> bool:
     return False
 
 
-def buffer_checks(plan, rank, world_size, transport, src, dst, extra_checks=()):
-    """The checks every call makes: (reasons, src_ok, dst_ok) with the validated
-    {location: tensor} maps. Per buffer: ownership, dtype, extent, 1-D contiguous, a live
-    storage, device against the transport, and for targets the in-place rules of the current
-    grad / inference mode; then the readiness hooks."""
+def buffer_checks(plan, rank, world_size, transport, src, dst):
+    """The per-buffer checks of a call's full path: (reasons, src_ok, dst_ok) with the
+    validated {location: tensor} maps. Per buffer: ownership, dtype, extent, 1-D contiguous, a
+    live storage, device against the transport, and for targets the in-place rules of the
+    current grad / inference mode."""
     if transport not in SUPPORTED_TRANSPORTS:
         return [f"unsupported transport {transport!r} (gloo, nccl or no process group)"], {}, {}
     reasons: list[str] = []
     src_ok = _check_side("source", plan.src, src.buffers, rank, world_size, transport, reasons)
     dst_ok = _check_side("target", plan.dst, dst.buffers, rank, world_size, transport, reasons)
-    return reasons + hook_reasons(src, dst, extra_checks), src_ok, dst_ok
+    return reasons, src_ok, dst_ok
 
 
-def hook_reasons(src: BufferSet, dst: BufferSet, extra_checks=()) -> list[str]:
+def hook_reasons(hooks) -> list[str]:
     """What the readiness hooks raise, as reasons (run on every call)."""
     reasons = []
-    for check in [*src.checks, *dst.checks, *extra_checks]:
+    for check in hooks:
         try:
             check()
         except Exception as exc:  # noqa: BLE001 - any hook failure is a reason, not a crash
@@ -789,8 +805,11 @@ def timeout_error(timeout) -> Exception | None:
     """The error an unusable `timeout` (seconds for any one wait) deserves, else None."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         return TypeError(
-            f"timeout must be a number of seconds, got {type(timeout).__name__} {timeout!r}"
+            "timeout must be a number of seconds (a Python int or float: float(x) for a numpy "
+            f"scalar), got {type(timeout).__name__} {timeout!r}"
         )
+    if isinstance(timeout, int) and timeout > MAX_TIMEOUT_S:  # past float's range, maybe
+        return ValueError(f"timeout must be at most {MAX_TIMEOUT_S:.0f} seconds, got {timeout!r}")
     if not math.isfinite(timeout) or timeout <= 0:
         return ValueError(
             f"timeout must be a finite number of seconds > 0, got {timeout!r} (every wait is "
@@ -949,14 +968,19 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
-    checks, bad_checks = as_checks(checks)
-    if bad_checks:
-        reasons.append(bad_checks)
-    bad_plan = plan_problem(ctx.plan)
-    if bad_plan:  # nothing else can be checked against it
-        return Collected([*reasons, bad_plan], src_ok, dst_ok, key, need_ring, short)
     try:
+        checks, bad_checks = as_checks(checks)
+        if bad_checks:
+            reasons.append(bad_checks)
+        bad_plan = plan_problem(ctx.plan)
+        if bad_plan:  # nothing else can be checked against it
+            return Collected([*reasons, bad_plan], src_ok, dst_ok, key, need_ring, short)
         reasons += ctx.prepare()
+        # the hooks first: one may change what a buffer is (swap a tensor's .data, free or
+        # resize its storage), and every check below, the short path's key included, must
+        # read the buffers as the transfer will find them
+        hooks = [*readiness_hooks(src_buffers, "src"), *readiness_hooks(dst_buffers, "dst")]
+        reasons += hook_reasons([*hooks, *checks])
         src = as_buffer_set(src_buffers, "src")
         dst = as_buffer_set(dst_buffers, "dst")
         reasons += layout_reasons(
@@ -970,12 +994,11 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
             # call's key object stands for them (what the executor derived from it holds)
             key = cleared[0]
             src_ok, dst_ok, need_ring = src.buffers, dst.buffers, cleared[1]
-            reasons += hook_reasons(src, dst, checks)
             if not reasons:
                 reasons += _allocate(ctx, src_ok, dst_ok, need_ring, key)
         else:
             more, src_ok, dst_ok = buffer_checks(
-                ctx.plan, ctx.rank, ctx.world_size, ctx.transport, src, dst, checks
+                ctx.plan, ctx.rank, ctx.world_size, ctx.transport, src, dst
             )
             reasons += more
             if not reasons:
