@@ -60,8 +60,14 @@ def test_non_collective_failures_become_collective(tmp_path):
     assert "timeout must be a finite number of seconds > 0, got nan" in m["timeout_nan"]
     assert "timeout must be a finite number of seconds > 0, got -1.0" in m["timeout_neg"]
     assert "timeout must be a finite number of seconds > 0, got inf" in m["timeout_inf"]
-    assert "TypeError: timeout must be a number of seconds, got str '60'" in m["timeout_str"]
-    assert "TypeError: timeout must be a number of seconds, got NoneType" in m["timeout_none"]
+    assert (
+        "TypeError: timeout must be a number of seconds (a Python int or float: float(x) for a numpy scalar), got str '60'"
+        in m["timeout_str"]
+    )
+    assert (
+        "TypeError: timeout must be a number of seconds (a Python int or float: float(x) for a numpy scalar), got NoneType"
+        in m["timeout_none"]
+    )
     assert "its storage is freed" in m["freed"]
     assert "fewer than the" in m["shrunk"] and "source location" in m["shrunk"]
     assert "alias: both would write the same bytes" in m["target_alias"]
