@@ -154,19 +154,18 @@ def test_an_unknown_cpu_capability_is_reported_not_silently_ignored():
         else:
             print("silent")
         """
-    bad = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": PACKAGE_ROOT, "RESHARD_CPU_CAPABILITY": "AVX2"},
-        timeout=120,
-    )
+
+    def run(value):
+        env = {**os.environ, "PYTHONPATH": PACKAGE_ROOT, "RESHARD_CPU_CAPABILITY": value}
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+
+    bad = run("AVX2")
     assert "warned: RESHARD_CPU_CAPABILITY='AVX2' is not one of default, avx2, avx512" in bad.stdout
-    good = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": PACKAGE_ROOT, "RESHARD_CPU_CAPABILITY": "avx2"},
-        timeout=120,
-    )
+    good = run("avx2")
     assert good.stdout.strip() == "silent", good.stderr
