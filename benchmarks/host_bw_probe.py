@@ -292,9 +292,9 @@ def _bucket_timer(stream_obj, rows):
     mover = stream_obj.mover
     orig = mover._move
 
-    def timed(bucket, src, dst, checks, caller_done, host_sync):
+    def timed(bucket, *args):
         t0 = time.perf_counter()
-        rep, ev = orig(bucket, src, dst, checks, caller_done, host_sync)
+        rep, ev = orig(bucket, *args)
         if ev is not None:
             ev.synchronize()
         t1 = time.perf_counter()
