@@ -24,8 +24,10 @@ The demo exits non-zero on any mismatch.
 Adding a mode: write a module with `run_rank(rank, world, backend, cfg) -> JSON-able dict`
 (runs inside the initialized process group; cfg holds the command-line options below) and
 `print_report(results, world, backend, cfg, wall_s) -> exit code` (results in rank order),
-then add one `Mode` line to `MODES`: its name, that module, and the module its ranks need
-(None: always available). Checks compare against references computed without reshard.
+then add one `Mode` line to `MODES`: its name, that module, and the modules its ranks need.
+A mode module may define `check_args(cfg) -> message or None` (sizes its model cannot take:
+the parser refuses them) and `DEFAULT_HIDDEN`. Checks compare against references computed
+without reshard.
 """
 
 from __future__ import annotations
@@ -43,22 +45,26 @@ import torch
 import reshard as rs
 from reshard import scenarios as sc
 from reshard._launch import RanksFailed, launch
-from reshard.integrations import deepspeed_cpu_ops
-from reshard.integrations._demo_common import tp_size
+from reshard.integrations import deepspeed_cpu_ops, rollout_demo
+from reshard.integrations._demo_common import HEADS, tp_size
 
 
 class Mode(NamedTuple):
     module: str  # defines run_rank(...) and print_report(...)
-    requires: str | None  # a module the mode imports (None: always available)
-    requires_deepspeed: bool = False  # its ranks run DeepSpeed engines
+    requires: tuple[str, ...] = ()  # modules the mode imports
 
 
 MODES = {
-    "deepspeed": Mode("reshard.integrations.deepspeed_demo", "deepspeed", True),
-    "synthetic": Mode("reshard.demo", None),
-    "rollout": Mode("reshard.integrations.rollout_demo", "transformers", True),
-    "fsdp": Mode("reshard.integrations.fsdp_demo", None),
+    "deepspeed": Mode("reshard.integrations.deepspeed_demo", ("deepspeed",)),
+    "synthetic": Mode("reshard.demo"),
+    "rollout": Mode("reshard.integrations.rollout_demo", ("transformers", "deepspeed")),
+    "fsdp": Mode("reshard.integrations.fsdp_demo"),
 }
+DEFAULT_HIDDEN = 258
+
+
+def _missing(mode: str) -> list[str]:
+    return [m for m in MODES[mode].requires if importlib.util.find_spec(m) is None]
 
 
 def _rank_body(rank, world, backend, cfg):
@@ -103,15 +109,18 @@ def run_rank(rank, world, backend, cfg):
 
 
 def _default_mode():
-    for name, mode in MODES.items():
-        if mode.requires is None or importlib.util.find_spec(mode.requires) is not None:
+    for name in MODES:
+        if not _missing(name):
             return name
     raise AssertionError("the synthetic mode needs nothing")
 
 
 def _at_least(lo: int):
     def parse(text: str) -> int:
-        v = int(text)
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be at least {lo}, got {v}")
         return v
@@ -124,9 +133,27 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--world", type=_at_least(1), default=None, help="ranks (default: 2, or #GPUs >= 2)"
     )
-    ap.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
-    ap.add_argument("--hidden", type=_at_least(1), default=258)
-    ap.add_argument("--ffn", type=_at_least(1), default=690)
+    ap.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="auto: nccl with >= 2 GPUs, else gloo (CPU); nccl needs a CUDA GPU per rank",
+    )
+    ap.add_argument(
+        "--hidden",
+        type=_at_least(1),
+        default=None,
+        help=f"model width, used as given (default {DEFAULT_HIDDEN}; rollout: "
+        f"{rollout_demo.DEFAULT_HIDDEN}); deepspeed, fsdp: a multiple of {HEADS} ({HEADS} "
+        f"attention heads); rollout: a multiple of {rollout_demo.HIDDEN_MULTIPLE} "
+        f"({rollout_demo.HEADS} heads)",
+    )
+    ap.add_argument(
+        "--ffn",
+        type=_at_least(1),
+        default=690,
+        help=f"MLP width (rollout: a multiple of {rollout_demo.TP})",
+    )
     ap.add_argument("--vocab", type=_at_least(1), default=1001)
     ap.add_argument("--layers", type=_at_least(1), default=4)
     ap.add_argument(
@@ -139,29 +166,46 @@ def main(argv=None) -> int:
         "--mode",
         choices=list(MODES),
         default=None,
-        help="default: the first of these whose requirement is installed (see the docstring)",
+        help="needs: "
+        + "; ".join(f"{n}: {' and '.join(m.requires) or 'nothing'}" for n, m in MODES.items())
+        + ". Default: the first whose requirements are installed",
     )
     args = ap.parse_args(argv)
     if args.mode is None:
         args.mode = _default_mode()
         if args.mode != next(iter(MODES)):
-            missing = MODES[next(iter(MODES))].requires
+            missing = " and ".join(_missing(next(iter(MODES))))
             print(f"{missing} is not installed: running the {args.mode} demo", file=sys.stderr)
+    elif missing := _missing(args.mode):
+        ap.error(
+            f"argument --mode: {args.mode} needs {' and '.join(MODES[args.mode].requires)}; "
+            f"not installed: {', '.join(missing)} (--mode synthetic needs nothing)"
+        )
+    module = importlib.import_module(MODES[args.mode].module)
+    if args.hidden is None:
+        args.hidden = getattr(module, "DEFAULT_HIDDEN", DEFAULT_HIDDEN)
+    keys = ("hidden", "ffn", "vocab", "layers", "budget", "steps", "mode")
+    cfg = {k: getattr(args, k) for k in keys}
+    if hasattr(module, "check_args") and (message := module.check_args(cfg)):
+        ap.error(message)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if gpus >= 2 else "gloo"
     world = args.world if args.world is not None else (gpus if backend == "nccl" else 2)
-    if backend == "nccl" and (world > gpus or gpus == 0):
-        print(
-            f"--backend nccl needs one GPU per rank ({max(world, 1)}), found {gpus}",
-            file=sys.stderr,
+    if backend == "nccl" and gpus == 0:
+        cpu_build = ", and this torch is a CPU-only build" if torch.version.cuda is None else ""
+        ap.error(
+            "argument --backend: nccl needs CUDA GPUs, one per rank; none is visible here"
+            f"{cpu_build}. Use --backend gloo (or auto) to run the ranks on CPU"
         )
-        return 2
-    if MODES[args.mode].requires_deepspeed and backend == "gloo":
+    if backend == "nccl" and world > gpus:
+        ap.error(
+            f"argument --backend: nccl needs a CUDA GPU per rank: --world {world} needs {world}, "
+            f"{gpus} visible. Use --world {gpus} or fewer, or --backend gloo to run on CPU"
+        )
+    if "deepspeed" in MODES[args.mode].requires and backend == "gloo":
         deepspeed_cpu_ops.prepare()  # once here, not in every rank's first initialize
-    keys = ("hidden", "ffn", "vocab", "layers", "budget", "steps", "mode")
-    cfg = {k: getattr(args, k) for k in keys}
     t0 = time.perf_counter()
     try:
         results = launch(
@@ -177,8 +221,7 @@ def main(argv=None) -> int:
         print(exc, file=sys.stderr)
         return 1
     wall = time.perf_counter() - t0
-    report = importlib.import_module(MODES[cfg["mode"]].module).print_report
-    return report(results, world, backend, cfg, wall)
+    return module.print_report(results, world, backend, cfg, wall)
 
 
 def print_report(results, world, backend, cfg, wall):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import json
 import os
@@ -90,9 +91,11 @@ def format_text(info: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m reshard.info", description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true", help="print the same as one JSON object")
+    args = ap.parse_args(argv)
     info = collect()
-    if "--json" in argv:
+    if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
         print(format_text(info))

@@ -10,6 +10,7 @@ import os
 import torch
 
 KIB = 1 << 10
+HEADS = 2  # attention heads of `model`'s encoder layers
 
 
 def tp_size(world: int) -> int:
@@ -26,7 +27,7 @@ def model(hidden, ffn, vocab, layers):
             self.embed = torch.nn.Embedding(vocab, hidden)
             self.layers = torch.nn.ModuleList(
                 torch.nn.TransformerEncoderLayer(
-                    hidden, nhead=2, dim_feedforward=ffn, dropout=0.0, batch_first=True
+                    hidden, nhead=HEADS, dim_feedforward=ffn, dropout=0.0, batch_first=True
                 )
                 for _ in range(layers)
             )
@@ -40,6 +41,16 @@ def model(hidden, ffn, vocab, layers):
 
     torch.manual_seed(0)
     return Net()
+
+
+def check_model_args(cfg) -> str | None:
+    """Why `model` cannot be built from cfg's sizes (an argparse-style message), or None."""
+    if cfg["hidden"] % HEADS:
+        return (
+            f"argument --hidden: must be a multiple of {HEADS} for --mode {cfg['mode']} "
+            f"(its attention has {HEADS} heads), got {cfg['hidden']}"
+        )
+    return None
 
 
 def _tp_dim(name, shape):

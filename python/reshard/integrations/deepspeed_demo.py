@@ -18,6 +18,7 @@ import math
 import torch
 
 from ._demo_common import (
+    check_model_args,
     compare,
     deepspeed_env,
     model,
@@ -28,6 +29,7 @@ from ._demo_common import (
 )
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+check_args = check_model_args  # the demo runs it on the command line's sizes
 
 
 def _engine(rank, world, backend, cfg):

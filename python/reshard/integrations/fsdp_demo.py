@@ -16,6 +16,7 @@ import math
 import torch
 
 from ._demo_common import (
+    check_model_args,
     compare,
     model,
     print_syncs_and_verdict,
@@ -25,6 +26,7 @@ from ._demo_common import (
 )
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+check_args = check_model_args  # the demo runs it on the command line's sizes
 
 
 def _full(dt, device):

@@ -25,18 +25,36 @@ from ._demo_common import KIB, deepspeed_env, print_syncs_and_verdict, summary
 
 BUCKET_BYTES = 256 << 10  # small on purpose: the demo model streams in several buckets
 TP = 2
+HEADS = 8
+HIDDEN_MULTIPLE = 64  # 8 heads of a head_dim that is a multiple of 8
+DEFAULT_HIDDEN = 256
+
+
+def check_args(cfg) -> str | None:
+    """Why the Llama cannot be built from cfg's sizes as given (an argparse-style message), or
+    None: sizes are used as given, never rounded."""
+    if cfg["hidden"] % HIDDEN_MULTIPLE:
+        return (
+            f"argument --hidden: must be a multiple of {HIDDEN_MULTIPLE} for --mode rollout "
+            f"({HEADS} attention heads, head_dim a multiple of 8), got {cfg['hidden']}"
+        )
+    if cfg["ffn"] % TP:
+        return (
+            f"argument --ffn: must be a multiple of {TP} for --mode rollout (vLLM's TP={TP} "
+            f"splits the MLP evenly), got {cfg['ffn']}"
+        )
+    return None
 
 
 def _config(cfg):
     import transformers
 
-    hidden = max(64, cfg["hidden"] // 64 * 64)  # 8 heads of a whole head_dim
     return transformers.LlamaConfig(
         vocab_size=cfg["vocab"],
-        hidden_size=hidden,
-        intermediate_size=cfg["ffn"] + cfg["ffn"] % TP,
+        hidden_size=cfg["hidden"],
+        intermediate_size=cfg["ffn"],
         num_hidden_layers=cfg["layers"],
-        num_attention_heads=8,
+        num_attention_heads=HEADS,
         num_key_value_heads=2,
         max_position_embeddings=128,
         tie_word_embeddings=False,
