@@ -160,7 +160,10 @@ def main(argv=None) -> int:
         "--budget", type=_at_least(16), default=1 << 20, help="bytes per peer per round"
     )
     ap.add_argument(
-        "--steps", type=_at_least(1), default=3, help="syncs (the weights change each time)"
+        "--steps",
+        type=_at_least(1),
+        default=3,
+        help="steps, each followed by a verified sync: training steps in the deepspeed, fsdp and rollout modes, weight changes in the synthetic mode",
     )
     ap.add_argument(
         "--mode",
