@@ -369,6 +369,7 @@ def _storage_shortfall(t: torch.Tensor) -> str | None:
 
 def _check_ownership(side, storages, buffers, rank, world_size, reasons) -> None:
     """The layout fits the group, and every location this rank owns is passed."""
+    missing = []
     for loc, st in storages.items():
         if st.rank >= world_size:
             reasons.append(
@@ -376,7 +377,12 @@ def _check_ownership(side, storages, buffers, rank, world_size, reasons) -> None
                 f"{world_size} ranks"
             )
         elif st.rank == rank and loc not in buffers:
-            reasons.append(f"{side} location {loc} (owned by rank {rank}) is missing")
+            missing.append(loc)
+    if len(missing) == 1:
+        reasons.append(f"{side} location {missing[0]} (owned by rank {rank}) is missing")
+    elif missing:  # one line: a state a rank does not have yet may miss every location
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        reasons.append(f"{side} locations {missing[:8]}{more} (owned by rank {rank}) are missing")
 
 
 def _admission(side, st, loc, t, rank) -> str | None:

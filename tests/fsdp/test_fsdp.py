@@ -233,7 +233,7 @@ def _sync_restore_worker(rank, world, modes, budget):
         b, opt_b = make_fsdp(mesh, seed=7, mode=mode, dtype=dt)  # other init, other data
         for kind in MOMENTS:
             with pytest.raises(NotReadyError, match="no optimizer state yet"):
-                _describe(a, opt_a, kind)
+                _describe(a, opt_a, kind).check()
         train(a, opt_a, 2, seed=1, rank=rank, dtype=dt)
         train(b, opt_b, 2, seed=2, rank=rank, dtype=dt)
         npad = _check_geometry(a, opt_a, tag)
@@ -484,7 +484,7 @@ def _errors_worker(rank, world):
     # state described before refuses in preflight on every rank
     live = rsfsdp.describe(net, "param")
     loss = net(batch(rank)).float().pow(2).mean()
-    expect(NotReadyError, "not sharded", rsfsdp.describe, net, "param")
+    expect(NotReadyError, "not sharded", rsfsdp.describe(net, "param").check)
     expect(NotReadyError, "not sharded", live.check)
     refused_everywhere(live, "not sharded")
     loss.backward()
@@ -495,7 +495,7 @@ def _errors_worker(rank, world):
     keep = shard(make_net(2), mesh, reshard_after_forward=False)
     with torch.no_grad():
         keep(batch(rank))
-    expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", rsfsdp.describe, keep, "param")
+    expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", rsfsdp.describe(keep, "param").check)
     for m in keep.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -519,7 +519,8 @@ def _errors_worker(rank, world):
     # moments of a fresh optimizer: not ready until the first step or init_adam_state()
     net, _ = make_fsdp(mesh, seed=3)
     opt = torch.optim.AdamW(param_groups(net), lr=LR, betas=BETAS)
-    expect(NotReadyError, "no optimizer state yet", rsfsdp.describe, net, "exp_avg_sq", opt)
+    early = rsfsdp.describe(net, "exp_avg_sq", opt)
+    expect(NotReadyError, "no optimizer state yet", early.check)
     rsfsdp.init_adam_state(opt, 5)
     live = rsfsdp.describe(net, "exp_avg_sq", opt)
     assert all(float(s["step"]) == 5 for s in opt.state.values())
@@ -604,7 +605,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
     # all-gather is in flight (the next forward copies out what it gathered)
     live = rsfsdp.describe(net, "param")
     handle = net.fc1.unshard(async_op=True)
-    expect(NotReadyError, r"fc1 \(unshard\(async_op=True\)", rsfsdp.describe, net, "param")
+    expect(NotReadyError, r"fc1 \(unshard\(async_op=True\)", rsfsdp.describe(net, "param").check)
     refused_everywhere(live, r"unshard\(async_op=True\)")
     handle.wait()
     expect(NotReadyError, r"fc1\.weight \(UNSHARDED\)", live.check)
@@ -730,6 +731,182 @@ def test_state_changed_in_place_on_one_rank_is_refused_everywhere(tmp_path):
     res = run_ranks(_changed_in_place_worker, 2, tmp_path, env=ENV, timeout=300)
     assert len(res[0]) == 6
     assert res[0] == res[1]  # the same message, call by call, on every rank
+
+
+# A fault only rank 1 has when every rank describes and transfers: each rank must raise the
+# same PreflightError naming rank 1, fast, with nothing written. A rank-local raise in
+# describe() would leave rank 0 in the transfer's exchange until FAULT_TIMEOUT_S: the worker
+# then fails at once (the parent sees the differing error, not a hang).
+FAULT_TIMEOUT_S = 20.0
+
+
+def _rank_local_faults_worker(rank, world, only=None):
+    """only: the tags of the faults to try (default: all; each is undone after its try)."""
+    import re
+    import time
+
+    import torch
+    from _dsutil import replicated_targets
+    from _fsdputil import BETAS, LR, batch, make_fsdp, make_net, param_groups, shard, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+
+    def fsdp_modules(net):
+        return [m for m in net.modules() if isinstance(m, FSDPModule)]
+
+    def snapshot(tensors):
+        return [t.detach().clone() for t in tensors]
+
+    def refused(tag, describe, match, into=False, live_tensors=list):
+        """Every rank describes (rank 1 with its fault) and moves the state into poisoned
+        replicated targets (into=False) or a replicated source into it (into=True); every
+        rank must get the same PreflightError naming rank 1 only, well before the timeout,
+        and no target changes (the poisoned buffers, or the live tensors `live_tensors()`)."""
+        if only is not None and tag not in only:
+            return
+        t0 = time.perf_counter()
+        try:
+            live = describe()
+            rep, bufs = replicated_targets(live, list(range(world)))
+            before = snapshot(live_tensors())
+            if into:
+                for b in bufs.values():
+                    b.fill_(7.0)
+                sync = rs.Transfer(rep, live.layout, timeout=FAULT_TIMEOUT_S)
+                sync(bufs, live)
+            else:
+                sync = rs.Transfer(live.layout, rep, timeout=FAULT_TIMEOUT_S)
+                sync(live, bufs)
+        except rs.PreflightError as exc:
+            err = exc
+        except Exception as exc:  # noqa: BLE001 - the old behaviour: this rank alone raises
+            raise AssertionError(f"{tag}: rank {rank} raised {type(exc).__name__}: {exc}") from exc
+        else:
+            raise AssertionError(f"{tag}: rank {rank}: the transfer ran")
+        took = time.perf_counter() - t0
+        assert took < FAULT_TIMEOUT_S / 4, f"{tag}: rank {rank} took {took:.1f} s"
+        assert sorted(err.failures) == [1], (tag, err.failures)
+        assert any(re.search(match, r) for r in err.failures[1]), (tag, str(err))
+        assert "fingerprint" not in str(err), (tag, str(err))  # every rank laid it out alike
+        if into:
+            after = live_tensors()
+            assert len(after) == len(before), tag
+            assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), tag
+        else:
+            assert all(bool(b.isnan().all()) for b in bufs.values()), tag
+        out.append((tag, str(err)))
+
+    # 1. rank 1 stays unsharded after a forward with reshard_after_forward=False (rank 0
+    #    resharded: reshard() is local, so the ranks may disagree)
+    keep = shard(make_net(2), mesh, reshard_after_forward=False)
+    with torch.no_grad():
+        keep(batch(rank))
+    if rank == 0:
+        for m in fsdp_modules(keep):
+            m.reshard()
+    sharded = [fp.sharded_param._local_tensor for fp in rsfsdp._fsdp_params(keep)]
+    describe = lambda: rsfsdp.describe(keep, "param")  # noqa: E731
+    refused("unsharded param", describe, r"fc1\.weight \(UNSHARDED\)")
+
+    def live_now():  # the sharded storage and what the module holds (rank 1: unsharded)
+        return [*sharded, *(getattr(p, "_local_tensor", p) for p in keep.parameters())]
+
+    refused("unsharded param target", describe, "not sharded", True, live_now)
+    early = describe()
+    if rank == 1:
+        for m in fsdp_modules(keep):
+            m.reshard()
+    # described while rank 1 was unsharded: usable once it resharded
+    assert early.reasons() == [], early.reasons()
+    rep, bufs = replicated_targets(early, list(range(world)))
+    rs.Transfer(early.layout, rep, timeout=FAULT_TIMEOUT_S)(early, bufs)
+    assert not any(bool(b.isnan().any()) for b in bufs.values())
+
+    # 2. an async unshard that rank 1 did not wait for (the all-gather ran on every rank)
+    net, opt = make_fsdp(mesh, seed=5)
+    train(net, opt, 1, seed=5, rank=rank)
+    handle = net.fc1.unshard(async_op=True)
+    if rank == 0:
+        handle.wait()
+        net.fc1.reshard()
+    refused(
+        "async unshard", lambda: rsfsdp.describe(net, "param"), r"fc1 \(unshard\(async_op=True\)"
+    )
+    if rank == 1:
+        handle.wait()
+        net.fc1.reshard()
+
+    # 3. a parameter attribute rank 1 replaced with another DTensor (placed otherwise)
+    weight = net.fc1.weight
+    if rank == 1:
+        full = DTensor.from_local(torch.zeros(weight.shape), mesh, [Replicate()], run_check=False)
+        net.fc1.weight = torch.nn.Parameter(full)
+    refused("replaced attribute", lambda: rsfsdp.describe(net, "param"), r"not FSDP2's sharded")
+    net.fc1.weight = weight
+
+    # 4. moments: rank 1's optimizer has not stepped (rank 0's did; Adam's step is local)
+    fresh, _ = make_fsdp(mesh, seed=6)
+    fresh_opt = torch.optim.AdamW(param_groups(fresh), lr=LR, betas=BETAS)
+    fresh(batch(rank)).float().pow(2).mean().backward()
+    if rank == 0:
+        fresh_opt.step()
+    fresh_opt.zero_grad()
+    describe = lambda: rsfsdp.describe(fresh, "exp_avg", fresh_opt)  # noqa: E731
+    refused("no state on rank 1", describe, "no optimizer state yet on this rank")
+    moments = lambda: [s["exp_avg"]._local_tensor for s in fresh_opt.state.values()]  # noqa: E731
+    refused("no state on rank 1, target", describe, "no optimizer state yet", True, moments)
+
+    # 5. one moment placed otherwise than its parameter on rank 1 only
+    state = opt.state[net.fc2.weight]
+    saved = state["exp_avg_sq"]
+    if rank == 1:
+        local = torch.zeros(saved.shape)
+        state["exp_avg_sq"] = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    describe = lambda: rsfsdp.describe(net, "exp_avg_sq", opt)  # noqa: E731
+    refused("moment placed otherwise", describe, r"'fc2\.weight': exp_avg_sq is \(Replicate")
+    state["exp_avg_sq"] = saved
+
+    # 6. a moment missing on rank 1 only (its state dict lost the kind)
+    if rank == 1:
+        del state["exp_avg_sq"]
+    refused("moment missing", describe, r"keeps no 'exp_avg_sq' state for it")
+    state["exp_avg_sq"] = saved
+
+    # 7. a local tensor whose storage rank 1 freed before describe()
+    local = net.fc2.weight._local_tensor
+    keep_vals, nbytes = local.clone(), local.untyped_storage().nbytes()
+    if rank == 1:
+        local.untyped_storage().resize_(0)
+    refused("freed storage", lambda: rsfsdp.describe(net, "param"), "freed")
+    if rank == 1:
+        local.untyped_storage().resize_(nbytes)
+        with torch.no_grad():
+            local.copy_(keep_vals)
+
+    # every fault undone: the same states move again
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        live = _describe(net, opt, kind)
+        assert live.reasons() == [], (kind, live.reasons())
+        rep, bufs = replicated_targets(live, list(range(world)))
+        rs.Transfer(live.layout, rep, timeout=FAULT_TIMEOUT_S)(live, bufs)
+    return out
+
+
+def test_faults_of_one_rank_are_refused_everywhere(tmp_path):
+    """Rank 1 alone is unsharded, mid async unshard, has a replaced parameter attribute, an
+    optimizer that has not stepped, a moment placed otherwise or missing, a freed storage:
+    describe() raises on no rank, and every rank's transfer raises the same PreflightError
+    naming rank 1, long before the timeout, writing nothing."""
+    res = run_ranks(_rank_local_faults_worker, 2, tmp_path, env=ENV, timeout=240, group_timeout=30)
+    assert len(res[0]) == 9, [t for t, _ in res[0]]
+    assert res[0] == res[1]  # the same message, fault by fault, on every rank
 
 
 def test_demo_fsdp_mode():

@@ -74,10 +74,13 @@ def _mine(entries, where):
 def _views(entries, mine, locals_):
     """({location: view}, [problem]) of this rank's storages: `locals_[i]` is entry i's local
     tensor; a view is a 1-D view of its live storage (detached: no autograd). A local tensor
-    with a problem has no view."""
+    with a problem has no view, nor has None (a tensor this rank lacks: its readiness reasons
+    say why)."""
     views, problems = {}, []
     for i, loc, shape in mine:
         local = locals_[i]
+        if local is None:
+            continue
         why = _local_problem(entries[i].name, local, shape)
         if why is None:
             views[loc] = local.detach().view(-1)
@@ -123,7 +126,9 @@ class LiveDTensors:
     what: str  # named in error messages
     _entries: list = field(repr=False)
     _mine: list = field(repr=False)  # _mine(): this rank's (entry index, location, shape)
-    _locals: object = field(repr=False)  # () -> every entry's local tensor; raises if not ready
+    # () -> (every entry's local tensor or None, [readiness reason]); raises only when the
+    # state can no longer be read at all
+    _locals: object = field(repr=False)
     _identity: dict = field(repr=False)  # location -> identity tuple at describe time
     _key: tuple | None = field(repr=False)  # _locals_key at describe time
     _problems: list = field(repr=False, default_factory=list)  # _views' at describe time
@@ -131,12 +136,14 @@ class LiveDTensors:
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
         try:
-            locals_ = self._locals()
+            locals_, not_ready = self._locals()
             if self._key is not None and _locals_key(locals_, self._mine) == self._key:
-                return list(self._problems)  # equal keys: the same views, the same problems
+                # equal keys: the same views, the same problems
+                return [*not_ready, *self._problems]
             live, problems = _views(self._entries, self._mine, locals_)
         except (NotReadyError, UnsupportedError) as exc:
             return [str(exc)]
+        problems = [*not_ready, *problems]
         replaced = sorted(
             loc
             for loc in self._identity.keys() | live.keys()
@@ -159,11 +166,15 @@ class LiveDTensors:
 
 
 def describe_entries(what, entries, locals_fn, group=None):
-    """A LiveDTensors over `entries`; `locals_fn()` returns every entry's local tensor now
-    (raising NotReadyError / UnsupportedError when the state is not usable)."""
+    """A LiveDTensors over `entries`; `locals_fn()` returns (every entry's local tensor now,
+    None where this rank has none, and the reasons the state is not usable now).
+
+    What only this rank can see is never raised here: a raise on one rank would leave its
+    peers waiting in the transfer. It is kept as a reason that `check()` raises, so the
+    transfer's preflight refuses on every rank with the same message."""
     layout, where = build_layout(entries, group)
     mine = _mine(entries, where)
-    locals_ = locals_fn()
+    locals_, _ = locals_fn()
     buffers, problems = _views(entries, mine, locals_)
     return LiveDTensors(
         layout=layout,
@@ -198,4 +209,4 @@ def describe(dtensors, group=None) -> LiveDTensors:
     items = sorted(dtensors.items(), key=operator.itemgetter(0))
     entries = [entry(name, dt) for name, dt in items]
     dts = [dt for _, dt in items]
-    return describe_entries("DTensors", entries, lambda: list(map(_LOCAL, dts)), group=group)
+    return describe_entries("DTensors", entries, lambda: (list(map(_LOCAL, dts)), []), group=group)

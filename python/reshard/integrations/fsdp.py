@@ -18,14 +18,21 @@ dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks 
 or none; FSDP2 pads their shard to equal size, and that padding lies outside the local tensor,
 so no piece covers it and a transfer never reads or writes it. HSDP adds a Replicate mesh dim
 (replicas); FSDP2 over TP places `_StridedShard` on the data-parallel mesh dim.
+
+`describe()` raises only for what every rank of the same program sees alike (arguments,
+configuration, DTensor specs). A fault in one rank's own state (unsharded, an unshard in flight,
+no optimizer state yet, a moment missing or placed otherwise) is kept as a reason `check()`
+raises: the transfer's preflight runs it on every rank, so all ranks refuse together instead of
+one raising alone while the others wait in the transfer.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
+from dataclasses import replace
 
-from reshard.errors import NotReadyError, UnsupportedError
+from reshard.errors import UnsupportedError
 
 from .dtensor import describe_entries
 from .dtensor_geometry import (
@@ -86,53 +93,82 @@ def _gathering(group) -> bool:
     return getattr(group, "_all_gather_result", None) is not None
 
 
-def _not_ready(module, groups):
-    """'name (why)' of every FSDPParam not in its sharded state and every group with an
-    all-gather in flight."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+def _params(module):
+    """(FSDPParamGroups, [(name, FSDPParam)] in sorted-name order) of every parameter of
+    `module`; UnsupportedError for a parameter no fully_shard() under `module` manages.
 
-    prefix = {id(m): n for n, m in module.named_modules()}
-    out = []
-    for g in groups:
-        if _gathering(g):
-            names = [prefix.get(id(m), "?") or "(root)" for m in g.modules]
-            out.append(f"{', '.join(names)} (unshard(async_op=True) not waited for)")
-        for fp in g.fsdp_params:
-            if fp.sharded_state != ShardedState.SHARDED:
-                info = fp._module_info
-                at = prefix.get(id(info.module), "?")
-                out.append(f"{at + '.' if at else ''}{info.param_name} ({fp.sharded_state.name})")
-    return out
-
-
-def _sharded_params(module):
-    """[(name, sharded DTensor)] of every parameter, in sorted-name order; NotReadyError if
-    any is unsharded or being gathered.
-
-    Names are `module.named_parameters()` names: while sharded, the module's registered
-    parameters are FSDP2's sharded DTensors themselves.
+    From FSDP2's own records (each FSDPParam's module and attribute name, shared ones
+    included), not from what the module holds now: while unsharded the module holds the
+    unsharded tensors, and FSDP2 keeps the sharded DTensor (`sharded_param`) in every state.
+    So the layout is the same on every rank whatever each rank's sharded state, and a rank
+    that is not ready says so in `check()` (every rank refuses together) instead of raising
+    here alone. Names are `module.named_parameters()` names: the first slot of a shared one.
     """
     groups = _fsdp_groups(module)
-    bad = _not_ready(module, groups)
-    if bad:
-        raise NotReadyError(
-            f"FSDP2 parameters are not sharded: {', '.join(bad[:8])}"
-            f"{' ...' if len(bad) > 8 else ''} (between forward and backward, after a "
-            "forward with reshard_after_forward=False, or after unshard()): the safe boundary "
-            "is after optimizer.step(), before the next forward; or wait() on an async "
-            "unshard's handle and call reshard() on every FSDP module"
-        )
-    by_id = {id(fp.sharded_param) for g in groups for fp in g.fsdp_params}
-    out, plain = [], []
-    for name, p in module.named_parameters():
-        (out if id(p) in by_id else plain).append((name, p))
+    owner = {}
+    for g in groups:
+        for fp in g.fsdp_params:
+            info = fp._module_info
+            owner[(id(info.module), info.param_name)] = fp
+            for m, n in zip(info.shared_modules, info.shared_param_names, strict=True):
+                owner[(id(m), n)] = fp
+    out, plain, seen = [], [], set()
+    for prefix, m in module.named_modules():
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            fp = owner.get((id(m), attr))
+            key = id(p) if fp is None else id(fp)
+            if key in seen:
+                continue
+            seen.add(key)
+            name = f"{prefix}.{attr}" if prefix else attr
+            (plain if fp is None else out).append((name, fp))
     if plain:
         raise UnsupportedError(
             f"parameters {[n for n, _ in plain[:8]]} are not managed by fully_shard() under "
             "this module: call fully_shard() on the module that owns them (e.g. the root)"
         )
     # sorted like dtensor.describe: location ids follow sorted names (docs/fsdp.md)
-    return sorted(out, key=operator.itemgetter(0))
+    return groups, sorted(out, key=operator.itemgetter(0))
+
+
+def _not_ready(module, groups, params):
+    """The reasons the parameters of `module` (`params`: [(name, FSDPParam)]) must not be
+    read or written now: any not in its sharded state, any group with an all-gather in flight,
+    any whose module holds another object than FSDP2's sharded parameter. [] when none."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    prefix = {id(m): n for n, m in module.named_modules()}
+    bad, foreign = [], []
+    for g in groups:
+        if _gathering(g):
+            names = [prefix.get(id(m), "?") or "(root)" for m in g.modules]
+            bad.append(f"{', '.join(names)} (unshard(async_op=True) not waited for)")
+    for name, fp in params:
+        if fp.sharded_state != ShardedState.SHARDED:
+            bad.append(f"{name} ({fp.sharded_state.name})")
+            continue
+        info = fp._module_info
+        if info.module._parameters.get(info.param_name) is not fp.sharded_param:
+            foreign.append(name)
+    out = []
+    if bad:
+        out.append(
+            f"FSDP2 parameters are not sharded: {', '.join(bad[:8])}"
+            f"{' ...' if len(bad) > 8 else ''} (between forward and backward, after a "
+            "forward with reshard_after_forward=False, or after unshard()): the safe boundary "
+            "is after optimizer.step(), before the next forward; or wait() on an async "
+            "unshard's handle and call reshard() on every FSDP module"
+        )
+    if foreign:
+        out.append(
+            f"parameters {foreign[:8]} are not FSDP2's sharded parameters (another tensor "
+            "was assigned to the module attribute outside FSDP2): FSDP2 all-gathers its own "
+            "sharded parameter, not this one; restore it, or load_state_dict(assign=True) "
+            "(FSDP2 adopts what it assigns) and describe() again"
+        )
+    return out
 
 
 def _ops(name, p):
@@ -165,28 +201,21 @@ def _ops(name, p):
     return ops
 
 
-def _moment(name, p, state, kind, opt_name):
+def _moment_problem(name, p, state, kind, opt_name):
+    """Why this rank's `kind` moment of parameter `p` (which has state) cannot be described;
+    None when it can. Only this rank sees its optimizer's state: a reason for `check()`, never
+    a raise."""
     from torch.distributed.tensor import DTensor
 
-    if not state:
-        raise NotReadyError(
-            f"{name!r}: its optimizer state is gone since describe() (a new optimizer state "
-            "loaded?): describe() again"
-        )
     if kind not in state:
-        raise UnsupportedError(
-            f"{opt_name} keeps no {kind!r} state (keys {sorted(state)}): use an Adam-family "
-            "optimizer"
-        )
+        return f"{name!r}: {opt_name} keeps no {kind!r} state for it (keys {sorted(state)})"
     m = state[kind]
     if not isinstance(m, DTensor) or m._spec.placements != p._spec.placements:
         what = m.placements if isinstance(m, DTensor) else type(m).__name__
-        raise UnsupportedError(
-            f"{name!r}: {kind} is {what}, not a DTensor placed like its parameter {p.placements}"
-        )
+        return f"{name!r}: {kind} is {what}, not a DTensor placed like its parameter {p.placements}"
     if tuple(m.shape) != tuple(p.shape) or m._spec.mesh != p._spec.mesh:
-        raise UnsupportedError(f"{name!r}: {kind} has another shape or mesh than its parameter")
-    return m
+        return f"{name!r}: {kind} has another shape or mesh than its parameter"
+    return None
 
 
 def _check_args(module, kind, optimizer):
@@ -216,31 +245,59 @@ def describe(module, kind: str, optimizer=None, group=None):
     mesh. Call on every rank of the mesh at the safe boundary (after optimizer.step(), before
     the next forward); it communicates nothing. Returns a `LiveDTensors`: `.layout`,
     `.buffers`, `.check()`, `.reasons()`.
+
+    It raises only for what every rank of the same program sees alike (arguments, the
+    configuration, the DTensor specs). What one rank's own state may say (unsharded
+    parameters, an unshard in flight, no optimizer state yet, a moment missing or placed
+    otherwise) is a reason `check()` raises, so the transfer's preflight refuses on every
+    rank, before any write, instead of this rank raising alone while its peers wait.
     """
     _check_args(module, kind, optimizer)
     check_group(group)
-    params = _sharded_params(module)
+    _, params = _params(module)
     if kind == "param":
-        entries = [entry(n, p, _ops(n, p)) for n, p in params]
-        locals_ = _param_locals(module, params)
+        entries = [entry(n, fp.sharded_param, _ops(n, fp.sharded_param)) for n, fp in params]
+        state = _ParamState(module, params)
     else:
-        chosen = _optimized(params, optimizer, kind)
+        import torch
+
+        chosen, missing = _optimized(params, optimizer, kind)
         opt_name = type(optimizer).__name__
-        moments = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
-        # the moment's own dtype: state need not be kept in the parameter's
-        entries = [entry(n, m, _ops(n, p)) for (n, p), m in zip(chosen, moments, strict=True)]
-        locals_ = _moment_locals(module, chosen, moments, optimizer, kind)
-    return describe_entries(f"FSDP2 {kind}", entries, locals_, group)
+        moments, problems, entries = [], [missing] if missing else [], []
+        for n, fp in chosen:
+            p = fp.sharded_param
+            st = optimizer.state.get(p) or {}
+            why = None if missing else _moment_problem(n, p, st, kind, opt_name)
+            if why:
+                problems.append(why)
+            moments.append(None if missing or why else st[kind])
+            # the moment's own dtype: state need not be kept in the parameter's; a moment this
+            # rank lacks is laid out in the parameter's (what init_adam_state makes)
+            m = st.get(kind)
+            dtype = m.dtype if isinstance(m, torch.Tensor) else p.dtype
+            entries.append(replace(entry(n, p, _ops(n, p)), dtype=dtype))
+        state = _MomentState(module, chosen, moments, problems, optimizer, kind)
+    return describe_entries(f"FSDP2 {kind}", entries, state, group)
 
 
 def _optimized(params, optimizer, kind):
-    """[(name, sharded parameter)] of `params` that the optimizer holds state for.
+    """([(name, FSDPParam)] whose `kind` moments are described, why this rank has none or
+    None).
 
     By the state, not by requires_grad: torch's step gives state only to parameters that got a
     gradient (never to frozen ones, though AdamW(model.parameters()) holds them), and keeps it
     for a parameter frozen after training. The optimizer may hold other modules' parameters
-    too (a submodule described under the whole model's optimizer)."""
+    too (a submodule described under the whole model's optimizer). An optimizer with no state
+    yet on this rank is not raised here (the peers may have stepped): its parameters are those
+    its first step would give state to (as `init_adam_state`), and the reason goes to
+    `check()`."""
     opt_name = type(optimizer).__name__
+    if "betas" not in optimizer.defaults:
+        # by the optimizer's kind, not by its state: the state is this rank's alone
+        raise UnsupportedError(
+            f"{opt_name} keeps no {kind!r} state: Adam moments come from an Adam-family "
+            "optimizer (Adam, AdamW)"
+        )
     groups = optimizer.param_groups
     if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
         groups = [g for g in groups if g.get("amsgrad")]
@@ -250,7 +307,7 @@ def _optimized(params, optimizer, kind):
                 "amsgrad=True, which no param group of this optimizer sets"
             )
     held = {id(q) for g in groups for q in g["params"]}
-    mine = [(n, p) for n, p in params if id(p) in held]
+    mine = [(n, fp) for n, fp in params if id(fp.sharded_param) in held]
     if not mine:
         raise UnsupportedError(
             f"the optimizer holds none of this module's FSDP2 sharded parameters"
@@ -259,29 +316,23 @@ def _optimized(params, optimizer, kind):
             "load_state_dict(assign=True)?)"
         )
     state = optimizer.state
-    out = [(n, p) for n, p in mine if state.get(p)]
-    if not out and "betas" not in optimizer.defaults:
-        # no state may just mean "not stepped yet" only for an optimizer that would keep it
-        raise UnsupportedError(
-            f"{opt_name} keeps no {kind!r} state: Adam moments come from an Adam-family "
-            "optimizer (Adam, AdamW)"
-        )
-    if not out:
-        raise NotReadyError(
-            f"{opt_name} has no optimizer state yet for the {len(mine)} parameters of this "
-            "module it holds: Adam moments exist after the first optimizer.step() that saw a "
-            "gradient, or after rsfsdp.init_adam_state()"
-        )
-    return out
+    out = [(n, fp) for n, fp in mine if state.get(fp.sharded_param)]
+    if out:
+        return out, None
+    first = [(n, fp) for n, fp in mine if fp.sharded_param.requires_grad] or mine
+    return first, (
+        f"{opt_name} has no optimizer state yet on this rank for the {len(mine)} parameters "
+        "of this module it holds: Adam moments exist after the first optimizer.step() that "
+        "saw a gradient, or after rsfsdp.init_adam_state(); then describe() again"
+    )
 
 
 class _Unchanged:
-    """What `describe()` relied on, re-checked by identity on every call: the module tree (every
+    """What a passing check relied on, re-checked by identity: the module tree (every
     module's registered submodules and parameters are the same objects under the same names)
-    and every FSDPParam still in its sharded state with no all-gather in flight. `__call__` is
-    True only when the full
-    checks (`_sharded_params`) would pass as they did at describe(); False sends the caller
-    to them, which say what changed."""
+    and every FSDPParam still in its sharded state with no all-gather in flight. `__call__`
+    is True only when the full checks (`_ParamState.full`) would pass as they did when it was
+    taken; False sends the caller to them, which say what changed."""
 
     def __init__(self, module):
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
@@ -319,61 +370,101 @@ class _Unchanged:
         return True
 
 
-def _param_locals(module, chosen):
-    """() -> the described parameters' local tensors; NotReadyError once one was replaced
-    (re-fully_shard or an assign-load replaces the parameter objects themselves)."""
-    names = [n for n, _ in chosen]
-    described = [p for _, p in chosen]
-    unchanged = _Unchanged(module)
+class _ParamState:
+    """() -> (the described parameters' local tensors, [reason they must not be used now]).
 
-    def locals_():
-        if not unchanged():
-            now = dict(_sharded_params(module))
-            missing = [n for n, p in zip(names, described, strict=True) if now.get(n) is not p]
-            if missing:
-                raise NotReadyError(
-                    f"parameters {missing[:8]} were replaced since describe() "
-                    "(load_state_dict(assign=True)?): describe() again"
-                )
-        return [p._local_tensor for p in described]
+    Reasons: a parameter not sharded or being gathered now, or replaced since describe()
+    (re-fully_shard or an assign-load replaces FSDP2's sharded parameter itself). The local
+    tensors are the described sharded DTensors' in every state (FSDP2 keeps them while
+    unsharded), so a state described while unsharded is usable once resharded."""
 
-    return locals_
+    def __init__(self, module, chosen):
+        self.module = module
+        self.chosen = chosen
+        self.described = [fp.sharded_param for _, fp in chosen]
+        self.unchanged = None  # an _Unchanged taken when the full checks last passed
+
+    def full(self) -> list:
+        try:
+            groups, now = _params(self.module)
+        except UnsupportedError as exc:
+            return [str(exc)]
+        by_name = dict(now)
+        replaced = [
+            n
+            for (n, fp), p in zip(self.chosen, self.described, strict=True)
+            if by_name.get(n) is not fp or fp.sharded_param is not p
+        ]
+        if replaced:
+            return [
+                f"parameters {replaced[:8]} were replaced since describe() "
+                "(load_state_dict(assign=True)?): describe() again"
+            ]
+        return _not_ready(self.module, groups, now)
+
+    def reasons(self) -> list:
+        if self.unchanged is not None and self.unchanged():
+            return []
+        why = self.full()
+        self.unchanged = None if why else _Unchanged(self.module)
+        return why
+
+    def __call__(self):
+        return [p._local_tensor for p in self.described], self.reasons()
 
 
-def _moment_locals(module, chosen, moments, optimizer, kind):
-    """() -> the `kind` moments' local tensors; NotReadyError while the module is unsharded
-    or once a moment was replaced (optimizer.load_state_dict)."""
-    names = [n for n, _ in chosen]
-    params = [p for _, p in chosen]
-    opt_name = type(optimizer).__name__
-    unchanged = _Unchanged(module)
-    # held weakly: an optimizer the training loop replaced is gone, not written in its place
-    described = weakref.ref(optimizer)
-    del optimizer
+class _MomentState:
+    """() -> (the `kind` moments' local tensors, None where this rank had none, [reason]).
 
-    def same_moments(optimizer):
-        state = optimizer.state
-        return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))
+    Reasons: the module's (`_ParamState`), what this rank lacked at describe() (no state, a
+    moment missing or placed otherwise: it has no buffer there, so only a new describe() can
+    use it), a moment replaced since (optimizer.load_state_dict), the optimizer gone."""
 
-    def locals_():
-        optimizer = described()
+    def __init__(self, module, chosen, moments, problems, optimizer, kind):
+        self.params = _ParamState(module, chosen)
+        self.moments = moments
+        # (parameter, moment) of the moments this rank had, and their names
+        have = [
+            (n, fp.sharded_param, m)
+            for (n, fp), m in zip(chosen, moments, strict=True)
+            if m is not None
+        ]
+        self.named = [n for n, _, _ in have]
+        self.pairs = [(p, m) for _, p, m in have]
+        self.problems = problems
+        self.kind = kind
+        self.opt_name = type(optimizer).__name__
+        # held weakly: an optimizer the training loop replaced is gone, not written in its place
+        self.optimizer = weakref.ref(optimizer)
+
+    def reasons(self) -> list:
+        optimizer = self.optimizer()
         if optimizer is None:
-            raise NotReadyError(
-                f"the {opt_name} whose {kind} was described no longer exists (a new optimizer "
-                "was made?): describe() again with the one that trains"
-            )
-        if not (unchanged() and same_moments(optimizer)):
-            _sharded_params(module)  # readiness of the module (unsharded -> NotReadyError)
-            now = [_moment(n, p, optimizer.state.get(p), kind, opt_name) for n, p in chosen]
-            replaced = [n for n, a, b in zip(names, moments, now, strict=True) if a is not b]
-            if replaced:
-                raise NotReadyError(
-                    f"{kind} of {replaced[:8]} replaced since describe() "
-                    "(optimizer.load_state_dict?): describe() again"
-                )
-        return [m._local_tensor for m in moments]
+            return [
+                f"the {self.opt_name} whose {self.kind} was described no longer exists (a new "
+                "optimizer was made?): describe() again with the one that trains"
+            ]
+        why = self.params.reasons()
+        if self.problems:
+            why = [*why, *self.problems]
+        state, kind = optimizer.state, self.kind
+        pairs = self.pairs
+        if not all(state.get(p, _EMPTY).get(kind) is m for p, m in pairs):
+            replaced = [
+                n
+                for n, (p, m) in zip(self.named, pairs, strict=True)
+                if state.get(p, _EMPTY).get(kind) is not m
+            ]
+            why = [
+                *why,
+                f"{kind} of {replaced[:8]} replaced since describe() "
+                "(optimizer.load_state_dict?): describe() again",
+            ]
+        return why
 
-    return locals_
+    def __call__(self):
+        locals_ = [None if m is None else m._local_tensor for m in self.moments]
+        return locals_, self.reasons()
 
 
 _EMPTY: dict = {}
