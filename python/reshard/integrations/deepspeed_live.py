@@ -116,13 +116,9 @@ def _engine_reasons(engine) -> list:
             f"{engine.micro_steps}): the safe boundary ends at the next training forward; "
             "use the state right after engine.step(), or call engine.step() first"
         )
-    offloaded = getattr(engine.optimizer, "offloaded_states", None)
+    offloaded = _offloaded(engine)
     if offloaded:
-        names = sorted(device_name(s) for s in offloaded)
-        reasons.append(
-            f"engine states {names} are offloaded (offload_states()): call "
-            "engine.reload_states(), then describe() again"
-        )
+        reasons.append(offloaded)
     gas = engine.gradient_accumulation_steps()
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     if managed and engine.micro_steps % gas:
@@ -132,6 +128,20 @@ def _engine_reasons(engine) -> list:
             "engine.step() on an accumulation boundary"
         )
     return reasons
+
+
+def _offloaded(engine) -> str | None:
+    """Why the engine's states are not where DeepSpeed keeps them while training, or None.
+    DeepSpeed 0.19.8 records `engine.offload_states()` in the ZeRO optimizer's
+    `offloaded_states` (a set of OffloadStateTypeEnum) until `reload_states()`."""
+    offloaded = getattr(engine.optimizer, "offloaded_states", None)
+    if not offloaded:
+        return None
+    names = sorted(device_name(s) for s in offloaded)
+    return (
+        f"engine states {names} are offloaded (offload_states()): call "
+        "engine.reload_states(), then describe() again"
+    )
 
 
 def describe(engine, kind: str, group=None) -> LiveState:
@@ -147,6 +157,11 @@ def describe(engine, kind: str, group=None) -> LiveState:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     geo = geometry_of(engine)
+    # offload_states() moves the flats and unlinks the fp32 fragments: without this the
+    # cross-check below would call it an unsupported DeepSpeed layout
+    offloaded = _offloaded(engine)
+    if offloaded:
+        raise NotReadyError(offloaded)
     watch_forwards(engine)
     owners = _owner_ranks(geo.dp_ranks, group)
     live = geo.live_tensors(kind)
