@@ -82,7 +82,7 @@ class SyncAfterStep:
                     live = describe(self.engine, kind, group=self.group)
                     self._live[kind] = live
                     self._transfers.pop(kind, None)
-            except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
+            except Exception as exc:  # noqa: BLE001 - refused below, on every rank
                 failed = f"describe(engine, {kind!r}) failed: {type(exc).__name__}: {exc}"
             transfer = self._transfers.get(kind)
             if transfer is None and live is not None:
@@ -91,12 +91,12 @@ class SyncAfterStep:
                         live.layout, dst_layout, budget_bytes_per_peer=self.budget, group=self.group
                     )
                     self._transfers[kind] = transfer
-                except Exception as exc:  # noqa: BLE001 - collective, as above
+                except Exception as exc:  # noqa: BLE001 - refused below, as above
                     failed = f"planning the {kind!r} transfer failed: {type(exc).__name__}: {exc}"
             if failed is None:
                 try:
                     buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
-                except Exception as exc:  # noqa: BLE001 - collective, as above
+                except Exception as exc:  # noqa: BLE001 - refused below, as above
                     failed = (
                         f"the {kind!r} target buffers callable raised {type(exc).__name__}: {exc}"
                     )

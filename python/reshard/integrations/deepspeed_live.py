@@ -68,11 +68,11 @@ class _ModuleTree:
     def changed(self) -> str | None:
         """What changed since describe() (names), or None."""
         is_ = operator.is_
-        for m, mod_names, mods, param_names, params in self.tree:
+        for m, mod_keys, mods, param_keys, params in self.tree:
             now_mods, now_params = m._modules, m._parameters
             if (
-                tuple(now_mods) != mod_names
-                or tuple(now_params) != param_names
+                tuple(now_mods) != mod_keys
+                or tuple(now_params) != param_keys
                 or not all(map(is_, now_mods.values(), mods))
                 or not all(map(is_, now_params.values(), params))
             ):
