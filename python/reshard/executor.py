@@ -665,6 +665,18 @@ def execute(plan, src_buffers, dst_buffers, group=None, *, checks=(), timeout=DE
         return _run(engine, src_buffers, dst_buffers, checks, timeout, 0.0)[0]
 
 
+def refuse(plan, reasons, group=None, *, timeout=DEFAULT_TIMEOUT_S) -> None:
+    """This rank's side of a call of `plan` that its peers make and it cannot (it failed to
+    get its buffers ready): joins their preflight with `reasons`, so every rank raises the
+    same PreflightError naming this rank and them, and nothing is written. `plan` may be None
+    when this rank could not plan. Collective over `group`; always raises."""
+    group, rank, world, transport = resolve_group(group)
+    engine = _Engine(plan, group, rank, world, transport)
+    lock = _call_lock(group, contextlib.nullcontext())
+    with _holding(lock, "a reshard.refuse call", timeout):
+        pf.refuse(engine, reasons, timeout)
+
+
 class Transfer:
     """A planned transfer for repeated syncs: plans once, keeps arenas and descriptor tensors.
 
@@ -762,6 +774,18 @@ class Transfer:
         resolved = resolve_group(self.group)
         with _holding(_call_lock(resolved[0], self._lock), "a Transfer call", self.timeout):
             return self._call(resolved, src_buffers, dst_buffers, checks)
+
+    def refuse(self, reasons) -> None:
+        """This rank's side of a call its peers make on this Transfer when it cannot make
+        it (it failed to get its buffers ready): every rank raises the same PreflightError
+        naming this rank and `reasons`; nothing is written. Collective; always raises."""
+        resolved = resolve_group(self.group)
+        with _holding(_call_lock(resolved[0], self._lock), "a Transfer call", self.timeout):
+            group, rank, world, transport = resolved
+            e = self._engine
+            if e is None or e.broken or (e.group, e.rank, e.world_size) != resolved[:3]:
+                e = _Engine(self.plan, group, rank, world, transport, self._make_staging)
+            pf.refuse(e, reasons, self.timeout)
 
     def _call(self, resolved, src_buffers, dst_buffers, checks) -> Report:
         e = self._engine

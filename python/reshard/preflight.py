@@ -751,10 +751,13 @@ def agree(
     else:
         rows = _all_gather_rows(mine, group, world_size, device, timeout_s)
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
-    # rank out is the one named.
+    # rank out is the one named. A rank without a plan (UNAVAILABLE: it already has a reason)
+    # is neither the reference nor named for it.
     fps = [tuple(row[1:3]) for row in rows]
-    ref_fp = max(fps, key=lambda f: (fps.count(f), -fps.index(f)))
-    fp_bad = [r for r, f in enumerate(fps) if f != ref_fp]
+    none = fingerprint_words(UNAVAILABLE)
+    known = [f for f in fps if f != none] or fps
+    ref_fp = max(known, key=lambda f: (fps.count(f), -fps.index(f)))
+    fp_bad = [r for r, f in enumerate(fps) if f != ref_fp and f != none]
     if all(row[0] for row in rows) and not fp_bad:
         # from the smallest timeout of any rank, so that ranks given different timeouts
         # still take the same branch
@@ -801,6 +804,8 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, d
 # ---------------------------------------------------------------- one call's preflight
 
 DEFAULT_TIMEOUT_S = 300.0
+# The fingerprint of a rank that has no usable plan (and says why in its reasons).
+UNAVAILABLE = "unavailable"
 # The longest wait a timeout may ask for (a year): beyond it datetime arithmetic overflows.
 MAX_TIMEOUT_S = 365 * 86400.0
 # The shortest: gloo truncates a wait's timeout to whole milliseconds, and 0 means none.
@@ -1074,11 +1079,7 @@ class Cleared(NamedTuple):
     same_buffers: bool = False
 
 
-def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
-    """One call's whole preflight: `collect`, then `agree` over `ctx.group`. Returns when
-    every rank may write; raises the same PreflightError on every rank otherwise. An unusable
-    timeout is a reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
-    t0 = time.perf_counter()
+def _refuse_out_of_step(ctx) -> None:
     why = out_of_step(ctx.group)
     if why is not None:  # touching the group again could abort the process
         raise PreflightError(
@@ -1086,18 +1087,12 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
             f"group's collectives; {REBUILD}. Nothing was written",
             {ctx.rank: [why]},
         )
-    got = collect(ctx, src_buffers, dst_buffers, checks, timeout)
-    reasons = got.reasons
-    timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
-    try:
-        # not a plan: one reason already says so (the same text on every rank that erred alike)
-        fingerprint = ctx.plan.fingerprint if not plan_problem(ctx.plan) else "unavailable"
-    except Exception as exc:  # noqa: BLE001 - a reason like any other
-        fingerprint = f"unavailable on rank {ctx.rank}"
-        reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
+
+
+def _exchange(ctx, reasons, fingerprint, timeout_s) -> None:
+    """`agree` over the context's group; a failed exchange marks the group out of step."""
     device = ctx.exchange_device if ctx.transport == "nccl" else torch.device("cpu")
     gather = _gather_rows(ctx, device)
-    t1 = time.perf_counter()
     try:
         agree(reasons, fingerprint, ctx.group, ctx.rank, ctx.world_size, device, timeout_s, gather)
     except PreflightError:
@@ -1110,6 +1105,42 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
             f"nothing was written on this rank; {REBUILD}",
             {ctx.rank: [str(exc)]},
         ) from exc
+
+
+def refuse(ctx, reasons, timeout) -> None:
+    """This rank's side of a call it cannot make (it failed to get its buffers ready, for
+    `reasons`) while its peers make it: it joins their preflight exchange with those reasons,
+    so every rank raises the same PreflightError and nothing is written anywhere. `ctx.plan`
+    may be None (this rank could not plan): its fingerprint is then not compared. Raises
+    always."""
+    _refuse_out_of_step(ctx)
+    reasons = [str(r) for r in reasons] or ["the call was refused on this rank"]
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
+    if ctx.plan is None or plan_problem(ctx.plan):
+        fingerprint = UNAVAILABLE
+    else:
+        fingerprint = ctx.plan.fingerprint
+    _exchange(ctx, reasons, fingerprint, timeout_s)
+    raise AssertionError("agree() returned with reasons")  # unreachable: it raises
+
+
+def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
+    """One call's whole preflight: `collect`, then `agree` over `ctx.group`. Returns when
+    every rank may write; raises the same PreflightError on every rank otherwise. An unusable
+    timeout is a reason; the exchange itself then waits DEFAULT_TIMEOUT_S."""
+    t0 = time.perf_counter()
+    _refuse_out_of_step(ctx)
+    got = collect(ctx, src_buffers, dst_buffers, checks, timeout)
+    reasons = got.reasons
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
+    try:
+        # not a plan: one reason already says so (the same text on every rank that erred alike)
+        fingerprint = ctx.plan.fingerprint if not plan_problem(ctx.plan) else UNAVAILABLE
+    except Exception as exc:  # noqa: BLE001 - a reason like any other
+        fingerprint = f"unavailable on rank {ctx.rank}"
+        reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
+    t1 = time.perf_counter()
+    _exchange(ctx, reasons, fingerprint, timeout_s)
     t2 = time.perf_counter()
     # cleared on every rank: the rounds run with these buffers, so the next call whose
     # buffers read the same may skip their checks and what the rounds derive from them. On

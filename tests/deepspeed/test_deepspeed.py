@@ -544,7 +544,8 @@ def _errors_worker(rank, world, tmp):
     ga.step()
     assert live.reasons() == []
     ga.offload_states()
-    expect(NotReadyError, r"offloaded \(offload_states", rsds.describe(ga, "param").check)
+    expect(NotReadyError, r"offloaded \(offload_states", live.check)
+    expect(NotReadyError, r"offloaded \(offload_states", rsds.describe, ga, "param")
     ga.reload_states()
     expect(NotReadyError, "replaced since describe", live_param_check(rsds, ga))
     ga.destroy()

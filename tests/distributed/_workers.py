@@ -109,7 +109,9 @@ def w_repeat(rank, world, planner, n):
 
 # the shared faults (_faults.py) plus two only this executor has: the staging allocation fails
 # on one rank ("oom"), a buffer on a device the gloo transport cannot use ("device")
-PREFLIGHT_KINDS = F.PREFLIGHT_KINDS + ("oom", "device")
+# refuse / refuse_noplan: the failing rank joins its peers' call through executor.refuse,
+# with the plan or without one (its fingerprint then neither compared nor the reference)
+PREFLIGHT_KINDS = F.PREFLIGHT_KINDS + ("oom", "device", "refuse", "refuse_noplan")
 
 
 def _no_memory(self, nbytes, pinned):
@@ -119,6 +121,7 @@ def _no_memory(self, nbytes, pinned):
 def w_preflight(rank, world, planner, kinds):
     """For each kind and each failing rank: every rank must raise the same PreflightError
     naming the failing rank, and no target byte may change anywhere."""
+    from reshard.executor import refuse
     from reshard.staging import Staging
 
     real_alloc = Staging._alloc
@@ -139,10 +142,13 @@ def w_preflight(rank, world, planner, kinds):
             elif rank == bad and kind == "device":
                 sloc = next(iter(sb))
                 sb[sloc] = sb[sloc].to("meta")
-            elif rank == bad:
+            elif rank == bad and not kind.startswith("refuse"):
                 p, checks = F.break_inputs(kind, rank, world, src, sb, db, plan, other)
             before = {k: t.clone() for k, t in db.items()}  # after the break: aliases included
             try:
+                if rank == bad and kind.startswith("refuse"):
+                    why = ["KeyError: 'buffers not ready' (injected)"]
+                    refuse(None if kind == "refuse_noplan" else plan, why)
                 rs.execute(p, sb, db, checks=checks)
                 errs.append(f"{kind} on rank {bad}: no PreflightError on rank {rank}")
                 continue

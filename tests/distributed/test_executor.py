@@ -125,6 +125,9 @@ def test_preflight_failures_are_collective(tmp_path):
     assert "NotReadyError: exp_avg does not exist" in msgs["notready"]
     assert "staging allocation failed: OutOfMemoryError: cannot allocate" in msgs["oom"]
     assert "is on meta, but the gloo transport needs CPU buffers" in msgs["device"]
+    for kind in ("refuse", "refuse_noplan"):
+        assert "KeyError: 'buffers not ready' (injected)" in msgs[kind], msgs[kind]
+        assert "fingerprint" not in msgs[kind], msgs[kind]
 
 
 @pytest.mark.parametrize("mode", ["die", "stall", "die_in_preflight", "die_direct", "stall_direct"])

@@ -173,6 +173,28 @@ MUTANTS = (
         "parameters replaced since describe() (load_state_dict(assign=True)) pass check()",
     ),
     Mutant(
+        "deepspeed_module_tree_unchecked",
+        PKG,
+        "        for m, mod_keys, mods, param_keys, params in self.tree:",
+        "        for m, mod_keys, mods, param_keys, params in ():",
+        (
+            "tests/deepspeed/test_deepspeed_state_changes.py::"
+            "test_replaced_parameters_are_refused_and_resynced",
+        ),
+        "a parameter replaced on engine.module since describe() passes check(): wrong data",
+    ),
+    Mutant(
+        "deepspeed_sync_failure_local",
+        PKG,
+        "                    refuse(None, [failed], group=self.group)",
+        "                    raise RuntimeError(failed)",
+        (
+            "tests/deepspeed/test_deepspeed_state_changes.py::"
+            "test_sync_after_step_failure_on_one_rank_fails_every_rank",
+        ),
+        "a re-describe failing on one rank raises there alone; its peers wait for the timeout",
+    ),
+    Mutant(
         "fsdp_moments_unchecked",
         PKG,
         "        return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))",

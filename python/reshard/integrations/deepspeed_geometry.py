@@ -91,7 +91,8 @@ class ZeroGeometry:
 
     Subclasses define: `unit_label` (for messages), `storage_numel(kind, u)`,
     `runs(kind, u, entry)`, `unit_tensor(kind, u)`, `cross_check(kind, u, base)`,
-    `frozen_shape(p)`, `frozen_tensor(p)`, `frozen_numel(numel)`, `frozen_runs(numel)`.
+    `lp_tensor(p)`, `frozen_shape(p)`, `frozen_tensor(p)`, `frozen_numel(numel)`,
+    `frozen_runs(numel)`.
     """
 
     unit_label = "unit"
@@ -157,6 +158,19 @@ class ZeroGeometry:
             f"{kind!r} does not exist yet: Adam moments are created by the first applied "
             "optimizer step (engine.step() on an accumulation boundary without overflow)"
         )
+
+    def lp_views(self) -> list:
+        """[(name, param, address)]: each trainable param and the address the geometry puts its
+        bf16/fp16 tensor (`lp_tensor(param)`) at in its unit's "param" storage. A tensor moved
+        off it (`param.data = ...`) is no longer the one DeepSpeed steps, and the described
+        storage is no longer what forward reads."""
+        out = []
+        for u, entries in enumerate(self.units):
+            base = self.unit_tensor("param", u)
+            for e in entries:
+                if math.prod(e.shape):
+                    out.append((e.name, e.param, base.data_ptr() + e.offset * base.element_size()))
+        return out
 
     def check_storage(self, kind, u, base) -> None:
         expected = self.storage_numel(kind, u)

@@ -7,6 +7,7 @@ and runs the executor.
 from __future__ import annotations
 
 import reshard as rs
+from reshard.executor import refuse
 
 from .deepspeed_checks import check_alive, check_supported, watch_forwards
 from .deepspeed_live import KINDS, describe
@@ -25,8 +26,9 @@ class SyncAfterStep:
     returning the dict (rollout buffers that move). A transfer runs after every `every`-th
     applied step on an accumulation boundary; a step DeepSpeed skipped (fp16 loss-scale or bf16
     gradient overflow: `engine.was_step_applied()` is False) changed nothing and does not count.
-    Each kind is described and planned once (moments lazily, once they exist); a storage
-    replaced since (load_checkpoint, offload_states) is re-described and re-planned.
+    Each kind is described and planned once (moments lazily, once they exist); a kind whose
+    LiveState has a reason since (storage replaced by load_checkpoint / offload_states, a
+    parameter replaced on the module) is re-described and re-planned.
     """
 
     def __init__(self, engine, targets, every=1, budget_bytes_per_peer=64 << 20, group=None):
@@ -64,21 +66,46 @@ class SyncAfterStep:
         return out
 
     def sync(self) -> dict:
-        """Transfer every target now (the caller vouches for the safe boundary); {kind: Report}."""
+        """Transfer every target now (the caller vouches for the safe boundary); {kind: Report}.
+
+        Collective: whatever fails on this rank before a kind's transfer (describing the kind
+        again, the target-buffers callable) is refused through that transfer's preflight, so
+        every rank raises the same PreflightError naming this rank and the cause instead of
+        this rank raising alone while its peers wait in the transfer."""
         _synchronize()
         for kind, (dst_layout, dst_buffers) in self.targets.items():
+            failed = None
             live = self._live.get(kind)
-            if live is None or live.reasons():
-                live = describe(self.engine, kind, group=self.group)
-                self._live[kind] = live
-                self._transfers.pop(kind, None)
+            try:
+                if live is None or live.reasons():
+                    live = None
+                    live = describe(self.engine, kind, group=self.group)
+                    self._live[kind] = live
+                    self._transfers.pop(kind, None)
+            except Exception as exc:  # noqa: BLE001 - refused below, on every rank
+                failed = f"describe(engine, {kind!r}) failed: {type(exc).__name__}: {exc}"
             transfer = self._transfers.get(kind)
-            if transfer is None:
-                transfer = rs.Transfer(
-                    live.layout, dst_layout, budget_bytes_per_peer=self.budget, group=self.group
-                )
-                self._transfers[kind] = transfer
-            buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
+            if transfer is None and live is not None:
+                try:
+                    transfer = rs.Transfer(
+                        live.layout, dst_layout, budget_bytes_per_peer=self.budget, group=self.group
+                    )
+                    self._transfers[kind] = transfer
+                except Exception as exc:  # noqa: BLE001 - refused below, as above
+                    failed = f"planning the {kind!r} transfer failed: {type(exc).__name__}: {exc}"
+            if failed is None:
+                try:
+                    buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
+                except Exception as exc:  # noqa: BLE001 - refused below, as above
+                    failed = (
+                        f"the {kind!r} target buffers callable raised {type(exc).__name__}: {exc}"
+                    )
+            if failed is not None:
+                # without a plan of its own (describe failed) this rank's fingerprint is not
+                # compared: its peers may have planned from their fresh describe()
+                if live is None or transfer is None:
+                    refuse(None, [failed], group=self.group)
+                transfer.refuse([failed])
             # The LiveState goes in whole: preflight runs its check() on every rank.
             self.reports[kind] = transfer(live, buffers)
         self.syncs += 1

@@ -9,6 +9,7 @@ per-param links, so another DeepSpeed version's layout is an UnsupportedError, n
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -42,6 +43,64 @@ def _identity(t):
     return (t.data_ptr(), t.untyped_storage().data_ptr(), t.numel(), t.dtype, str(t.device))
 
 
+class _ModuleTree:
+    """engine.module's submodules and parameters, by name and identity, as describe() saw them.
+
+    A parameter replaced on the module (`m.weight = nn.Parameter(...)`,
+    `load_state_dict(assign=True)`) leaves the described storage behind: forward reads the new
+    tensor, a transfer would read or write the old one. `changed()` compares identities module
+    by module (no name strings built), so it is cheap enough for every transfer."""
+
+    def __init__(self, module):
+        self.module = module
+        self.named = list(module.named_parameters(remove_duplicate=False))
+        self.tree = [
+            (
+                m,
+                tuple(m._modules),
+                tuple(m._modules.values()),
+                tuple(m._parameters),
+                tuple(m._parameters.values()),
+            )
+            for m in module.modules()
+        ]
+
+    def changed(self) -> str | None:
+        """What changed since describe() (names), or None."""
+        is_ = operator.is_
+        for m, mod_keys, mods, param_keys, params in self.tree:
+            now_mods, now_params = m._modules, m._parameters
+            if (
+                tuple(now_mods) != mod_keys
+                or tuple(now_params) != param_keys
+                or not all(map(is_, now_mods.values(), mods))
+                or not all(map(is_, now_params.values(), params))
+            ):
+                break
+        else:
+            return None
+        then = dict(self.named)
+        now = dict(self.module.named_parameters(remove_duplicate=False))
+        parts = [
+            (what, names[:8])
+            for what, names in (
+                ("replaced", [n for n in then if n in now and now[n] is not then[n]]),
+                ("removed", [n for n in then if n not in now]),
+                ("added", [n for n in now if n not in then]),
+            )
+            if names
+        ]
+        if not parts:  # a submodule swapped for one with the same parameter objects
+            return "engine.module's submodules were replaced"
+        return "engine.module parameters " + ", ".join(f"{w} {n}" for w, n in parts)
+
+
+def _moved_views(geo, views) -> list:
+    """Names of trainable params whose bf16/fp16 tensor is no longer at its described address."""
+    lp = geo.lp_tensor
+    return [name for name, p, addr in views if lp(p).data_ptr() != addr]
+
+
 def _as_flat(t):
     if t.dim() != 1 or not t.is_contiguous():
         raise UnsupportedError(f"expected a contiguous 1-D storage, got shape {tuple(t.shape)}")
@@ -56,8 +115,10 @@ class LiveState:
 
     `check()` re-validates at the safe boundary and raises `NotReadyError`: the engine is not
     destroyed, no training forward ran since the last step, storage identity (nothing replaced
-    since describe: `load_checkpoint`, `offload_states`, an optimizer `load_state_dict`) and
-    readiness (moments exist, states are not offloaded, not mid gradient accumulation).
+    since describe: `load_checkpoint`, `offload_states`, an optimizer `load_state_dict`), the
+    module's parameters (the same objects under the same names, their bf16/fp16 tensors still
+    DeepSpeed's views) and readiness (moments exist, states are not offloaded, not mid
+    gradient accumulation).
     `reasons()` returns the same findings as a list. Pass the LiveState itself as
     `src_buffers`/`dst_buffers` and the executor's preflight runs `check()` on every rank.
     """
@@ -72,6 +133,8 @@ class LiveState:
     runs: dict = field(repr=False)
     _geo: ZeroGeometry = field(repr=False)
     _identity: dict = field(repr=False)  # location -> identity tuple at describe time
+    _tree: _ModuleTree = field(repr=False)
+    _views: list = field(repr=False)  # [(name, param, address)]: geo.lp_views() at describe
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
@@ -79,6 +142,19 @@ class LiveState:
         if is_destroyed(engine):
             return [DESTROYED]
         reasons = _engine_reasons(engine)
+        changed = self._tree.changed()
+        if changed:
+            reasons.append(
+                f"{changed} since describe() (the described storage is no longer what the "
+                "module reads): describe() again"
+            )
+        # offload_states() empties param.data: its own reason says what to do
+        moved = [] if _offloaded(engine) else _moved_views(self._geo, self._views)
+        if moved:
+            reasons.append(
+                f"the bf16/fp16 tensors of {moved[:8]} no longer view DeepSpeed's flat "
+                "buffers (param.data / ds_tensor replaced?) since describe(): describe() again"
+            )
         try:
             live = self._geo.live_tensors(self.kind)
         except (NotReadyError, UnsupportedError) as exc:
@@ -116,13 +192,9 @@ def _engine_reasons(engine) -> list:
             f"{engine.micro_steps}): the safe boundary ends at the next training forward; "
             "use the state right after engine.step(), or call engine.step() first"
         )
-    offloaded = getattr(engine.optimizer, "offloaded_states", None)
+    offloaded = _offloaded(engine)
     if offloaded:
-        names = sorted(device_name(s) for s in offloaded)
-        reasons.append(
-            f"engine states {names} are offloaded (offload_states()): call "
-            "engine.reload_states(), then describe() again"
-        )
+        reasons.append(offloaded)
     gas = engine.gradient_accumulation_steps()
     managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
     if managed and engine.micro_steps % gas:
@@ -132,6 +204,20 @@ def _engine_reasons(engine) -> list:
             "engine.step() on an accumulation boundary"
         )
     return reasons
+
+
+def _offloaded(engine) -> str | None:
+    """Why the engine's states are not where DeepSpeed keeps them while training, or None.
+    DeepSpeed 0.19.8 records `engine.offload_states()` in the ZeRO optimizer's
+    `offloaded_states` (a set of OffloadStateTypeEnum) until `reload_states()`."""
+    offloaded = getattr(engine.optimizer, "offloaded_states", None)
+    if not offloaded:
+        return None
+    names = sorted(device_name(s) for s in offloaded)
+    return (
+        f"engine states {names} are offloaded (offload_states()): call "
+        "engine.reload_states(), then describe() again"
+    )
 
 
 def describe(engine, kind: str, group=None) -> LiveState:
@@ -147,8 +233,22 @@ def describe(engine, kind: str, group=None) -> LiveState:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     geo = geometry_of(engine)
+    # offload_states() moves the flats and unlinks the fp32 fragments: without this the
+    # cross-check below would call it an unsupported DeepSpeed layout
+    offloaded = _offloaded(engine)
+    if offloaded:
+        raise NotReadyError(offloaded)
     watch_forwards(engine)
     owners = _owner_ranks(geo.dp_ranks, group)
+    tree = _ModuleTree(engine.module)
+    views = geo.lp_views()
+    moved = _moved_views(geo, views)
+    if moved:
+        raise UnsupportedError(
+            f"the bf16/fp16 tensors of {moved[:8]} are not DeepSpeed's views into its flat "
+            "buffers (param.data or ds_tensor replaced after deepspeed.initialize?): "
+            "DeepSpeed's step() no longer updates what forward reads"
+        )
     live = geo.live_tensors(kind)
     for u in range(len(geo.units)):
         geo.cross_check(kind, u, live[geo.location(u, geo.dp_rank)])
@@ -164,6 +264,8 @@ def describe(engine, kind: str, group=None) -> LiveState:
         runs=runs,
         _geo=geo,
         _identity={loc: _identity(t) for loc, t in buffers.items()},
+        _tree=tree,
+        _views=views,
     )
 
 

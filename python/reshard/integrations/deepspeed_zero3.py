@@ -63,6 +63,9 @@ class Zero3Geometry(ZeroGeometry):
             if kind == "param":
                 check_view(e.name, kind, e.param.ds_tensor, base, e.offset)
 
+    def lp_tensor(self, p):
+        return p.ds_tensor  # the shard; p.data is the gathered copy (or empty)
+
     def frozen_shape(self, p) -> tuple:
         if not hasattr(p, "ds_shape"):
             raise UnsupportedError(
