@@ -189,6 +189,18 @@ def test_info_json_is_one_object(capsys):
     assert capsys.readouterr().out.lstrip().startswith("{")
 
 
+def test_info_into_a_closed_pipe_exits_quietly():
+    """`python -m reshard.info | head`: a reader that stops early is not an error."""
+    for _ in range(3):  # the reader may close before or after the first write
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "reshard.info"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        proc.stdout.close()
+        err = proc.communicate(timeout=120)[1].decode()
+        assert proc.returncode == 0, err
+        assert "Error" not in err, err
+
+
 def test_the_report_names_the_tp_size_it_ran():
     cmd = [sys.executable, "-m", "reshard.demo", "--mode", "synthetic", "--world", "3"]
     cmd += ["--layers", "1", "--hidden", "34", "--ffn", "50", "--vocab", "101", "--steps", "1"]

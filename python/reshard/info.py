@@ -95,10 +95,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print the same as one JSON object")
     args = ap.parse_args(argv)
     info = collect()
-    if args.json:
-        print(json.dumps(info, indent=2, sort_keys=True))
-    else:
-        print(format_text(info))
+    text = json.dumps(info, indent=2, sort_keys=True) if args.json else format_text(info)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head`: the reader took what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0 if "error" not in info.get("build", {}) else 1
 
 
