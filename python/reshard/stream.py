@@ -49,14 +49,15 @@ without its runtime state; one on an explicit group does not pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Mapping
 
 import torch
 
+from . import preflight as pf
 from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
@@ -172,6 +173,7 @@ class Stream:
         "_active",  # the pid of the process iterating a call (not reentrant)
         "_report",  # the last completed call's Report, once read
         "_last_call",  # the last completed call, until its Report is read
+        "_layout_seen",  # the last buffer object's .layout found equal to src_layout
         "stopped_error",  # what moving the rest failed with after an early stop: fails the next call
     )
 
@@ -275,7 +277,9 @@ class Stream:
         return self._run(src_buffers)
 
     def _run(self, src_buffers):
-        bufs, hooks = _buffers_and_hooks(src_buffers)
+        bufs, hooks, self._layout_seen = _buffers_and_hooks(
+            src_buffers, self.src_layout, self._layout_seen
+        )
         with _ENTRY_GUARD:  # checked and taken at once: two threads never both pass
             if self._active == os.getpid():  # a call copied into a forked child is not this one
                 raise RuntimeError(
@@ -466,19 +470,35 @@ def _resolve_device(device, backend) -> torch.device:
     return torch.device("cpu")
 
 
-def _buffers_and_hooks(src_buffers):
-    if isinstance(src_buffers, Mapping):
-        return dict(src_buffers), []
-    bufs = getattr(src_buffers, "buffers", None)
-    if not isinstance(bufs, Mapping):
-        what = type(src_buffers).__name__
-
-        def refuse():  # bucket 0's preflight: every rank raises it, not this one alone
-            raise TypeError(
-                "src_buffers must be a mapping {location: tensor} or an object with a "
-                f"`.buffers` mapping, got {what}"
+def _buffers_and_hooks(src_buffers, layout, seen):
+    """({location: tensor}, readiness hooks, seen) of a call's `src_buffers`, read as a Transfer reads
+    them (preflight.as_buffer_set): a mapping, or an object with `.buffers`, an optional
+    callable `.check` and an optional `.layout`, which must agree with the Stream's. Whatever is
+    wrong with the object (including a `.buffers` that raises) becomes a hook that raises in
+    bucket 0's collective preflight, so every rank raises it, not this one alone. `seen`: the
+    last buffer layout found equal to `layout` (not compared again), returned updated."""
+    try:
+        bs = pf.as_buffer_set(src_buffers, "src")
+        bufs, hooks = dict(bs.buffers), list(bs.checks)
+    except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
+        return {}, [functools.partial(_raise, exc)], seen
+    have = bs.layout
+    if have is not None and have is not layout and have is not seen:
+        why = pf.layout_difference(have, layout)
+        if why is None:
+            seen = have
+        else:
+            hooks.append(
+                functools.partial(
+                    _raise,
+                    ValueError(
+                        f"the src buffers' layout ({bs.source}.layout) differs from the "
+                        f"Stream's src_layout: {why}"
+                    ),
+                )
             )
+    return bufs, hooks, seen
 
-        return {}, [refuse]
-    check = getattr(src_buffers, "check", None)
-    return dict(bufs), [check] if callable(check) else []
+
+def _raise(exc):
+    raise exc

@@ -638,6 +638,40 @@ def test_preflight_errors_before_anything_is_yielded():
         assert got == []
 
 
+def test_a_buffer_object_is_read_as_a_transfer_reads_it():
+    """Its `.layout` must agree with the Stream's (a stale describe() of another layout would
+    stream the wrong elements under each name), its `.check` must be callable, and a
+    `.buffers` that raises is a PreflightError, as for a Transfer."""
+    a, b = torch.arange(4.0), torch.arange(4.0) + 10
+    mine = rs.Layout(
+        {"a": rs.flat((4,), [(0, 0, 4, 0)]), "b": rs.flat((4,), [(0, 0, 4, 4)])},
+        {0: rs.Storage(0, torch.float32, 8)},
+    )
+    swapped = rs.Layout(
+        {"a": rs.flat((4,), [(0, 0, 4, 4)]), "b": rs.flat((4,), [(0, 0, 4, 0)])},
+        {0: rs.Storage(0, torch.float32, 8)},
+    )
+    held = torch.cat([b, a])  # laid out as `swapped` says
+    s = rs.Stream(mine)
+    cases = [
+        (W._Live({0: held}, layout=swapped), "differs from the Stream's src_layout: tensor 'a'"),
+        (W._Live({0: held}, check=True), "`.check` must be callable"),
+        (W._BuffersRaise(), "RuntimeError: engine state not ready"),
+    ]
+    for bad, match in cases:
+        got = []
+        with pytest.raises(rs.PreflightError, match=match):
+            for name, _ in s(bad):
+                got.append(name)
+        assert got == []
+    # the same object with its own layout: the Transfer agrees, and so does the Stream
+    same = W._Live({0: torch.cat([a, b])}, layout=mine)
+    got = {n: t.clone() for n, t in rs.Stream(swapped)(W._Live({0: held}, layout=swapped))}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    got = {n: t.clone() for n, t in s(same)}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+
+
 # ------------------------------------------------------------------------ spawned ranks
 
 
