@@ -61,8 +61,10 @@ from . import preflight as pf
 from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
+from .planning.helpers import check_nbytes, check_rank
 from .planning.planner import MAX_BUDGET
 from .preflight import timeout_error
+from .staging_bound import TRANSPORTS
 from .stream_iter import Call, check_sources
 from .stream_mover import BucketMover, StagingPool
 
@@ -234,9 +236,12 @@ class Stream:
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
         ones)."""
-        rank = self.rank if rank is None else rank
+        rank = self.rank if rank is None else check_rank(rank)
+        host_ring_bytes = check_nbytes(host_ring_bytes, "host_ring_bytes")
         if transport is None:
             transport = "nccl" if self.device.type == "cuda" else "gloo"
+        elif transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
         out = StagingPool(self.plans, rank).bound(transport, host_ring_bytes)
         if rank in self.receivers:
             out["device" if self.device.type == "cuda" else "host"] += self.buffer_bytes

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -636,6 +637,26 @@ def test_preflight_errors_before_anything_is_yielded():
             for name, _ in s(bad):
                 got.append(name)
         assert got == []
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("0",), TypeError),  # never read as some other rank (a bound of zeros)
+        ((-1,), ValueError),
+        ((True,), TypeError),
+        ((0, "tcp"), ValueError),  # was stated as the gloo bound
+        ((0, "nccl", -1), ValueError),
+        ((0, "nccl", 2.5), TypeError),
+    ],
+)
+def test_staging_bytes_refuses_what_a_plan_refuses(args, error):
+    _, layout, _ = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    with pytest.raises(error, match="rank|transport|host_ring_bytes"):
+        s.staging_bytes(*args)
+    assert s.staging_bytes(np.int64(0)) == s.staging_bytes(0) == s.staging_bytes()
+    assert s.staging_bytes(0)["host"] >= s.buffer_bytes
 
 
 def test_a_buffer_object_is_read_as_a_transfer_reads_it():
