@@ -289,6 +289,19 @@ def test_error_nest():
             rs.nest(outer, inner)
 
 
+@pytest.mark.parametrize("key", ["9", True, 9.0])
+def test_nest_inner_keys_must_be_locations(key):
+    """A key that is no location was matched by dict equality or missed: "9" left location 9
+    unnested (its virtual storage then stood for a real one), True nested location 1."""
+    inner = {key: rs.flat((6,), [(0, 0, 6, 0)])}
+    for outer in (rs.replicated((2, 3), [9]), rs.replicated((2, 3), [1])):
+        with pytest.raises(rs.LayoutError, match="nest inner location must be an integer"):
+            rs.nest(outer, inner)
+    # numpy ints are locations like any int
+    tl = rs.nest(rs.replicated((2, 3), [9]), {np.int64(9): rs.flat((6,), [(0, 0, 6, 2)])})
+    assert tl.pieces == (rs.Piece(0, 2, (0, 0), (2, 3)),)
+
+
 def test_error_target_aliasing():
     # two tensors written to overlapping storage: caught when planning into them
     dst = rs.Layout(

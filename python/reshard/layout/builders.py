@@ -255,12 +255,18 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
             f"{tn}: nest inner must be a mapping {{location: TensorLayout}}, got "
             f"{type(inner).__name__}"
         )
+    by_loc = {}
     for loc, tl in inner.items():
+        # a key that is no location ("5", True, 5.0) would leave outer location 5 unnested, or
+        # nest location 1 under True: refused, not matched or missed by dict equality
+        key = as_int(loc, f"{tn}: nest inner location")
         if not isinstance(tl, TensorLayout) or len(tl.shape) != 1:
             raise LayoutError(
                 f"{tn}: nest inner[{loc!r}] must be a 1-D TensorLayout of the location's "
                 "flat storage"
             )
+        by_loc[key] = tl
+    inner = by_loc
     hi = outer.table.footprint_hi()
     rows = []  # (loc, off, start, box, strides)
     ot = outer.table
