@@ -302,6 +302,32 @@ def test_nest_inner_keys_must_be_locations(key):
     assert tl.pieces == (rs.Piece(0, 2, (0, 0), (2, 3)),)
 
 
+def test_unordered_containers_are_no_sequences():
+    """A set's iteration order (or a dict's keys) silently stood for the order meant: split's
+    blocks went to the locations in the set's order ({1, 0}: block 0 to location 0)."""
+    bad = [
+        lambda: rs.split((4,), 0, [2, 2], {1, 0}),
+        lambda: rs.split((4,), 0, [2, 2], [{1, 2}, 0]),
+        lambda: rs.split((4,), 0, [2, 2], [[1, 2], 0], offsets=[{0, 4}, 0]),
+        lambda: rs.split((4,), 0, [2, 2], [{1: 0}, 0]),
+        lambda: rs.Piece(0, 0, {1, 0}, (2, 3)),
+        lambda: rs.Piece(0, 0, (0, 0), {3: 1, 2: 1}),
+        lambda: rs.TensorLayout((3,), {rs.Piece(0, 0, (0,), (3,)): "x"}),
+        lambda: rs.split((4,), 0, [2, 2], [torch.tensor(1.0), 0]),  # 0-d: was a torch TypeError
+    ]
+    for make in bad:
+        with pytest.raises(rs.LayoutError, match="must be a sequence"):
+            make()
+    # integers of any kind, one per block or a sequence of replicas, are fine
+    tl = rs.split((4,), 0, [2, 2], [torch.tensor(1), np.array([2, 3])], offsets=[np.int64(4), 0])
+    assert [(p.location, p.offset, p.start) for p in tl.pieces] == [
+        (1, 4, (0,)),
+        (2, 0, (2,)),
+        (3, 0, (2,)),
+    ]
+    assert tl == rs.split((4,), 0, [2, 2], [1, [2, 3]], offsets=[4, 0])
+
+
 def test_error_target_aliasing():
     # two tensors written to overlapping storage: caught when planning into them
     dst = rs.Layout(
