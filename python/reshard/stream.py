@@ -62,7 +62,7 @@ from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
 from .planning.helpers import check_nbytes, check_rank
-from .planning.planner import MAX_BUDGET
+from .planning.planner import MAX_BUDGET, _integral
 from .preflight import timeout_error
 from .staging_bound import TRANSPORTS
 from .stream_iter import Call, check_sources
@@ -119,7 +119,7 @@ class Stream:
                 f"Stream(src_layout): expected a reshard.Layout, got {type(src_layout).__name__}"
                 " (for a DeepSpeed engine pass describe(engine, kind).layout)"
             )
-        _positive_int("bucket_bytes", bucket_bytes)
+        bucket_bytes = _positive_int("bucket_bytes", bucket_bytes)
         bad_timeout = timeout_error(timeout)
         if bad_timeout is not None:
             raise bad_timeout
@@ -127,9 +127,9 @@ class Stream:
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         if staging_bytes_per_rank is None:
             staging_bytes_per_rank = max(min(bucket_bytes // 4, 64 << 20), 64 << 10)
-        _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
+        staging_bytes_per_rank = _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
         if buffer_bytes is not None:
-            _positive_int("buffer_bytes", buffer_bytes)
+            buffer_bytes = _positive_int("buffer_bytes", buffer_bytes)
         bound = _resolve_group(group)
         self.group, self.timeout, self.dtype = group, float(timeout), dtype
         self.receivers = sb.check_receivers(receivers, bound[2])
@@ -439,9 +439,12 @@ def _hold_group(group, timeout):
     return lock
 
 
-def _positive_int(what, value) -> None:
+def _positive_int(what, value) -> int:
+    """`value` as an int in 1 .. 2**62 (numpy ints too, as plan() takes its budget)."""
+    value = _integral(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET:
         raise ValueError(f"{what} must be an int in 1 .. 2**62, got {value!r}")
+    return value
 
 
 def _resolve_device(device, backend) -> torch.device:

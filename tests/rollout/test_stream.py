@@ -561,6 +561,32 @@ def test_validation_errors():
     assert torch.equal(dict(s(src))["t"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
 
+def test_numpy_ints_are_sizes_and_ranks_and_non_ints_are_named():
+    """np.int64(0) was 'not a rank of the group (size 1)' and np.int64 sizes were refused
+    (plan() takes them); a dict of receivers gave its keys as the ranks."""
+    values, layout, bufs = _local()
+    want = {n: values[n] for n in ("w1", "embed")}
+    for kw in (
+        dict(receivers=[np.int64(0)]),
+        dict(receivers=np.int32(0)),
+        dict(bucket_bytes=np.int64(256), buffer_bytes=np.int64(4096)),
+        dict(staging_bytes_per_rank=np.uint32(1 << 16)),
+    ):
+        s = rs.Stream(layout, names=list(want), **kw)
+        assert s.receivers == [0] and all(type(x) is int for x in s.receivers)
+        assert type(s.bucket_bytes) is int and type(s.buffer_bytes) is int
+        assert W.consume(s, bufs, want, True, f"{kw}") == []
+    for kw, match in [
+        (dict(receivers=["0"]), "receivers must be int ranks, got '0'"),
+        (dict(receivers=[torch.tensor(0)]), "receivers must be int ranks"),
+        (dict(receivers={0: "rank"}), "receivers must be a list of ranks"),
+        (dict(receivers=[np.int64(1)]), "receiver 1 is not a rank of the group"),
+        (dict(bucket_bytes=np.float64(256)), "bucket_bytes must be an int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            rs.Stream(layout, **kw)
+
+
 def test_a_buffer_of_any_size_keeps_every_bucket_aligned():
     """A buffer_bytes that is no multiple of 16 (or twice an odd bucket_bytes): a bucket placed
     at the buffer's end still starts aligned, so its views of every dtype exist."""
