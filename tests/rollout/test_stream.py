@@ -685,6 +685,50 @@ def test_staging_bytes_refuses_what_a_plan_refuses(args, error):
     assert s.staging_bytes(0)["host"] >= s.buffer_bytes
 
 
+def _freed(n, dtype):
+    t = torch.arange(float(n)).to(dtype)
+    t.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    return t
+
+
+def _shrunk_view(n, dtype):
+    base = torch.arange(2.0 * n).to(dtype)
+    view = base[n:]
+    base.untyped_storage().resize_(n * view.element_size())
+    return view
+
+
+@pytest.mark.parametrize(
+    "make, dtype, match",
+    [
+        (_freed, torch.float32, "its storage is freed"),
+        (_shrunk_view, torch.float32, "fewer than the 512 its view needs"),
+        (lambda n, dt: torch.empty(n, dtype=dt, device="meta"), torch.float32, "is on meta"),
+        (lambda n, dt: torch.arange(float(n)).to(dt).to_sparse(), torch.float32, "sparse_coo"),
+        (lambda n, dt: torch.arange(float(n)).to(dt).conj(), torch.complex64, "conjugated"),
+        (lambda n, dt: torch._neg_view(torch.arange(float(n)).to(dt)), torch.complex64, "negated"),
+    ],
+)
+def test_a_bad_source_of_a_later_bucket_fails_before_anything_is_yielded(make, dtype, match):
+    """Bucket 0's check of the later buckets' sources is their own preflight's: these passed
+    it, so the first bucket's tensors were yielded before the second bucket refused."""
+    n = 64
+    layout = rs.Layout(
+        {"a": rs.flat((n,), [(0, 0, n, 0)]), "b": rs.flat((n,), [(1, 0, n, 0)])},
+        {0: rs.Storage(0, dtype, n), 1: rs.Storage(0, dtype, n)},
+    )
+    s = rs.Stream(layout, bucket_bytes=n * dtype.itemsize)
+    assert [b.names for b in s.buckets] == [["a"], ["b"]]
+    good = {0: torch.arange(float(n)).to(dtype), 1: torch.arange(float(n)).to(dtype) + 1}
+    got = []
+    with pytest.raises(rs.PreflightError, match=f"source location 1: .*{match}"):
+        for name, _ in s({0: good[0], 1: make(n, dtype)}):
+            got.append(name)
+    assert got == []
+    out = {name: t.clone() for name, t in s(good)}  # the Stream is still usable
+    assert torch.equal(out["a"], good[0]) and torch.equal(out["b"], good[1])
+
+
 def test_a_buffer_object_is_read_as_a_transfer_reads_it():
     """Its `.layout` must agree with the Stream's (a stale describe() of another layout would
     stream the wrong elements under each name), its `.check` must be callable, and a
