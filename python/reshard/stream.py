@@ -331,6 +331,7 @@ class Stream:
         rank (bucket 0's own are its transfer's to check), and the receiver's buffer."""
         later = [loc for loc in self.used_locations if loc not in self._first_locations]
         reasons = check_sources(self.src_layout, later, self.rank, self.backend, bufs)
+        reasons += self._sources_in_buffer(bufs)
         if stopped is not None:
             reasons.append(
                 "this rank's previous call of the Stream stopped early (break, or an exception "
@@ -341,6 +342,33 @@ class Stream:
             reasons.append(self._buffer_error)
         if reasons:
             raise ValueError("; ".join(reasons))
+
+    def _sources_in_buffer(self, bufs) -> list[str]:
+        """Sources that share memory with this receiver's buffer (a tensor an earlier call
+        yielded, passed back): each bucket's own preflight sees only its own targets, so a
+        bucket would overwrite another's source before (or after) it is read."""
+        buf = self.buffer
+        if buf is None:
+            return []
+        lo = buf.data_ptr()
+        hi = lo + buf.numel()
+        out = []
+        for loc in self.used_locations:
+            t = bufs.get(loc)
+            if not isinstance(t, torch.Tensor) or t.device != buf.device or not t.numel():
+                continue
+            try:
+                a = t.untyped_storage().data_ptr()
+                b = a + t.untyped_storage().nbytes()
+            except RuntimeError:  # no storage of its own: refused by the other checks
+                continue
+            if a < hi and lo < b:
+                out.append(
+                    f"source location {loc} shares memory with the Stream's receiver buffer "
+                    "(a tensor the Stream yielded, passed back as a source?): the stream "
+                    "would overwrite it; pass a copy"
+                )
+        return out
 
     def _allocate_buffer(self):
         """The receivers' buffer, once; a failure is a preflight reason of the first bucket."""

@@ -729,6 +729,30 @@ def test_a_bad_source_of_a_later_bucket_fails_before_anything_is_yielded(make, d
     assert torch.equal(out["a"], good[0]) and torch.equal(out["b"], good[1])
 
 
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_a_source_in_the_streams_own_buffer_is_refused(which):
+    """A yielded tensor passed back as a source: one bucket wrote another's source (b arrived
+    with a's values, and the caller's tensor was overwritten)."""
+    n = 64
+    layout = rs.Layout(
+        {"a": rs.flat((n,), [(0, 0, n, 0)]), "b": rs.flat((n,), [(1, 0, n, 0)])},
+        {0: rs.Storage(0, torch.float32, n), 1: rs.Storage(0, torch.float32, n)},
+    )
+    s = rs.Stream(layout, bucket_bytes=n * 4)
+    assert [bk.names for bk in s.buckets] == [["a"], ["b"]]
+    a, b = torch.arange(float(n)), torch.arange(float(n)) + 1000
+    kept = dict(s({0: a, 1: b}))  # views of the Stream's buffer
+    src = kept[which]  # the region the other bucket (or this one) writes
+    src.copy_(b)
+    got = []
+    with pytest.raises(rs.PreflightError, match="source location 1 shares memory with the Stream"):
+        for name, _ in s({0: a, 1: src}):
+            got.append(name)
+    assert got == [] and torch.equal(src, b)
+    out = {name: t.clone() for name, t in s({0: a, 1: src.clone()})}
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+
+
 def test_a_buffer_object_is_read_as_a_transfer_reads_it():
     """Its `.layout` must agree with the Stream's (a stale describe() of another layout would
     stream the wrong elements under each name), its `.check` must be callable, and a
