@@ -326,6 +326,9 @@ def test_unordered_containers_are_no_sequences():
         (3, 0, (2,)),
     ]
     assert tl == rs.split((4,), 0, [2, 2], [1, [2, 3]], offsets=[4, 0])
+    # a dict's keys() view is ordered: a sequence
+    by_block = {5: "block 0", 4: "block 1"}
+    assert [p.location for p in rs.split((4,), 0, [2, 2], by_block.keys()).pieces] == [5, 4]
 
 
 def test_error_target_aliasing():

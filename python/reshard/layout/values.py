@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import KeysView, Mapping
 from collections.abc import Set as AbstractSet
 
 import numpy as np
@@ -92,8 +92,9 @@ def as_list(xs, what: str, ordered: bool = False) -> list:
 
 def _unordered(xs) -> bool:
     """A set or a mapping: as a shape, a start or a list of blocks, its iteration order (or
-    its keys) would silently stand for the order the caller meant."""
-    return isinstance(xs, (AbstractSet, Mapping))
+    its keys) would silently stand for the order the caller meant. A dict's keys() view is
+    ordered (insertion order) and stays a sequence."""
+    return isinstance(xs, Mapping) or (isinstance(xs, AbstractSet) and not isinstance(xs, KeysView))
 
 
 def as_int_array(xs, what: str) -> np.ndarray:
