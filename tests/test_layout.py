@@ -289,6 +289,23 @@ def test_error_nest():
             rs.nest(outer, inner)
 
 
+def test_nest_of_a_split_with_an_empty_block_moves_the_data():
+    """An uneven TP split whose last block is empty, each shard ZeRO-partitioned: the empty
+    block's piece kept the virtual location 10, so the Layout refused 'unknown location 10'."""
+    outer = rs.split((4, 3), 0, [4, 0], [9, 10])
+    inner = {9: rs.flat((12,), [(1, 0, 5, 0), (2, 5, 12, 0)]), 10: rs.flat((0,), [])}
+    tl = rs.nest(outer, inner)
+    assert {p.location for p in tl.pieces} == {1, 2}
+    dst = rs.Layout(
+        {"w": tl}, {1: rs.Storage(0, torch.float32, 5), 2: rs.Storage(0, torch.float32, 7)}
+    )
+    src = rs.Layout({"w": rs.replicated((4, 3), [0])}, {0: rs.Storage(0, torch.float32, 12)})
+    full = torch.arange(12.0) * 3 - 5
+    out = {1: torch.full((5,), -7.0), 2: torch.full((7,), -7.0)}
+    rs.execute(rs.plan(src, dst), {0: full}, out)
+    assert torch.equal(out[1], full[:5]) and torch.equal(out[2], full[5:])
+
+
 @pytest.mark.parametrize("key", ["9", True, 9.0])
 def test_nest_inner_keys_must_be_locations(key):
     """A key that is no location was matched by dict equality or missed: "9" left location 9

@@ -290,8 +290,12 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
         loc = int(ot.location[i])
         st, bx, sd = ot.start[i], ot.shape[i], ot.strides[i]
         off = int(ot.offset[i])
-        if loc not in inner or hi[i] < 0:
+        if loc not in inner:
             rows.append((loc, off, st, bx, sd))
+            continue
+        if hi[i] < 0:
+            # an empty piece (a split's zero-size block) holds nothing: kept, it would name
+            # the virtual location, which is no storage of the result
             continue
         tl = inner[loc]
         if hi[i] >= tl.shape[0]:
