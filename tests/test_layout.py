@@ -289,6 +289,65 @@ def test_error_nest():
             rs.nest(outer, inner)
 
 
+def test_nest_of_a_split_with_an_empty_block_moves_the_data():
+    """An uneven TP split whose last block is empty, each shard ZeRO-partitioned: the empty
+    block's piece kept the virtual location 10, so the Layout refused 'unknown location 10'."""
+    outer = rs.split((4, 3), 0, [4, 0], [9, 10])
+    inner = {9: rs.flat((12,), [(1, 0, 5, 0), (2, 5, 12, 0)]), 10: rs.flat((0,), [])}
+    tl = rs.nest(outer, inner)
+    assert {p.location for p in tl.pieces} == {1, 2}
+    dst = rs.Layout(
+        {"w": tl}, {1: rs.Storage(0, torch.float32, 5), 2: rs.Storage(0, torch.float32, 7)}
+    )
+    src = rs.Layout({"w": rs.replicated((4, 3), [0])}, {0: rs.Storage(0, torch.float32, 12)})
+    full = torch.arange(12.0) * 3 - 5
+    out = {1: torch.full((5,), -7.0), 2: torch.full((7,), -7.0)}
+    rs.execute(rs.plan(src, dst), {0: full}, out)
+    assert torch.equal(out[1], full[:5]) and torch.equal(out[2], full[5:])
+
+
+@pytest.mark.parametrize("key", ["9", True, 9.0])
+def test_nest_inner_keys_must_be_locations(key):
+    """A key that is no location was matched by dict equality or missed: "9" left location 9
+    unnested (its virtual storage then stood for a real one), True nested location 1."""
+    inner = {key: rs.flat((6,), [(0, 0, 6, 0)])}
+    for outer in (rs.replicated((2, 3), [9]), rs.replicated((2, 3), [1])):
+        with pytest.raises(rs.LayoutError, match="nest inner location must be an integer"):
+            rs.nest(outer, inner)
+    # numpy ints are locations like any int
+    tl = rs.nest(rs.replicated((2, 3), [9]), {np.int64(9): rs.flat((6,), [(0, 0, 6, 2)])})
+    assert tl.pieces == (rs.Piece(0, 2, (0, 0), (2, 3)),)
+
+
+def test_unordered_containers_are_no_sequences():
+    """A set's iteration order (or a dict's keys) silently stood for the order meant: split's
+    blocks went to the locations in the set's order ({1, 0}: block 0 to location 0)."""
+    bad = [
+        lambda: rs.split((4,), 0, [2, 2], {1, 0}),
+        lambda: rs.split((4,), 0, [2, 2], [{1, 2}, 0]),
+        lambda: rs.split((4,), 0, [2, 2], [[1, 2], 0], offsets=[{0, 4}, 0]),
+        lambda: rs.split((4,), 0, [2, 2], [{1: 0}, 0]),
+        lambda: rs.Piece(0, 0, {1, 0}, (2, 3)),
+        lambda: rs.Piece(0, 0, (0, 0), {3: 1, 2: 1}),
+        lambda: rs.TensorLayout((3,), {rs.Piece(0, 0, (0,), (3,)): "x"}),
+        lambda: rs.split((4,), 0, [2, 2], [torch.tensor(1.0), 0]),  # 0-d: was a torch TypeError
+    ]
+    for make in bad:
+        with pytest.raises(rs.LayoutError, match="must be a sequence"):
+            make()
+    # integers of any kind, one per block or a sequence of replicas, are fine
+    tl = rs.split((4,), 0, [2, 2], [torch.tensor(1), np.array([2, 3])], offsets=[np.int64(4), 0])
+    assert [(p.location, p.offset, p.start) for p in tl.pieces] == [
+        (1, 4, (0,)),
+        (2, 0, (2,)),
+        (3, 0, (2,)),
+    ]
+    assert tl == rs.split((4,), 0, [2, 2], [1, [2, 3]], offsets=[4, 0])
+    # a dict's keys() view is ordered: a sequence
+    by_block = {5: "block 0", 4: "block 1"}
+    assert [p.location for p in rs.split((4,), 0, [2, 2], by_block.keys()).pieces] == [5, 4]
+
+
 def test_error_target_aliasing():
     # two tensors written to overlapping storage: caught when planning into them
     dst = rs.Layout(

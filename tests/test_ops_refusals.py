@@ -236,3 +236,36 @@ def test_lazily_conjugated_or_negated_views_are_refused(arg, view):
         "srcs[0] is a lazily" if arg == "src" else "dst is a lazily",
         written=[base],
     )
+
+
+@pytest.mark.parametrize(
+    "desc, error, match",
+    [
+        ({0: [0, 1, 0, 1, 4, 1]}, TypeError, "desc must be a table of integers, got dict"),
+        ("0,1,0,1,4,1", TypeError, "desc must be a table of integers, got str"),
+        (DESC.to_sparse(), TypeError, "desc must be a dense \\(strided\\) tensor"),
+        ([[]], ValueError, r"desc must have shape \[n, 6\].*got \(1, 0\)"),
+        ([np.array([0, 1, 0, 1, 4]), np.array([0, 1])], TypeError, "rectangular table"),
+    ],
+)
+def test_tables_the_wrappers_cannot_read_are_named(desc, error, match):
+    """These raised from inside numpy or torch ('int() argument must be ... not dict',
+    'unsupported memory format option Contiguous') or named the wrong fault ([[]]: 'must hold
+    integers, got numpy dtype float64')."""
+    src, dst = torch.arange(4.0), dst4()
+    with pytest.raises(error, match=match):
+        reshard.copy_runs(src, desc, dst)
+    assert bool((dst == POISON).all())
+
+
+def test_tables_and_sources_given_as_iterators_are_read_once():
+    """A generator of rows was consumed by the integer check and then read again (empty) by
+    numpy; a dict of sources gave its keys."""
+    src = torch.arange(4.0)
+    dst = reshard.copy_runs(src, (row for row in DESC.tolist()), dst4())
+    assert torch.equal(dst, src)
+    dst = _ops.copy_pieces((t for t in [src]), (r for r in [[0, 0, 0, 4]]), dst4())
+    assert torch.equal(dst, src)
+    for srcs, match in [({0: src}, "srcs must be a list of tensors, got dict"), ([None], "srcs")]:
+        with pytest.raises(TypeError, match=match):
+            _ops.copy_pieces(srcs, [[0, 0, 0, 4]], dst4())

@@ -874,6 +874,21 @@ def test_per_rank_methods_refuse_bad_ranks_alike(rank, error):
     assert p.schedule(np.int32(1)) is p.schedule(1)
 
 
+@pytest.mark.parametrize(
+    "ring, error", [(-1, ValueError), (1.5, TypeError), ("64", TypeError), (True, TypeError)]
+)
+def test_staging_bytes_refuses_a_ring_that_is_no_byte_count(ring, error):
+    """A negative or fractional ring was added to the stated bound as given (-1 B of pinned
+    memory, or 1.5 truncated to 1)."""
+    shp = (40,)
+    src = rs.Layout({"w": rs.replicated(shp, [0])}, {0: S(0, 40)})
+    dst = rs.Layout({"w": rs.split(shp, 0, [20, 20], [1, 2])}, {1: S(1, 20), 2: S(2, 20)})
+    p = rs.plan(src, dst, budget_bytes_per_peer=32)
+    with pytest.raises(error, match="host_ring_bytes"):
+        p.staging_bytes(0, host_ring_bytes=ring)
+    assert p.staging_bytes(0, host_ring_bytes=np.int64(64))["host_pinned"] == 64
+
+
 def test_execute_single_process_with_the_real_op():
     from reshard import _ops as ops
 

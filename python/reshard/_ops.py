@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -177,6 +178,8 @@ def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
     tensors are shared, not copied; other integer dtypes are widened, whatever holds them."""
     width = len(columns)
     if isinstance(table, torch.Tensor):
+        if table.layout != torch.strided:  # .contiguous() below would fail inside torch
+            raise TypeError(f"{name} must be a dense (strided) tensor, got {table.layout}")
         if table.dtype == torch.bool or table.is_floating_point() or table.is_complex():
             raise TypeError(f"{name} must hold integers, got {table.dtype}")
         if table.dtype == torch.uint64 and bool((table.view(torch.int64) < 0).any()):
@@ -184,15 +187,20 @@ def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
         t = table
     else:
         if not isinstance(table, np.ndarray):
+            # rows read once (a generator), never a mapping's keys
+            table = _rows(table, name)
             _check_python_ints(table, name)  # numpy would truncate 1.5 or Fraction, take True
         try:
             arr = np.asarray(table)
         except ValueError:  # ragged rows
             raise TypeError(f"{name} must be a rectangular table of integers") from None
         if arr.dtype == object:  # Python ints of int64's range that numpy did not type
-            arr = np.asarray(table, dtype=np.int64)
-        if arr.size == 0 and arr.ndim == 1:
-            arr = np.zeros((0, width), dtype=np.int64)
+            try:
+                arr = np.asarray(table, dtype=np.int64)
+            except (TypeError, ValueError):  # rows numpy cannot type (tensors, ragged arrays)
+                raise TypeError(f"{name} must be a rectangular table of integers") from None
+        if arr.size == 0:  # [] or [[]]: no values, whatever dtype numpy guessed
+            arr = arr.astype(np.int64) if arr.ndim == 2 else np.zeros((0, width), np.int64)
         if not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name} must hold integers, got numpy dtype {arr.dtype}")
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
@@ -203,6 +211,16 @@ def _int64_table(table, columns: tuple, name: str) -> torch.Tensor:
     if t.dtype != torch.int64:
         t = t.to(torch.int64)
     return t.contiguous()
+
+
+def _rows(table, name: str, what: str = "a table of integers") -> list:
+    """The entries of a sequence (a table's rows, the sources), as a list."""
+    if isinstance(table, (Mapping, str, bytes)):
+        raise TypeError(f"{name} must be {what}, got {type(table).__name__}")
+    try:
+        return list(table)
+    except TypeError:
+        raise TypeError(f"{name} must be {what}, got {type(table).__name__}") from None
 
 
 def _check_python_ints(table, name: str) -> None:
@@ -248,7 +266,11 @@ def copy_pieces(srcs: list, pieces, dst: torch.Tensor) -> torch.Tensor:
     write; destination ranges must be disjoint and no source may share memory with dst.
     Returns dst."""
     table = _int64_table(pieces, PIECE_COLUMNS, "pieces")
-    torch.ops.reshard.copy_pieces(list(srcs), table, dst)
+    srcs = _rows(srcs, "srcs", "a list of tensors")  # never a mapping's keys
+    for i, t in enumerate(srcs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"srcs[{i}] must be a tensor, got {type(t).__name__}")
+    torch.ops.reshard.copy_pieces(srcs, table, dst)
     return dst
 
 

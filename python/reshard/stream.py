@@ -49,19 +49,22 @@ without its runtime state; one on an explicit group does not pickle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Mapping
 
 import torch
 
+from . import preflight as pf
 from . import stream_buckets as sb
 from .layout import Layout
 from .layout.values import row_major
-from .planning.planner import MAX_BUDGET
+from .planning.helpers import check_nbytes, check_rank
+from .planning.planner import MAX_BUDGET, _integral
 from .preflight import timeout_error
+from .staging_bound import TRANSPORTS
 from .stream_iter import Call, check_sources
 from .stream_mover import BucketMover, StagingPool
 
@@ -116,7 +119,7 @@ class Stream:
                 f"Stream(src_layout): expected a reshard.Layout, got {type(src_layout).__name__}"
                 " (for a DeepSpeed engine pass describe(engine, kind).layout)"
             )
-        _positive_int("bucket_bytes", bucket_bytes)
+        bucket_bytes = _positive_int("bucket_bytes", bucket_bytes)
         bad_timeout = timeout_error(timeout)
         if bad_timeout is not None:
             raise bad_timeout
@@ -124,9 +127,9 @@ class Stream:
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
         if staging_bytes_per_rank is None:
             staging_bytes_per_rank = max(min(bucket_bytes // 4, 64 << 20), 64 << 10)
-        _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
+        staging_bytes_per_rank = _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)
         if buffer_bytes is not None:
-            _positive_int("buffer_bytes", buffer_bytes)
+            buffer_bytes = _positive_int("buffer_bytes", buffer_bytes)
         bound = _resolve_group(group)
         self.group, self.timeout, self.dtype = group, float(timeout), dtype
         self.receivers = sb.check_receivers(receivers, bound[2])
@@ -172,6 +175,7 @@ class Stream:
         "_active",  # the pid of the process iterating a call (not reentrant)
         "_report",  # the last completed call's Report, once read
         "_last_call",  # the last completed call, until its Report is read
+        "_layout_seen",  # the last buffer object's .layout found equal to src_layout
         "stopped_error",  # what moving the rest failed with after an early stop: fails the next call
     )
 
@@ -232,9 +236,12 @@ class Stream:
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
         ones)."""
-        rank = self.rank if rank is None else rank
+        rank = self.rank if rank is None else check_rank(rank)
+        host_ring_bytes = check_nbytes(host_ring_bytes, "host_ring_bytes")
         if transport is None:
             transport = "nccl" if self.device.type == "cuda" else "gloo"
+        elif transport not in TRANSPORTS:
+            raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
         out = StagingPool(self.plans, rank).bound(transport, host_ring_bytes)
         if rank in self.receivers:
             out["device" if self.device.type == "cuda" else "host"] += self.buffer_bytes
@@ -275,7 +282,9 @@ class Stream:
         return self._run(src_buffers)
 
     def _run(self, src_buffers):
-        bufs, hooks = _buffers_and_hooks(src_buffers)
+        bufs, hooks, self._layout_seen = _buffers_and_hooks(
+            src_buffers, self.src_layout, self._layout_seen
+        )
         with _ENTRY_GUARD:  # checked and taken at once: two threads never both pass
             if self._active == os.getpid():  # a call copied into a forked child is not this one
                 raise RuntimeError(
@@ -322,6 +331,7 @@ class Stream:
         rank (bucket 0's own are its transfer's to check), and the receiver's buffer."""
         later = [loc for loc in self.used_locations if loc not in self._first_locations]
         reasons = check_sources(self.src_layout, later, self.rank, self.backend, bufs)
+        reasons += self._sources_in_buffer(bufs)
         if stopped is not None:
             reasons.append(
                 "this rank's previous call of the Stream stopped early (break, or an exception "
@@ -332,6 +342,33 @@ class Stream:
             reasons.append(self._buffer_error)
         if reasons:
             raise ValueError("; ".join(reasons))
+
+    def _sources_in_buffer(self, bufs) -> list[str]:
+        """Sources that share memory with this receiver's buffer (a tensor an earlier call
+        yielded, passed back): each bucket's own preflight sees only its own targets, so a
+        bucket would overwrite another's source before (or after) it is read."""
+        buf = self.buffer
+        if buf is None:
+            return []
+        lo = buf.data_ptr()
+        hi = lo + buf.numel()
+        out = []
+        for loc in self.used_locations:
+            t = bufs.get(loc)
+            if not isinstance(t, torch.Tensor) or t.device != buf.device or not t.numel():
+                continue
+            try:
+                a = t.untyped_storage().data_ptr()
+                b = a + t.untyped_storage().nbytes()
+            except RuntimeError:  # no storage of its own: refused by the other checks
+                continue
+            if a < hi and lo < b:
+                out.append(
+                    f"source location {loc} shares memory with the Stream's receiver buffer "
+                    "(a tensor the Stream yielded, passed back as a source?): the stream "
+                    "would overwrite it; pass a copy"
+                )
+        return out
 
     def _allocate_buffer(self):
         """The receivers' buffer, once; a failure is a preflight reason of the first bucket."""
@@ -430,9 +467,12 @@ def _hold_group(group, timeout):
     return lock
 
 
-def _positive_int(what, value) -> None:
+def _positive_int(what, value) -> int:
+    """`value` as an int in 1 .. 2**62 (numpy ints too, as plan() takes its budget)."""
+    value = _integral(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUDGET:
         raise ValueError(f"{what} must be an int in 1 .. 2**62, got {value!r}")
+    return value
 
 
 def _resolve_device(device, backend) -> torch.device:
@@ -466,19 +506,35 @@ def _resolve_device(device, backend) -> torch.device:
     return torch.device("cpu")
 
 
-def _buffers_and_hooks(src_buffers):
-    if isinstance(src_buffers, Mapping):
-        return dict(src_buffers), []
-    bufs = getattr(src_buffers, "buffers", None)
-    if not isinstance(bufs, Mapping):
-        what = type(src_buffers).__name__
-
-        def refuse():  # bucket 0's preflight: every rank raises it, not this one alone
-            raise TypeError(
-                "src_buffers must be a mapping {location: tensor} or an object with a "
-                f"`.buffers` mapping, got {what}"
+def _buffers_and_hooks(src_buffers, layout, seen):
+    """({location: tensor}, readiness hooks, seen) of a call's `src_buffers`, read as a Transfer reads
+    them (preflight.as_buffer_set): a mapping, or an object with `.buffers`, an optional
+    callable `.check` and an optional `.layout`, which must agree with the Stream's. Whatever is
+    wrong with the object (including a `.buffers` that raises) becomes a hook that raises in
+    bucket 0's collective preflight, so every rank raises it, not this one alone. `seen`: the
+    last buffer layout found equal to `layout` (not compared again), returned updated."""
+    try:
+        bs = pf.as_buffer_set(src_buffers, "src")
+        bufs, hooks = dict(bs.buffers), list(bs.checks)
+    except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
+        return {}, [functools.partial(_raise, exc)], seen
+    have = bs.layout
+    if have is not None and have is not layout and have is not seen:
+        why = pf.layout_difference(have, layout)
+        if why is None:
+            seen = have
+        else:
+            hooks.append(
+                functools.partial(
+                    _raise,
+                    ValueError(
+                        f"the src buffers' layout ({bs.source}.layout) differs from the "
+                        f"Stream's src_layout: {why}"
+                    ),
+                )
             )
+    return bufs, hooks, seen
 
-        return {}, [refuse]
-    check = getattr(src_buffers, "check", None)
-    return dict(bufs), [check] if callable(check) else []
+
+def _raise(exc):
+    raise exc

@@ -19,6 +19,8 @@ while bucket k is consumed and the mover never waits for the caller in between.
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -211,16 +213,21 @@ def plan_bucket(b: Bucket, src: Layout, receivers, staging_bytes_per_rank: int) 
 
 
 def check_receivers(receivers, world: int) -> list[int]:
-    if isinstance(receivers, int) and not isinstance(receivers, bool):
+    if isinstance(receivers, numbers.Integral) and not isinstance(receivers, bool):
         receivers = [receivers]
+    if isinstance(receivers, Mapping):  # its keys would be taken as the ranks
+        raise ValueError(f"receivers must be a list of ranks, got {receivers!r}")
     try:
         out = list(receivers)
     except TypeError:
         raise ValueError(f"receivers must be a list of ranks, got {receivers!r}") from None
     if not out:
         raise ValueError("receivers is empty: name at least one rank that receives the tensors")
-    for r in out:
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+    for i, r in enumerate(out):
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+            raise ValueError(f"receivers must be int ranks, got {r!r}")
+        out[i] = r = int(r)  # numpy ints too, as a rank anywhere else
+        if not 0 <= r < world:
             raise ValueError(f"receiver {r!r} is not a rank of the group (size {world})")
     if len(set(out)) != len(out):
         raise ValueError(f"receivers {out} name a rank twice")

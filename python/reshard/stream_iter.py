@@ -362,16 +362,10 @@ def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str
 
 
 def _tensor_problems(t, st, backend) -> list[str]:
-    bad = []
-    if t.dtype != st.dtype:
-        bad.append(f"dtype {t.dtype}, storage declares {st.dtype}")
-    if t.dim() != 1 or not t.is_contiguous():
-        bad.append(f"must be 1-D contiguous, got shape {tuple(t.shape)}")
-    if t.numel() != st.numel:
-        bad.append(f"has {t.numel()} elements, storage declares {st.numel}")
-    if backend == "gloo" and t.device.type != "cpu":
-        bad.append(f"is on {t.device}, but the gloo transport needs CPU buffers")
-    return bad
+    """What the bucket's own preflight would refuse in `t` (dtype, 1-D contiguous, extent, a
+    storage that holds the view, plain values, device): the same checks, so that a bad buffer
+    of a late bucket fails in bucket 0, before anything is yielded, not after."""
+    return pf._shape_faults(st, t) + pf._device_faults(t, backend)
 
 
 def merge_reports(reports, rank, world_size, backend, fingerprint) -> Report:

@@ -241,9 +241,17 @@ def w_disagree(rank, world):
     layout, bufs = zero3_source(world, values, rank)
     names = list(layout.tensors)
     errs, msgs = [], []
+    other, _ = zero3_source(world + 1, values, rank)  # the same tensors, sharded otherwise
+    odd = {
+        "raises": (_BuffersRaise(), "RuntimeError: engine state not ready"),
+        "check": (_Live(bufs, check="ready"), "`.check` must be callable"),
+        "layout": (_Live(bufs, layout=other), "differs from the Stream's src_layout"),
+    }
     cases = [
         (names[:-1] if rank == 1 else names, bufs, "fingerprint"),
         (names, list(bufs.values()) if rank == 1 else bufs, "src_buffers must be a mapping"),
+        # a buffer object that fails on rank 1 alone fails every rank's call alike
+        *((names, odd[k][0] if rank == 1 else bufs, odd[k][1]) for k in odd),
     ]
     for own, src, why in cases:
         s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16, names=own)
@@ -262,6 +270,21 @@ def w_disagree(rank, world):
     want = {n: v.to(torch.bfloat16) for n, v in values.items()}
     errs += consume(s, bufs, want, rank == 0, f"rank {rank} after the errors")
     return errs, msgs
+
+
+class _BuffersRaise:
+    """A buffer object whose `.buffers` raises (an engine in a bad state)."""
+
+    @property
+    def buffers(self):
+        raise RuntimeError("engine state not ready")
+
+
+class _Live:
+    """A buffer object as the integrations return: `.buffers`, `.layout`, `.check`."""
+
+    def __init__(self, buffers, layout=None, check=None):
+        self.buffers, self.layout, self.check = buffers, layout, check
 
 
 def w_early_stop(rank, world, local=None):

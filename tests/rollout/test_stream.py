@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -560,6 +561,32 @@ def test_validation_errors():
     assert torch.equal(dict(s(src))["t"], torch.tensor([1.0, 2.0, 3.0, 4.0]))
 
 
+def test_numpy_ints_are_sizes_and_ranks_and_non_ints_are_named():
+    """np.int64(0) was 'not a rank of the group (size 1)' and np.int64 sizes were refused
+    (plan() takes them); a dict of receivers gave its keys as the ranks."""
+    values, layout, bufs = _local()
+    want = {n: values[n] for n in ("w1", "embed")}
+    for kw in (
+        dict(receivers=[np.int64(0)]),
+        dict(receivers=np.int32(0)),
+        dict(bucket_bytes=np.int64(256), buffer_bytes=np.int64(4096)),
+        dict(staging_bytes_per_rank=np.uint32(1 << 16)),
+    ):
+        s = rs.Stream(layout, names=list(want), **kw)
+        assert s.receivers == [0] and all(type(x) is int for x in s.receivers)
+        assert type(s.bucket_bytes) is int and type(s.buffer_bytes) is int
+        assert W.consume(s, bufs, want, True, f"{kw}") == []
+    for kw, match in [
+        (dict(receivers=["0"]), "receivers must be int ranks, got '0'"),
+        (dict(receivers=[torch.tensor(0)]), "receivers must be int ranks"),
+        (dict(receivers={0: "rank"}), "receivers must be a list of ranks"),
+        (dict(receivers=[np.int64(1)]), "receiver 1 is not a rank of the group"),
+        (dict(bucket_bytes=np.float64(256)), "bucket_bytes must be an int"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            rs.Stream(layout, **kw)
+
+
 def test_a_buffer_of_any_size_keeps_every_bucket_aligned():
     """A buffer_bytes that is no multiple of 16 (or twice an odd bucket_bytes): a bucket placed
     at the buffer's end still starts aligned, so its views of every dtype exist."""
@@ -636,6 +663,128 @@ def test_preflight_errors_before_anything_is_yielded():
             for name, _ in s(bad):
                 got.append(name)
         assert got == []
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (("0",), TypeError),  # never read as some other rank (a bound of zeros)
+        ((-1,), ValueError),
+        ((True,), TypeError),
+        ((0, "tcp"), ValueError),  # was stated as the gloo bound
+        ((0, "nccl", -1), ValueError),
+        ((0, "nccl", 2.5), TypeError),
+    ],
+)
+def test_staging_bytes_refuses_what_a_plan_refuses(args, error):
+    _, layout, _ = _local()
+    s = rs.Stream(layout, [0], 256, dtype=torch.bfloat16)
+    with pytest.raises(error, match="rank|transport|host_ring_bytes"):
+        s.staging_bytes(*args)
+    assert s.staging_bytes(np.int64(0)) == s.staging_bytes(0) == s.staging_bytes()
+    assert s.staging_bytes(0)["host"] >= s.buffer_bytes
+
+
+def _freed(n, dtype):
+    t = torch.arange(float(n)).to(dtype)
+    t.untyped_storage().resize_(0)  # as FSDP frees a parameter
+    return t
+
+
+def _shrunk_view(n, dtype):
+    base = torch.arange(2.0 * n).to(dtype)
+    view = base[n:]
+    base.untyped_storage().resize_(n * view.element_size())
+    return view
+
+
+@pytest.mark.parametrize(
+    "make, dtype, match",
+    [
+        (_freed, torch.float32, "its storage is freed"),
+        (_shrunk_view, torch.float32, "fewer than the 512 its view needs"),
+        (lambda n, dt: torch.empty(n, dtype=dt, device="meta"), torch.float32, "is on meta"),
+        (lambda n, dt: torch.arange(float(n)).to(dt).to_sparse(), torch.float32, "sparse_coo"),
+        (lambda n, dt: torch.arange(float(n)).to(dt).conj(), torch.complex64, "conjugated"),
+        (lambda n, dt: torch._neg_view(torch.arange(float(n)).to(dt)), torch.complex64, "negated"),
+    ],
+)
+def test_a_bad_source_of_a_later_bucket_fails_before_anything_is_yielded(make, dtype, match):
+    """Bucket 0's check of the later buckets' sources is their own preflight's: these passed
+    it, so the first bucket's tensors were yielded before the second bucket refused."""
+    n = 64
+    layout = rs.Layout(
+        {"a": rs.flat((n,), [(0, 0, n, 0)]), "b": rs.flat((n,), [(1, 0, n, 0)])},
+        {0: rs.Storage(0, dtype, n), 1: rs.Storage(0, dtype, n)},
+    )
+    s = rs.Stream(layout, bucket_bytes=n * dtype.itemsize)
+    assert [b.names for b in s.buckets] == [["a"], ["b"]]
+    good = {0: torch.arange(float(n)).to(dtype), 1: torch.arange(float(n)).to(dtype) + 1}
+    got = []
+    with pytest.raises(rs.PreflightError, match=f"source location 1: .*{match}"):
+        for name, _ in s({0: good[0], 1: make(n, dtype)}):
+            got.append(name)
+    assert got == []
+    out = {name: t.clone() for name, t in s(good)}  # the Stream is still usable
+    assert torch.equal(out["a"], good[0]) and torch.equal(out["b"], good[1])
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_a_source_in_the_streams_own_buffer_is_refused(which):
+    """A yielded tensor passed back as a source: one bucket wrote another's source (b arrived
+    with a's values, and the caller's tensor was overwritten)."""
+    n = 64
+    layout = rs.Layout(
+        {"a": rs.flat((n,), [(0, 0, n, 0)]), "b": rs.flat((n,), [(1, 0, n, 0)])},
+        {0: rs.Storage(0, torch.float32, n), 1: rs.Storage(0, torch.float32, n)},
+    )
+    s = rs.Stream(layout, bucket_bytes=n * 4)
+    assert [bk.names for bk in s.buckets] == [["a"], ["b"]]
+    a, b = torch.arange(float(n)), torch.arange(float(n)) + 1000
+    kept = dict(s({0: a, 1: b}))  # views of the Stream's buffer
+    src = kept[which]  # the region the other bucket (or this one) writes
+    src.copy_(b)
+    got = []
+    with pytest.raises(rs.PreflightError, match="source location 1 shares memory with the Stream"):
+        for name, _ in s({0: a, 1: src}):
+            got.append(name)
+    assert got == [] and torch.equal(src, b)
+    out = {name: t.clone() for name, t in s({0: a, 1: src.clone()})}
+    assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+
+
+def test_a_buffer_object_is_read_as_a_transfer_reads_it():
+    """Its `.layout` must agree with the Stream's (a stale describe() of another layout would
+    stream the wrong elements under each name), its `.check` must be callable, and a
+    `.buffers` that raises is a PreflightError, as for a Transfer."""
+    a, b = torch.arange(4.0), torch.arange(4.0) + 10
+    mine = rs.Layout(
+        {"a": rs.flat((4,), [(0, 0, 4, 0)]), "b": rs.flat((4,), [(0, 0, 4, 4)])},
+        {0: rs.Storage(0, torch.float32, 8)},
+    )
+    swapped = rs.Layout(
+        {"a": rs.flat((4,), [(0, 0, 4, 4)]), "b": rs.flat((4,), [(0, 0, 4, 0)])},
+        {0: rs.Storage(0, torch.float32, 8)},
+    )
+    held = torch.cat([b, a])  # laid out as `swapped` says
+    s = rs.Stream(mine)
+    cases = [
+        (W._Live({0: held}, layout=swapped), "differs from the Stream's src_layout: tensor 'a'"),
+        (W._Live({0: held}, check=True), "`.check` must be callable"),
+        (W._BuffersRaise(), "RuntimeError: engine state not ready"),
+    ]
+    for bad, match in cases:
+        got = []
+        with pytest.raises(rs.PreflightError, match=match):
+            for name, _ in s(bad):
+                got.append(name)
+        assert got == []
+    # the same object with its own layout: the Transfer agrees, and so does the Stream
+    same = W._Live({0: torch.cat([a, b])}, layout=mine)
+    got = {n: t.clone() for n, t in rs.Stream(swapped)(W._Live({0: held}, layout=swapped))}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
+    got = {n: t.clone() for n, t in s(same)}
+    assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
 
 
 # ------------------------------------------------------------------------ spawned ranks

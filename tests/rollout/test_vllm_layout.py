@@ -7,6 +7,7 @@ UnsupportedError."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,54 @@ def test_layout_ranks_follow_ranks_argument():
 def test_unsupported_configs(cfg, tp, match):
     with pytest.raises(rs.UnsupportedError, match=match):
         rsvllm.tp_layout(cfg, tp, list(range(tp)))
+
+
+def _with(cfg, **kw):
+    """`cfg` with attributes set after its validation (as code that edits a loaded config does);
+    a plain object where transformers refuses the value itself."""
+    try:
+        for k, v in kw.items():
+            setattr(cfg, k, v)
+        return cfg
+    except Exception:  # noqa: BLE001 - transformers' strict field validation
+        return types.SimpleNamespace(**{**cfg.to_dict(), **kw})
+
+
+@pytest.mark.timeout(60)  # 2**45 layers were built one by one (days, unbounded memory)
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(num_hidden_layers=2**45), "num_hidden_layers 35184372088832"),
+        (dict(vocab_size=2**50), "vocab_size 1125899906842624"),
+        (dict(hidden_size=2**62, head_dim=8), "hidden_size 4611686018427387904"),
+        (dict(head_dim=2**61), "head_dim 2305843009213693952"),
+    ],
+)
+def test_configs_beyond_the_geometry_are_refused_up_front(change, match):
+    """Refused naming the config's sizes before anything is built (they failed as a
+    LayoutError about a Storage's numel, or never finished)."""
+    with pytest.raises(rs.UnsupportedError, match="more than 2\\*\\*53") as e:
+        rsvllm.tp_layout(_with(_llama(), **change), 2, [0, 1])
+    assert match in str(e.value) and "more than 2**53" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(hidden_size=4, head_dim=None), "head_dim would be 0"),
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings = 'false'"),
+        (dict(attention_bias="false"), "attention_bias = 'false'"),
+        (dict(mlp_bias=1), "mlp_bias = 1"),
+    ],
+)
+def test_config_values_that_would_mean_something_else_are_refused(change, match):
+    """hidden_size < num_heads gave zero-row q/k/v; bool("false") turned a setting on."""
+    with pytest.raises(rs.UnsupportedError, match=match):
+        rsvllm.tp_layout(_with(_llama(), **change), 2, [0, 1])
+    with pytest.raises(rs.UnsupportedError, match="qk_norm = 'false'"):
+        rsvllm.tp_layout(_with(_qwen2(), qk_norm="false"), 2, [0, 1])
+    # None is the config's default
+    assert rsvllm.tp_layout(_with(_llama(), mlp_bias=None), 2, [0, 1]).spec.mlp_bias is False
 
 
 def test_config_json_dict_is_read_as_its_model_config():

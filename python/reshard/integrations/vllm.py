@@ -32,6 +32,7 @@ import torch
 
 import reshard as rs
 from reshard.errors import UnsupportedError
+from reshard.layout import MAX_ELEMENTS
 
 __all__ = ["TPLayout", "tp_layout"]
 
@@ -165,6 +166,11 @@ def _spec(cfg) -> _Spec:
     if act != "silu":
         raise UnsupportedError(f"hidden_act {act!r}: vLLM's Llama/Qwen2 MLP supports only silu")
     head_dim = _optional_positive(cfg, "head_dim")
+    if head_dim is None and hidden < heads:
+        # vLLM's head_dim would be hidden_size // num_heads = 0: attention without elements
+        raise UnsupportedError(
+            f"hidden_size {hidden} < num_attention_heads {heads}: head_dim would be 0"
+        )
     if cfg.model_type == "qwen2":
         qkv_bias, o_bias, mlp_bias = _qwen2_biases(cfg, head_dim, hidden // heads)
     else:
@@ -177,11 +183,22 @@ def _spec(cfg) -> _Spec:
         head_dim=head_dim or hidden // heads,
         intermediate=inter,
         vocab=vocab,
-        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tied=_flag(cfg, "tie_word_embeddings"),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
     )
+
+
+def _flag(cfg, key) -> bool:
+    """config.key as a bool (absent or None: False). Anything else is refused: bool("false")
+    would silently turn a setting on."""
+    v = getattr(cfg, key, None)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise UnsupportedError(f"config.{key} = {v!r}: true or false is required")
+    return v
 
 
 def _text_config(cfg):
@@ -238,7 +255,7 @@ def _qwen2_biases(cfg, head_dim, default_head_dim):
             f"qwen2 with head_dim {head_dim} != hidden_size // num_attention_heads: vLLM's "
             "Qwen2 ignores config.head_dim"
         )
-    if getattr(cfg, "qk_norm", False):
+    if _flag(cfg, "qk_norm"):
         raise UnsupportedError("qwen2 with qk_norm: set config.qk_norm to false")
     return True, False, False
 
@@ -253,8 +270,8 @@ def _llama_biases(cfg):
             )
     if getattr(cfg, "ada_rms_norm_t_cond", False):
         raise UnsupportedError("mistral with ada_rms_norm_t_cond adds layers tp_layout lacks")
-    attention_bias = bool(getattr(cfg, "attention_bias", False))
-    return attention_bias, attention_bias, bool(getattr(cfg, "mlp_bias", False))
+    attention_bias = _flag(cfg, "attention_bias")
+    return attention_bias, attention_bias, _flag(cfg, "mlp_bias")
 
 
 def _check_tp(s: _Spec, tp: int):
@@ -276,6 +293,28 @@ def _check_tp(s: _Spec, tp: int):
             f"tp_size {tp} does not divide the padded vocab {padded} (vocab_size {s.vocab} "
             f"rounded up to a multiple of {VOCAB_PADDING})"
         )
+    total = _total_elements(s, tp)
+    if total > MAX_ELEMENTS:
+        # checked before building: a config with 2**40 layers would otherwise be built layer
+        # by layer for hours, and a huge vocab or hidden fail deep inside the geometry
+        raise UnsupportedError(
+            f"the TP shards of this config hold {total} elements in all (num_hidden_layers "
+            f"{s.layers}, hidden_size {s.hidden}, head_dim {s.head_dim}, intermediate_size "
+            f"{s.intermediate}, "
+            f"vocab_size {s.vocab}, tp_size {tp}), more than 2**53 (the limit of reshard's "
+            "geometry)"
+        )
+
+
+def _total_elements(s: _Spec, tp: int) -> int:
+    """Elements of every vLLM parameter on every TP rank (what the layout's storages hold)."""
+    hd, hidden = s.head_dim, s.hidden
+    qkv = s.heads // tp * hd + 2 * max(1, s.kv_heads // tp) * hd
+    inter = s.intermediate // tp
+    layer = (qkv + 3 * inter) * hidden + hidden * (s.heads // tp * hd)  # qkv, gate_up, down, o
+    layer += 2 * hidden + qkv * s.qkv_bias + hidden * s.o_bias + (2 * inter + hidden) * s.mlp_bias
+    vocab = _padded_vocab(s.vocab) // tp * hidden * (1 if s.tied else 2)
+    return tp * (s.layers * layer + vocab + hidden)
 
 
 def _padded_vocab(vocab: int) -> int:

@@ -3,6 +3,7 @@ Shard), `flat` (ZeRO ranges of the flattened tensor) and `nest` (a sharding of a
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import numpy as np
@@ -62,7 +63,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
         raise LayoutError(f"{tn}: split dim {dim} out of range for {d} dims")
     dim %= d
     sizes = as_ints(sizes, "split sizes")
-    locations = as_list(locations, f"{tn}: split locations")
+    locations = as_list(locations, f"{tn}: split locations", ordered=True)
     if len(sizes) != len(locations):
         raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(locations)} locations")
     if any(s < 0 for s in sizes):
@@ -73,7 +74,7 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
         )
     if offsets is None:
         offsets = [0] * len(sizes)
-    offsets = as_list(offsets, f"{tn}: split offsets")
+    offsets = as_list(offsets, f"{tn}: split offsets", ordered=True)
     if len(offsets) != len(sizes):
         raise LayoutError(f"{tn}: split has {len(sizes)} sizes but {len(offsets)} offsets")
     loc, off, blk = _split_holders(tn, locations, offsets)
@@ -101,10 +102,12 @@ def _split_holders(tn, locations, offsets):
     (few); per location (replicas, hundreds) only numpy."""
     locs, offs_all, counts = [], [], []
     for i, (where, offs) in enumerate(zip(locations, offsets)):
-        group = (where,) if not hasattr(where, "__iter__") else tuple(where)
+        group = _entries(where, f"{tn}: split block {i} locations")
+        group = (where,) if group is None else group
         if not group:
             raise LayoutError(f"{tn}: split block {i} has no location")
-        offs = (offs,) * len(group) if not hasattr(offs, "__iter__") else tuple(offs)
+        many = _entries(offs, f"{tn}: split block {i} offsets")
+        offs = (offs,) * len(group) if many is None else many
         if len(offs) != len(group):
             raise LayoutError(
                 f"{tn}: split block {i} has {len(group)} locations but {len(offs)} offsets"
@@ -115,6 +118,19 @@ def _split_holders(tn, locations, offsets):
     loc = as_int_array(locs, "split location")
     off = as_int_array(offs_all, "split offset")
     return loc, off, np.repeat(np.arange(len(counts)), counts)
+
+
+def _entries(x, what):
+    """The entries of the sequence `x` (a block's replicas), or None when `x` is one value: an
+    int, numpy int or 0-d integer tensor, or anything else that is no sequence (as_int then
+    names it)."""
+    if isinstance(x, (bool, str, bytes)) or not hasattr(x, "__iter__"):
+        return None
+    try:
+        operator.index(x)
+        return None
+    except TypeError:
+        return tuple(as_list(x, what, ordered=True))
 
 
 def flat(shape, runs, *, name=None) -> TensorLayout:
@@ -255,12 +271,18 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
             f"{tn}: nest inner must be a mapping {{location: TensorLayout}}, got "
             f"{type(inner).__name__}"
         )
+    by_loc = {}
     for loc, tl in inner.items():
+        # a key that is no location ("5", True, 5.0) would leave outer location 5 unnested, or
+        # nest location 1 under True: refused, not matched or missed by dict equality
+        key = as_int(loc, f"{tn}: nest inner location")
         if not isinstance(tl, TensorLayout) or len(tl.shape) != 1:
             raise LayoutError(
                 f"{tn}: nest inner[{loc!r}] must be a 1-D TensorLayout of the location's "
                 "flat storage"
             )
+        by_loc[key] = tl
+    inner = by_loc
     hi = outer.table.footprint_hi()
     rows = []  # (loc, off, start, box, strides)
     ot = outer.table
@@ -268,8 +290,12 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
         loc = int(ot.location[i])
         st, bx, sd = ot.start[i], ot.shape[i], ot.strides[i]
         off = int(ot.offset[i])
-        if loc not in inner or hi[i] < 0:
+        if loc not in inner:
             rows.append((loc, off, st, bx, sd))
+            continue
+        if hi[i] < 0:
+            # an empty piece (a split's zero-size block) holds nothing: kept, it would name
+            # the virtual location, which is no storage of the result
             continue
         tl = inner[loc]
         if hi[i] >= tl.shape[0]:

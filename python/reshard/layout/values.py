@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import KeysView, Mapping
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 import torch
@@ -64,17 +66,35 @@ def as_int(x, what: str) -> int:
 
 
 def as_ints(xs, what: str) -> tuple:
-    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__") or _unordered(xs):
         # A bare int is the common slip for a 1-D shape; say so instead of a TypeError.
         raise LayoutError(f"{what} must be a sequence of integers, got {xs!r}")
-    return tuple(as_int(x, what) for x in xs)
+    try:
+        return tuple(as_int(x, what) for x in xs)
+    except TypeError:  # iterable in name only: a 0-d tensor or array
+        raise LayoutError(f"{what} must be a sequence of integers, got {xs!r}") from None
 
 
-def as_list(xs, what: str) -> list:
-    """`xs` (any iterable but a string) as a list; else a LayoutError naming `what`."""
-    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__"):
+def as_list(xs, what: str, ordered: bool = False) -> list:
+    """`xs` (any iterable but a string or a mapping; with `ordered`, not a set either: its
+    order is not the caller's) as a list; else a LayoutError naming `what`."""
+    if (
+        isinstance(xs, (str, bytes, Mapping))
+        or not hasattr(xs, "__iter__")
+        or (ordered and _unordered(xs))
+    ):
         raise LayoutError(f"{what} must be a sequence, got {type(xs).__name__} {xs!r}")
-    return list(xs)
+    try:
+        return list(xs)
+    except TypeError:  # iterable in name only: a 0-d tensor or array
+        raise LayoutError(f"{what} must be a sequence, got {type(xs).__name__} {xs!r}") from None
+
+
+def _unordered(xs) -> bool:
+    """A set or a mapping: as a shape, a start or a list of blocks, its iteration order (or
+    its keys) would silently stand for the order the caller meant. A dict's keys() view is
+    ordered (insertion order) and stays a sequence."""
+    return isinstance(xs, Mapping) or (isinstance(xs, AbstractSet) and not isinstance(xs, KeysView))
 
 
 def as_int_array(xs, what: str) -> np.ndarray:

@@ -52,3 +52,17 @@ def check_rank(rank) -> int:
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     return rank
+
+
+def check_nbytes(value, what: str) -> int:
+    """A byte count given to a bound (`host_ring_bytes`): a non-negative integer (numpy ints
+    too); a bool, float, str or negative count is refused, never added to a stated bound."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value

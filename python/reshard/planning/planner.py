@@ -12,7 +12,7 @@ from .. import staging_bound
 from ..errors import LayoutError
 from ..layout import Layout
 from .hashing import fingerprint
-from .helpers import check_rank
+from .helpers import check_nbytes, check_rank
 from .rank_schedule import rank_runs, schedule
 from .records import ALIGN, I64, Jobs, RankSchedule, StorageIndex
 from .rounds import Rounds, cut_rounds, per_peer_budget
@@ -78,6 +78,7 @@ class Plan:
         Local copies stage nothing.
         """
         rank = check_rank(rank)
+        host_ring_bytes = check_nbytes(host_ring_bytes, "host_ring_bytes")
         r = self.rounds
         return staging_bound.staging_bytes(
             self.num_rounds,
