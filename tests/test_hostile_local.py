@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import threading
 
@@ -404,6 +405,67 @@ def test_an_expanded_buffer_gets_only_the_right_reason():
     t.untyped_storage().resize_(16)
     msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), "contiguous")
     assert "fewer than the 44 its view needs" in msg, msg
+
+
+def _wrapper_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with FakeTensorMode():
+        fake = torch.zeros(6)
+    return {
+        "TwoTensor": TwoTensor(torch.zeros(6), torch.zeros(6)),
+        "FakeTensor": fake,
+    }
+
+
+@pytest.mark.parametrize("kind", ["TwoTensor", "FakeTensor", "nested"])
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_tensors_without_plain_memory_are_named(kind, side):
+    """Subclasses that dispatch their own ops and nested tensors are refused by what they are,
+    not with torch's internal error or a storage that looks freed."""
+    src, dst = _one_rank()
+    if kind == "nested":
+        t = torch.nested.nested_tensor([torch.zeros(6)])
+        match = "is a nested tensor: reshard copies dense"
+    else:
+        t = _wrapper_tensors()[kind]
+        match = f"is a {kind}, a tensor subclass with its own dispatch"
+    if side == "source":
+        msg = _refused(lambda db: rs.execute(rs.plan(src, dst), {0: t}, db), match)
+    else:
+        sb = {0: torch.arange(6.0)}
+        with pytest.raises(rs.PreflightError, match=match) as ei:
+            rs.execute(rs.plan(src, dst), sb, {10: t})
+        msg = str(ei.value)
+        assert torch.equal(sb[0], torch.arange(6.0))
+    assert "freed" not in msg and "Internal error" not in msg, msg
+
+
+@pytest.mark.parametrize("key", [0.0, np.float64(0.0), True, "0", None])
+def test_buffer_keys_must_be_int_locations(key):
+    """A float or bool key finds location 0 through dict lookup (0.0 == 0 == False... and
+    True == 1); it is refused by its type instead of standing in for the location."""
+    src, dst = _one_rank()
+    msg = _refused(
+        lambda db: rs.execute(rs.plan(src, dst), {key: torch.arange(6.0)}, db),
+        re.escape(f"source buffer key {key!r} ({type(key).__name__}) is not a location"),
+    )
+    # a key equal to 0 is not also reported missing; any other leaves location 0 missing
+    assert ("location 0 (owned by rank 0) is missing" in msg) == (key != 0), msg
+    # numpy ints are ints
+    db = {np.int64(10): torch.full((6,), S.POISON)}
+    rs.execute(rs.plan(src, dst), {np.int32(0): torch.arange(6.0)}, db)
+    assert torch.equal(db[10], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("flag", ["register_host_sources", "register_host_targets"])
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_registration_flags_are_bools(flag, value):
+    """A truthy string would turn page-locking on; anything but True/False is refused."""
+    src, dst = _one_rank()
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+        rs.Transfer(src, dst, **{flag: value})
 
 
 class _Live:

@@ -749,6 +749,12 @@ class Transfer:
     ):
         from .hostreg import HostRegistry
 
+        for what, value in (
+            ("register_host_sources", register_host_sources),
+            ("register_host_targets", register_host_targets),
+        ):
+            if not isinstance(value, bool):  # "no" would turn it on
+                raise TypeError(f"{what} must be True or False, got {value!r}")
         self._hostreg = HostRegistry(background=True) if register_host_sources else None
         self._hostreg_targets = HostRegistry(background=True) if register_host_targets else None
         self.plan, self._plan_seconds = plan, plan_seconds

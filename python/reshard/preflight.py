@@ -385,8 +385,22 @@ def _check_ownership(side, storages, buffers, rank, world_size, reasons) -> None
         reasons.append(f"{side} locations {missing[:8]}{more} (owned by rank {rank}) are missing")
 
 
+def key_fault(side, loc) -> str | None:
+    """Why buffer key `loc` is not a location, else None. Locations are ints: a float or bool
+    key would find an int location through dict lookup (0.0 == 0 == False)."""
+    if isinstance(loc, (bool, np.bool_)) or not isinstance(loc, (int, np.integer)):
+        return (
+            f"{side} buffer key {loc!r} ({type(loc).__name__}) is not a location: keys are "
+            "the layout's int locations"
+        )
+    return None
+
+
 def _admission(side, st, loc, t, rank) -> str | None:
     """Why the value passed for `loc` is not a buffer this rank may pass there, else None."""
+    bad_key = key_fault(side, loc)
+    if bad_key:
+        return bad_key
     if st is None:
         return f"{side} location {loc!r} does not exist in the {side} layout"
     if st.rank != rank:
@@ -401,6 +415,15 @@ def _admission(side, st, loc, t, rank) -> str | None:
 def _shape_faults(st, t) -> list[str]:
     """Tensor `t` against its `Storage`: dtype, 1-D contiguous, extent, a storage behind it,
     plain values (the ops refuse lazily conjugated or negated views and quantized tensors)."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        # DTensor, FakeTensor, FunctionalTensor...: their data is not this tensor's memory
+        return [
+            f"is a {type(t).__name__}, a tensor subclass with its own dispatch whose memory "
+            "reshard cannot address: pass the plain tensor it holds (a DTensor's "
+            ".to_local(); rsdt.describe() for DTensors)"
+        ]
+    if t.is_nested:
+        return ["is a nested tensor: reshard copies dense (strided) tensors"]
     if t.layout != torch.strided:
         return [f"is a {t.layout} tensor: reshard copies dense (strided) tensors"]
     bad = []

@@ -60,6 +60,7 @@ import torch
 from . import preflight as pf
 from . import stream_buckets as sb
 from .layout import Layout
+from .layout.state import QUANTIZED_DTYPES
 from .layout.values import row_major
 from .planning.helpers import check_nbytes, check_rank
 from .planning.planner import MAX_BUDGET, _integral
@@ -125,6 +126,15 @@ class Stream:
             raise bad_timeout
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if dtype in QUANTIZED_DTYPES:
+            raise ValueError(
+                f"dtype {dtype} is quantized: its scale and zero point are not elements, so "
+                "it cannot be streamed; stream the int_repr() values' dtype"
+            )
+        if not isinstance(register_host_sources, bool):
+            raise TypeError(
+                f"register_host_sources must be True or False, got {register_host_sources!r}"
+            )
         if staging_bytes_per_rank is None:
             staging_bytes_per_rank = max(min(bucket_bytes // 4, 64 << 20), 64 << 10)
         staging_bytes_per_rank = _positive_int("staging_bytes_per_rank", staging_bytes_per_rank)

@@ -353,7 +353,10 @@ def check_sources(layout, used, rank: int, backend: str, bufs: dict) -> list[str
             if bad:
                 reasons.append(f"source location {loc}: " + "; ".join(bad))
     for loc in bufs:
-        if loc not in layout.storages:
+        bad_key = pf.key_fault("source", loc)
+        if bad_key:
+            reasons.append(bad_key)
+        elif loc not in layout.storages:
             reasons.append(f"source location {loc!r} does not exist in the source layout")
         elif layout.storages[loc].rank != rank:
             owner = layout.storages[loc].rank

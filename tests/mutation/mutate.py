@@ -197,8 +197,8 @@ MUTANTS = (
     Mutant(
         "fsdp_moments_unchecked",
         PKG,
-        "        return all(state.get(p, _EMPTY).get(kind) is m for p, m in zip(params, moments))",
-        "        return True",
+        "        if not all(state.get(p, _EMPTY).get(kind) is m for p, m in pairs):",
+        "        if False:",
         (f"{FSDP}::test_state_changed_in_place_on_one_rank_is_refused_everywhere",),
         "a moment replaced in the optimizer's state since describe() passes check()",
     ),

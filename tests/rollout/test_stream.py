@@ -787,6 +787,38 @@ def test_a_buffer_object_is_read_as_a_transfer_reads_it():
     assert torch.equal(got["a"], a) and torch.equal(got["b"], b)
 
 
+def test_stream_sources_need_plain_tensors_under_int_keys():
+    """A float key standing in for location 0, a tensor subclass without plain memory and a
+    nested tensor are refused in bucket 0's preflight, before anything is yielded."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    lay = rs.Layout({"a": rs.flat((4,), [(0, 0, 4, 0)])}, {0: rs.Storage(0, torch.float32, 4)})
+    s = rs.Stream(lay)
+    cases = [
+        ({0.0: torch.arange(4.0)}, "source buffer key 0.0 \\(float\\) is not a location"),
+        ({0: TwoTensor(torch.zeros(4), torch.zeros(4))}, "is a TwoTensor, a tensor subclass"),
+        ({0: torch.nested.nested_tensor([torch.zeros(4)])}, "is a nested tensor"),
+    ]
+    for bufs, match in cases:
+        got = []
+        with pytest.raises(rs.PreflightError, match=match):
+            for name, _ in s(bufs):
+                got.append(name)
+        assert got == []
+    assert [n for n, _ in s({0: torch.arange(4.0)})] == ["a"]
+
+
+def test_stream_refuses_a_quantized_dtype_and_a_non_bool_registration():
+    lay = rs.Layout(
+        {"a": rs.flat((0,), []), "b": rs.flat((4,), [(0, 0, 4, 0)])},
+        {0: rs.Storage(0, torch.float32, 4)},
+    )
+    with pytest.raises(ValueError, match="dtype torch.qint8 is quantized"):
+        rs.Stream(lay, dtype=torch.qint8, names=["a"])
+    with pytest.raises(TypeError, match="register_host_sources must be True or False, got 'no'"):
+        rs.Stream(lay, register_host_sources="no")
+
+
 # ------------------------------------------------------------------------ spawned ranks
 
 

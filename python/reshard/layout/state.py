@@ -14,7 +14,7 @@ from .aliasing import check_target_aliasing
 from .pieces import TensorLayout
 from .values import I64, MAX_ELEMENTS, as_dtype, as_int
 
-_QUANTIZED = frozenset(
+QUANTIZED_DTYPES = frozenset(
     getattr(torch, n)
     for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
     if hasattr(torch, n)
@@ -43,7 +43,7 @@ class Storage:
         object.__setattr__(self, "rank", rank)
         object.__setattr__(self, "numel", numel)
         dtype = as_dtype(self.dtype)
-        if dtype in _QUANTIZED:
+        if dtype in QUANTIZED_DTYPES:
             raise LayoutError(
                 f"Storage dtype {dtype} is quantized: its scale and zero point are not elements; "
                 "describe the int_repr() values instead"
