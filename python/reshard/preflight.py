@@ -64,9 +64,9 @@ class BufferSet:
     source: str = ""
 
 
-def as_buffer_set(obj, side: str) -> BufferSet:
+def as_buffer_set(obj, side: str, hooks: list | None = None) -> BufferSet:
     """Accept a mapping, a BufferSet, or an object with `.buffers` (and optional `.check()`
-    and `.layout`)."""
+    and `.layout`). hooks: the object's `readiness_hooks`, when the caller has read them."""
     if isinstance(obj, BufferSet):
         return obj
     if isinstance(obj, Mapping):
@@ -79,7 +79,9 @@ def as_buffer_set(obj, side: str) -> BufferSet:
                 f"{side}_buffers' `.layout` must be a reshard Layout (or absent), got "
                 f"{type(layout).__name__}"
             )
-        return BufferSet(dict(buffers), readiness_hooks(obj, side), layout, type(obj).__name__)
+        if hooks is None:
+            hooks = readiness_hooks(obj, side)
+        return BufferSet(dict(buffers), hooks, layout, type(obj).__name__)
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
@@ -1013,10 +1015,11 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
         # the hooks first: one may change what a buffer is (swap a tensor's .data, free or
         # resize its storage), and every check below, the short path's key included, must
         # read the buffers as the transfer will find them
-        hooks = [*readiness_hooks(src_buffers, "src"), *readiness_hooks(dst_buffers, "dst")]
-        reasons += hook_reasons([*hooks, *checks])
-        src = as_buffer_set(src_buffers, "src")
-        dst = as_buffer_set(dst_buffers, "dst")
+        src_hooks = readiness_hooks(src_buffers, "src")
+        dst_hooks = readiness_hooks(dst_buffers, "dst")
+        reasons += hook_reasons([*src_hooks, *dst_hooks, *checks])
+        src = as_buffer_set(src_buffers, "src", src_hooks)
+        dst = as_buffer_set(dst_buffers, "dst", dst_hooks)
         reasons += layout_reasons(
             ctx, {"source": (src, ctx.plan.src), "target": (dst, ctx.plan.dst)}
         )

@@ -43,20 +43,16 @@ def check_rank(rank) -> int:
     """`rank` as an int for the per-rank methods: a non-negative integer (numpy ints too). A
     rank past the layouts' is a group member that owns nothing (an empty schedule), so only
     negatives are out of range; a str, bool or float is refused, never read as a rank."""
-    if isinstance(rank, bool):
-        raise TypeError(f"rank must be an int, got bool {rank!r}")
-    try:
-        rank = operator.index(rank)
-    except TypeError:
-        raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}") from None
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
-    return rank
+    return _non_negative_int(rank, "rank")
 
 
 def check_nbytes(value, what: str) -> int:
     """A byte count given to a bound (`host_ring_bytes`): a non-negative integer (numpy ints
     too); a bool, float, str or negative count is refused, never added to a stated bound."""
+    return _non_negative_int(value, what)
+
+
+def _non_negative_int(value, what: str) -> int:
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int, got bool {value!r}")
     try:
