@@ -62,8 +62,8 @@ def refresh_persistent(engine) -> None:
     Params at or under stage3_param_persistence_threshold keep a full copy that forward reads;
     it is re-gathered only after step(). Params a forward under no_grad gathered and left
     gathered are released, so the next forward fetches them from the new shards. Collective
-    over the data-parallel group. A no-op for ZeRO-1/2, whose "param" storage is the full flat
-    buffer forward reads. What fails on any rank before DeepSpeed communicates fails on every
+    over the data-parallel group. Nothing to do for ZeRO-1/2, whose "param" storage is the full
+    flat buffer forward reads (the ranks still agree that their engines are fit). What fails on any rank before DeepSpeed communicates fails on every
     rank alike.
     """
     if _agreed(engine, "refresh_persistent(engine)") == 3:

@@ -31,6 +31,9 @@ class SyncAfterStep:
     Each kind is described and planned once (moments lazily, once they exist); a kind whose
     LiveState has a reason since (storage replaced by load_checkpoint / offload_states, a
     parameter replaced on the module) is re-described and re-planned.
+
+    The constructor communicates nothing: bad arguments raise at once; an engine check failing
+    on this rank (unsupported, destroyed) warns and makes every sync() refuse on every rank.
     """
 
     def __init__(self, engine, targets, every=1, budget_bytes_per_peer=64 << 20, group=None):
