@@ -248,3 +248,114 @@ def _offloaded_worker(rank, world):
 
 def test_describe_while_offloaded_says_reload(tmp_path):
     assert run_ranks(_offloaded_worker, 2, tmp_path, env=ENV, timeout=300)[0] == [1, 2, 3]
+
+
+def _collective_worker(rank, world):
+    import contextlib
+    import time
+
+    from _dsutil import batch, ds_env, make_engine, replicated_targets, train
+
+    ds_env(rank, world)
+    import reshard as rs
+    from reshard.errors import NotReadyError
+    from reshard.integrations import deepspeed as rsds
+    from reshard.integrations.deepspeed_live import LiveState
+
+    out = {}
+
+    def timed(call):
+        t0 = time.perf_counter()
+        try:
+            call()
+            return ("no error", time.perf_counter() - t0)
+        except (NotReadyError, rs.PreflightError) as exc:
+            return (f"{type(exc).__name__}: {exc}", time.perf_counter() - t0)
+
+    # 1. the refreshes on an engine whose states are offloaded on rank 1 only: DeepSpeed's
+    # collectives inside them must not start on rank 0 alone
+    engine = make_engine(2, "none", "block")
+    train(engine, "block", 1, seed=1, rank=rank)
+    if rank == 1:
+        engine.offload_states()
+    out["refresh_params"] = timed(lambda: rsds.refresh_params(engine))
+    out["refresh_persistent"] = timed(lambda: rsds.refresh_persistent(engine))
+    if rank == 1:
+        engine.reload_states()
+    rsds.refresh_params(engine)  # fit on every rank again: runs
+
+    # 2. reasons() runs once per kind per sync (the preflight does not compute them again), and
+    # a training forward on rank 1 alone still stops the sync on every rank
+    layout, bufs = replicated_targets(rsds.describe(engine, "param"), list(range(world)))
+    sync = rsds.SyncAfterStep(engine, {"param": (layout, bufs)})
+    calls = [0]
+    reasons = LiveState.reasons
+
+    def counted(self):
+        calls[0] += 1
+        return reasons(self)
+
+    LiveState.reasons = counted
+    try:
+        sync.sync()  # describes: the fresh state's check() in preflight
+        calls[0] = 0
+        sync.sync()
+        sync.sync()
+        out["reasons calls"] = calls[0]
+    finally:
+        LiveState.reasons = reasons
+    if rank == 1:
+        engine(batch(engine, "block", 40)).float().sum()  # a training forward
+    for v in bufs.values():
+        v.fill_(float("nan"))
+    out["forward on rank 1"] = timed(sync.sync)
+    assert all(v.isnan().all() for v in bufs.values()), "a refused sync wrote"
+    engine.destroy()
+
+    # 3. SyncAfterStep built on an engine destroyed on rank 1 only: the constructor refuses
+    # nothing alone; the first sync refuses on every rank
+    engine = make_engine(1, "none", "mlp")
+    train(engine, "mlp", 1, seed=1, rank=rank)
+    layout, bufs = replicated_targets(rsds.describe(engine, "param"), list(range(world)))
+    if rank == 1:
+        engine.destroy()
+    try:
+        with (
+            pytest.warns(UserWarning, match="destroyed") if rank == 1 else contextlib.nullcontext()
+        ):
+            sync = rsds.SyncAfterStep(engine, {"param": (layout, bufs)})
+        out["init"] = ("no error", 0.0)
+    except NotReadyError as exc:  # the old behaviour: rank 1 alone
+        out["init"] = (f"NotReadyError: {exc}", 0.0)
+        return out
+    out["sync after init"] = timed(sync.sync)
+    out["sync after init again"] = timed(sync.sync)
+    assert all(v.isnan().all() for v in bufs.values()), "a refused sync wrote"
+    if rank == 0:
+        engine.destroy()
+    return out
+
+
+def test_one_rank_failures_in_refreshes_and_constructor_fail_every_rank(tmp_path):
+    res = run_ranks(_collective_worker, 2, tmp_path, env=ENV, timeout=300, group_timeout=40)
+    for what in ("refresh_params", "refresh_persistent"):
+        msgs = [r[what][0] for r in res]
+        assert msgs[0] == msgs[1], (what, msgs)  # the same error on every rank
+        assert msgs[0].startswith(f"NotReadyError: {what}(engine) failed on 1 of 2"), msgs[0]
+        assert "\n  rank 1: NotReadyError: engine states" in msgs[0], msgs[0]
+        assert "reload_states()" in msgs[0] and "rank 0:" not in msgs[0], msgs[0]
+        assert max(r[what][1] for r in res) < 20, [r[what][1] for r in res]
+    assert [r["reasons calls"] for r in res] == [2, 2], res  # two syncs, one kind
+    msgs = [r["forward on rank 1"][0] for r in res]
+    assert msgs[0] == msgs[1] and "a forward with autograd enabled ran" in msgs[0], msgs
+    assert "preflight failed on 1 of 2 ranks (1)" in msgs[0], msgs[0]
+    assert [r["init"][0] for r in res] == ["no error", "no error"], [r["init"] for r in res]
+    for what in ("sync after init", "sync after init again"):
+        msgs = [r[what][0] for r in res]
+        assert msgs[0] == msgs[1], (what, msgs)
+        assert "preflight failed on 1 of 2 ranks (1)" in msgs[0], msgs[0]
+        assert (
+            "rank 1: SyncAfterStep(engine, ...) failed on this rank: NotReadyError: " in (msgs[0])
+            and "destroyed" in msgs[0]
+        ), msgs[0]
+        assert max(r[what][1] for r in res) < 20, [r[what][1] for r in res]

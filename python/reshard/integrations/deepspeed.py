@@ -16,10 +16,13 @@ Module map (data flows down):
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from .deepspeed_checks import check_supported, stage_of
+from reshard.errors import NotReadyError, UnsupportedError
+
+from .deepspeed_checks import check_alive, check_supported
 from .deepspeed_hooks import SyncAfterStep
-from .deepspeed_live import KINDS, LiveState, describe
+from .deepspeed_live import KINDS, LiveState, describe, offload_reason
 
 __all__ = [
     "KINDS",
@@ -40,15 +43,16 @@ def refresh_params(engine) -> None:
     rank. ZeRO-1/2: `optimizer.update_lp_params()` (cast this rank's chunk, all-gather the flat).
     ZeRO-3: cast each sub-group's master shard into its param shard (what step() does), then
     re-gather the persistent params, whose full copies forward reads instead of the shards.
+    What fails on any rank before DeepSpeed communicates fails on every rank alike.
     """
-    stage = check_supported(engine)
+    stage = _agreed(engine, "refresh_params(engine)")
     opt = engine.optimizer
     if stage <= 2:
         opt.update_lp_params()
         return
     for j in range(len(opt.fp16_groups)):
         opt._reassign_or_swap_out_partitioned_parameters(j)
-    refresh_persistent(engine)
+    _refresh_persistent(opt)
 
 
 @torch.no_grad()
@@ -58,12 +62,15 @@ def refresh_persistent(engine) -> None:
     Params at or under stage3_param_persistence_threshold keep a full copy that forward reads;
     it is re-gathered only after step(). Params a forward under no_grad gathered and left
     gathered are released, so the next forward fetches them from the new shards. Collective
-    over the data-parallel group. A no-op for ZeRO-1/2, whose "param" storage is the full flat
-    buffer forward reads.
+    over the data-parallel group. Nothing to do for ZeRO-1/2, whose "param" storage is the full
+    flat buffer forward reads (the ranks still agree that their engines are fit). What fails on any rank before DeepSpeed communicates fails on every
+    rank alike.
     """
-    if stage_of(engine) != 3:
-        return
-    opt = engine.optimizer
+    if _agreed(engine, "refresh_persistent(engine)") == 3:
+        _refresh_persistent(engine.optimizer)
+
+
+def _refresh_persistent(opt) -> None:
     persistent = list(getattr(opt, "persistent_parameters", []) or [])
     # partition() keeps the existing (just written) shard and frees the stale full copy;
     # all_gather() rebuilds it from the shards, as step()'s epilogue does. A forward under
@@ -78,3 +85,48 @@ def refresh_persistent(engine) -> None:
         persistent[0].all_gather(persistent)
     if hasattr(opt, "invalidate_secondary_tensor"):
         opt.invalidate_secondary_tensor()
+
+
+def _agreed(engine, what) -> int:
+    """The ZeRO stage, once every rank of the engine's data-parallel group found its engine
+    fit for `what`; otherwise every rank raises the same error naming each failing rank.
+
+    The refreshes run DeepSpeed's collectives: a rank refusing alone (its engine destroyed,
+    its states offloaded) would leave its peers waiting in them for the group's timeout. One
+    flag all-reduce when every rank is fit; the reasons are gathered only when one is not."""
+    try:
+        stage = check_supported(engine)
+        check_alive(engine)
+        why = offload_reason(engine)
+        if why:
+            raise NotReadyError(why)
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+        stage, failed = None, exc
+    group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
+    if not (dist.is_available() and dist.is_initialized()):
+        if failed is not None:
+            raise failed
+        return stage
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        from deepspeed.accelerator import get_accelerator
+
+        device = get_accelerator().current_device_name()
+    flag = torch.tensor([0 if failed is None else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, group=group)
+    if not int(flag.item()):
+        return stage
+    mine = None if failed is None else (type(failed).__name__, str(failed))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    bad = [(r, f) for r, f in enumerate(every) if f is not None]
+    kinds = {name for _, (name, _) in bad}
+    cls = {"NotReadyError": NotReadyError, "UnsupportedError": UnsupportedError}.get(
+        kinds.pop() if len(kinds) == 1 else "", RuntimeError
+    )
+    lines = "".join(f"\n  rank {r}: {name}: {msg}" for r, (name, msg) in bad)
+    raise cls(
+        f"{what} failed on {len(bad)} of {len(every)} data-parallel ranks "
+        f"({', '.join(str(r) for r, _ in bad)}) before communicating; nothing was changed:" + lines
+    )

@@ -6,6 +6,8 @@ and runs the executor.
 
 from __future__ import annotations
 
+import warnings
+
 import reshard as rs
 from reshard.executor import refuse
 
@@ -29,6 +31,9 @@ class SyncAfterStep:
     Each kind is described and planned once (moments lazily, once they exist); a kind whose
     LiveState has a reason since (storage replaced by load_checkpoint / offload_states, a
     parameter replaced on the module) is re-described and re-planned.
+
+    The constructor communicates nothing: bad arguments raise at once; an engine check failing
+    on this rank (unsupported, destroyed) warns and makes every sync() refuse on every rank.
     """
 
     def __init__(self, engine, targets, every=1, budget_bytes_per_peer=64 << 20, group=None):
@@ -41,9 +46,20 @@ class SyncAfterStep:
                 raise ValueError(f"targets[{kind!r}] must be a (layout, buffers) pair")
         if int(every) < 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        check_supported(engine)
-        check_alive(engine)
-        watch_forwards(engine)
+        # The engine checks fail alike on every rank in practice, but one rank can differ (its
+        # engine destroyed). The constructor communicates nothing (ranks that only receive
+        # make no SyncAfterStep), so a failure here is remembered, warned about, and refused
+        # through the first sync's preflight on every rank.
+        self._failed = None
+        try:
+            check_supported(engine)
+            check_alive(engine)
+            watch_forwards(engine)
+        except Exception as exc:  # noqa: BLE001 - refused by sync(), on every rank
+            self._failed = (
+                f"SyncAfterStep(engine, ...) failed on this rank: {type(exc).__name__}: {exc}"
+            )
+            warnings.warn(self._failed + " (every sync() will refuse)", stacklevel=2)
         self.engine = engine
         self.targets = dict(targets)
         self.every = int(every)
@@ -68,22 +84,39 @@ class SyncAfterStep:
     def sync(self) -> dict:
         """Transfer every target now (the caller vouches for the safe boundary); {kind: Report}.
 
-        Collective: whatever fails on this rank before a kind's transfer (describing the kind
-        again, the target-buffers callable) is refused through that transfer's preflight, so
-        every rank raises the same PreflightError naming this rank and the cause instead of
-        this rank raising alone while its peers wait in the transfer."""
+        Collective: whatever fails on this rank before a kind's transfer (the constructor's
+        engine checks, the target-buffers callable, describing the kind again, planning) is
+        refused through that transfer's preflight, so every rank raises the same
+        PreflightError naming this rank and the cause instead of this rank raising alone while
+        its peers wait in the transfer."""
         _synchronize()
         for kind, (dst_layout, dst_buffers) in self.targets.items():
+            if self._failed is not None:
+                refuse(None, [self._failed], group=self.group)
             failed = None
-            live = self._live.get(kind)
+            buffers = None
             try:
-                if live is None or live.reasons():
-                    live = None
-                    live = describe(self.engine, kind, group=self.group)
+                buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
+            except Exception as exc:  # noqa: BLE001 - refused below, on every rank
+                failed = f"the {kind!r} target buffers callable raised {type(exc).__name__}: {exc}"
+            # After the callable (user code), so the findings are those the transfer meets.
+            live = self._live.get(kind)
+            src = live
+            try:
+                # reasons() once per sync: a cached state with none goes in as their result
+                # (_Checked); a stale one is described again and goes in whole, so preflight
+                # runs the fresh state's check() on every rank
+                if live is not None and not live.reasons():
+                    src = _Checked(live)
+                else:
+                    src = live = None
+                    src = live = describe(self.engine, kind, group=self.group)
                     self._live[kind] = live
                     self._transfers.pop(kind, None)
-            except Exception as exc:  # noqa: BLE001 - refused below, on every rank
-                failed = f"describe(engine, {kind!r}) failed: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - refused below, as above
+                failed = failed or (
+                    f"describe(engine, {kind!r}) failed: {type(exc).__name__}: {exc}"
+                )
             transfer = self._transfers.get(kind)
             if transfer is None and live is not None:
                 try:
@@ -92,13 +125,8 @@ class SyncAfterStep:
                     )
                     self._transfers[kind] = transfer
                 except Exception as exc:  # noqa: BLE001 - refused below, as above
-                    failed = f"planning the {kind!r} transfer failed: {type(exc).__name__}: {exc}"
-            if failed is None:
-                try:
-                    buffers = dst_buffers() if callable(dst_buffers) else dst_buffers
-                except Exception as exc:  # noqa: BLE001 - refused below, as above
-                    failed = (
-                        f"the {kind!r} target buffers callable raised {type(exc).__name__}: {exc}"
+                    failed = failed or (
+                        f"planning the {kind!r} transfer failed: {type(exc).__name__}: {exc}"
                     )
             if failed is not None:
                 # without a plan of its own (describe failed) this rank's fingerprint is not
@@ -106,10 +134,20 @@ class SyncAfterStep:
                 if live is None or transfer is None:
                     refuse(None, [failed], group=self.group)
                 transfer.refuse([failed])
-            # The LiveState goes in whole: preflight runs its check() on every rank.
-            self.reports[kind] = transfer(live, buffers)
+            self.reports[kind] = transfer(src, buffers)
         self.syncs += 1
         return dict(self.reports)
+
+
+class _Checked:
+    """A LiveState whose reasons() this sync found empty just before its transfer: its buffers
+    and layout without the readiness hook, which would only compute them again."""
+
+    __slots__ = ("buffers", "layout")
+
+    def __init__(self, live):
+        self.buffers = live.buffers
+        self.layout = live.layout
 
 
 def _synchronize():

@@ -149,7 +149,7 @@ class LiveState:
                 "module reads): describe() again"
             )
         # offload_states() empties param.data: its own reason says what to do
-        moved = [] if _offloaded(engine) else _moved_views(self._geo, self._views)
+        moved = [] if offload_reason(engine) else _moved_views(self._geo, self._views)
         if moved:
             reasons.append(
                 f"the bf16/fp16 tensors of {moved[:8]} no longer view DeepSpeed's flat "
@@ -192,7 +192,7 @@ def _engine_reasons(engine) -> list:
             f"{engine.micro_steps}): the safe boundary ends at the next training forward; "
             "use the state right after engine.step(), or call engine.step() first"
         )
-    offloaded = _offloaded(engine)
+    offloaded = offload_reason(engine)
     if offloaded:
         reasons.append(offloaded)
     gas = engine.gradient_accumulation_steps()
@@ -206,7 +206,7 @@ def _engine_reasons(engine) -> list:
     return reasons
 
 
-def _offloaded(engine) -> str | None:
+def offload_reason(engine) -> str | None:
     """Why the engine's states are not where DeepSpeed keeps them while training, or None.
     DeepSpeed 0.19.8 records `engine.offload_states()` in the ZeRO optimizer's
     `offloaded_states` (a set of OffloadStateTypeEnum) until `reload_states()`."""
@@ -235,7 +235,7 @@ def describe(engine, kind: str, group=None) -> LiveState:
     geo = geometry_of(engine)
     # offload_states() moves the flats and unlinks the fp32 fragments: without this the
     # cross-check below would call it an unsupported DeepSpeed layout
-    offloaded = _offloaded(engine)
+    offloaded = offload_reason(engine)
     if offloaded:
         raise NotReadyError(offloaded)
     watch_forwards(engine)
