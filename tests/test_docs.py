@@ -135,9 +135,10 @@ for b in rollout_buffers.values():
     assert not b.isnan().any(), "a rollout buffer was not written"
 """,
     "rollout": """
-assert sorted(rollout.loaded) == sorted(_hf)
-for n, p in _hf.items():
-    assert torch.equal(rollout.loaded[n], p.detach().bfloat16()), n
+if "stream" in globals():  # the block streamed full tensors by name
+    assert sorted(rollout.loaded) == sorted(_hf)
+    for n, p in _hf.items():
+        assert torch.equal(rollout.loaded[n], p.detach().bfloat16()), n
 for n, p in model.params.items():  # vocab rows past 200 are vLLM's padding, never written
     real = p[:200] if n.endswith(("embed_tokens.weight", "lm_head.weight")) else p
     assert not real.isnan().any(), n
@@ -167,7 +168,7 @@ BLOCKS = marked_blocks()
 
 
 def test_markers_are_found_and_their_setups_exist():
-    assert len(BLOCKS) >= 6, [b[0] for b in BLOCKS]
+    assert len(BLOCKS) >= 7, [b[0] for b in BLOCKS]
     for where, setup, _ in BLOCKS:
         assert setup is None or setup in SETUPS, f"{where}: unknown setup {setup!r}"
 
