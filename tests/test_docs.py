@@ -99,11 +99,12 @@ hf_config = transformers.LlamaConfig(
     vocab_size=200, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
 torch.manual_seed(0)
-_hf = dict(transformers.LlamaForCausalLM(hf_config).named_parameters())
+_hf = {n: torch.randn(t.shape)  # the HF parameters, by name (their vLLM layout names them)
+       for n, t in rsvllm.tp_layout(hf_config, 1, [0]).layout.tensors.items()}
 live = types.SimpleNamespace(  # a trainer's state on rank 0: one fp32 storage per parameter
     layout=rs.Layout({n: rs.replicated(p.shape, [i]) for i, (n, p) in enumerate(_hf.items())},
                      {i: rs.Storage(0, torch.float32, p.numel()) for i, p in enumerate(_hf.values())}),
-    buffers={i: p.detach().flatten().clone() for i, p in enumerate(_hf.values())},
+    buffers={i: p.flatten().clone() for i, p in enumerate(_hf.values())},
 )
 tp_size, ranks, tp_rank = 1, [0], 0
 
@@ -138,7 +139,7 @@ for b in rollout_buffers.values():
 if "stream" in globals():  # the block streamed full tensors by name
     assert sorted(rollout.loaded) == sorted(_hf)
     for n, p in _hf.items():
-        assert torch.equal(rollout.loaded[n], p.detach().bfloat16()), n
+        assert torch.equal(rollout.loaded[n], p.bfloat16()), n
 for n, p in model.params.items():  # vocab rows past 200 are vLLM's padding, never written
     real = p[:200] if n.endswith(("embed_tokens.weight", "lm_head.weight")) else p
     assert not real.isnan().any(), n
