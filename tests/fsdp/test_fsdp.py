@@ -1040,3 +1040,44 @@ def test_configuration_faults_of_one_rank_are_refused_everywhere(tmp_path):
         "amsgrad off",
     ]
     assert res[0] == res[1]
+
+
+def _compiled_worker(rank, world):
+    """torch.compile's wrapper (OptimizedModule) adds `_orig_mod` to named_parameters(): the
+    names must stay the model's own (as torch.distributed.checkpoint keeps them), so that a
+    rollout or DeepSpeed layout of the same model plans against them; values bitwise."""
+    import torch
+    from _dsutil import check_targets, replicated_targets
+    from _fsdputil import full_moments, full_params, make_fsdp, train
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    net, opt = make_fsdp(mesh, seed=9)
+    net.fc2 = torch.compile(net.fc2, backend="aot_eager")  # a compiled submodule, too
+    compiled = torch.compile(net, backend="aot_eager")
+    train(compiled, opt, 2, seed=9, rank=rank)
+    names = sorted(n.replace("_orig_mod.", "") for n, _ in compiled.named_parameters())
+    for kind in ("param", "exp_avg"):
+        live = _describe(compiled, opt, kind)
+        plain = _describe(net, opt, kind)
+        assert sorted(live.layout.tensors) == sorted(plain.layout.tensors), sorted(
+            live.layout.tensors
+        )
+        assert live.layout == plain.layout
+        if kind == "param":
+            assert sorted(live.layout.tensors) == names
+        dst, bufs = replicated_targets(live, list(range(world)))
+        rs.Transfer(live.layout, dst)(live, bufs)
+        ref = full_params(net) if kind == "param" else full_moments(net, opt, kind)
+        ref = {n.replace("_orig_mod.", ""): t for n, t in ref.items()}
+        check_targets(dst, bufs, ref, f"compiled {kind}")
+        assert live.reasons() == []
+    return sorted(live.layout.tensors)
+
+
+def test_compiled_module_keeps_the_model_names(tmp_path):
+    res = run_ranks(_compiled_worker, 2, tmp_path, env=ENV, timeout=240)
+    assert "fc2.weight" in res[0] and not any("_orig_mod" in n for n in res[0]), res[0]

@@ -114,7 +114,7 @@ def _params(module):
             for m, n in zip(info.shared_modules, info.shared_param_names, strict=True):
                 owner[(id(m), n)] = fp
     out, plain, seen = [], [], set()
-    for prefix, m in module.named_modules():
+    for prefix, m in _named_modules(module):
         for attr, p in m._parameters.items():
             if p is None:
                 continue
@@ -134,13 +134,35 @@ def _params(module):
     return groups, sorted(out, key=operator.itemgetter(0))
 
 
+def _named_modules(module):
+    """`module.named_modules()` with the `_orig_mod` of every torch.compile wrapper
+    (OptimizedModule) left out of the names, as torch.distributed.checkpoint leaves it out of
+    its keys: the compiled and the plain module describe the same names, which a rollout
+    target or a DeepSpeed layout of the same model has."""
+    import sys
+
+    # no torch.compile wrapper exists unless dynamo was imported (importing it costs seconds)
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(dynamo, "OptimizedModule", ())
+    clean = {}
+    for prefix, m in module.named_modules():
+        parent, _, last = prefix.rpartition(".")
+        if not prefix:
+            clean[prefix] = ""
+        elif last == "_orig_mod" and isinstance(module.get_submodule(parent), wrapper):
+            clean[prefix] = clean[parent]
+        else:
+            clean[prefix] = f"{clean[parent]}.{last}" if clean[parent] else last
+        yield clean[prefix], m
+
+
 def _not_ready(module, groups, params):
     """The reasons the parameters of `module` (`params`: [(name, FSDPParam)]) must not be
     read or written now: any not in its sharded state, any group with an all-gather in flight,
     any whose module holds another object than FSDP2's sharded parameter. [] when none."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    prefix = {id(m): n for n, m in module.named_modules()}
+    prefix = {id(m): n for n, m in _named_modules(module)}
     bad, foreign = [], []
     for g in groups:
         if _gathering(g):
