@@ -1052,7 +1052,6 @@ def _compiled_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import reshard as rs
-    from reshard.integrations import fsdp as rsfsdp
 
     mesh = init_device_mesh("cpu", (world,))
     net, opt = make_fsdp(mesh, seed=9)
