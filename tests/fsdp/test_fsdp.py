@@ -1026,6 +1026,11 @@ def _one_rank_config_faults_worker(rank, world):
             assert live.notes == [], live.notes
         for p, st in saved.items():
             opt.state[p] = st
+    # amsgrad in one param group only: the other group's parameters are not "left out" of
+    # max_exp_avg_sq (they never keep one)
+    opt.param_groups[1]["amsgrad"] = False
+    live = rsfsdp.describe(net, "max_exp_avg_sq", opt)
+    assert live.reasons() == [] and live.notes == [], (live.reasons(), live.notes)
     return out
 
 

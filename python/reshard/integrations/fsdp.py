@@ -312,7 +312,10 @@ def _moment_notes(params, chosen, entries, optimizer, kind):
     be its peers' choice: trainable parameters it holds without state (left out), moments in
     another dtype than their parameters. Not faults (every rank may agree), but when the
     ranks' layouts differ these say how, by name (`LiveDTensors.notes`)."""
-    held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+    groups = optimizer.param_groups
+    if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
+        groups = [g for g in groups if g.get("amsgrad")] or groups
+    held = {id(q) for g in groups for q in g["params"]}
     described = {n for n, _ in chosen}
     left_out = [
         n
