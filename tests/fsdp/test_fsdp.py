@@ -440,7 +440,7 @@ def _errors_worker(rank, world):
     from _dsutil import replicated_targets
     from _fsdputil import BETAS, LR, batch, make_fsdp, make_net, param_groups, shard, train
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import reshard as rs
     from reshard.errors import NotReadyError, PreflightError, UnsupportedError
@@ -464,6 +464,10 @@ def _errors_worker(rank, world):
     expect(UnsupportedError, "fully_shard", rsfsdp.describe, make_net(0), "param")
     partial = shard(make_net(0), mesh, root=False)  # the root's own params stay plain
     expect(UnsupportedError, "not managed by fully_shard", rsfsdp.describe, partial, "param")
+    # ignored_params: fully_shard() was called on their owner, so say what FSDP2 did instead
+    ignoring = make_net(0)
+    fully_shard(ignoring, mesh=mesh, ignored_params={ignoring.scale})
+    expect(UnsupportedError, r"\['scale'\] .*ignored_params", rsfsdp.describe, ignoring, "param")
     net, opt = make_fsdp(mesh)
     expect(ValueError, "kind must be one of", rsfsdp.describe, net, "grad")
     expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
@@ -650,7 +654,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
 
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
-    assert len(seen) == 33, seen
+    assert len(seen) == 34, seen
 
 
 def _changed_in_place_worker(rank, world):

@@ -128,7 +128,9 @@ def _params(module):
     if plain:
         raise UnsupportedError(
             f"parameters {[n for n, _ in plain[:8]]} are not managed by fully_shard() under "
-            "this module: call fully_shard() on the module that owns them (e.g. the root)"
+            "this module: call fully_shard() on the module that owns them (e.g. the root). "
+            "Parameters passed as fully_shard(ignored_params=) are not FSDP2 state: describe "
+            "a submodule without them, and them with rsdt.describe (as DTensors)"
         )
     # sorted like dtensor.describe: location ids follow sorted names (docs/fsdp.md)
     return groups, sorted(out, key=operator.itemgetter(0))
