@@ -115,7 +115,7 @@ def _placements_worker(rank, world):
     from torch.distributed.tensor import Partial, distribute_tensor
 
     import reshard as rs
-    from reshard.errors import UnsupportedError
+    from reshard.errors import NotReadyError
     from reshard.integrations import dtensor as rsdt
 
     mesh1 = init_device_mesh("cpu", (world,))
@@ -145,10 +145,11 @@ def _placements_worker(rank, world):
     for name, dt in dts.items():
         want = full[name].to(torch.bfloat16).float()
         assert_bitwise(dt.full_tensor(), want, f"written back {name}")
-    # a Partial placement stores no element: refused, naming it
+    # a Partial placement stores no element: refused, naming it (by check(): the peers may
+    # hold the tensor otherwise placed)
     part = distribute_tensor(torch.ones(4), mesh1, [Partial()])
-    with pytest.raises(UnsupportedError, match=r"placement Partial\(sum\) on mesh dim 0"):
-        rsdt.describe({"p": part})
+    with pytest.raises(NotReadyError, match=r"placement Partial\(sum\) on mesh dim 0"):
+        rsdt.describe({"p": part}).check()
     return sorted(full)
 
 
@@ -439,7 +440,7 @@ def _errors_worker(rank, world):
     from _dsutil import replicated_targets
     from _fsdputil import BETAS, LR, batch, make_fsdp, make_net, param_groups, shard, train
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import reshard as rs
     from reshard.errors import NotReadyError, PreflightError, UnsupportedError
@@ -463,13 +464,19 @@ def _errors_worker(rank, world):
     expect(UnsupportedError, "fully_shard", rsfsdp.describe, make_net(0), "param")
     partial = shard(make_net(0), mesh, root=False)  # the root's own params stay plain
     expect(UnsupportedError, "not managed by fully_shard", rsfsdp.describe, partial, "param")
+    # ignored_params: fully_shard() was called on their owner, so say what FSDP2 did instead
+    ignoring = make_net(0)
+    fully_shard(ignoring, mesh=mesh, ignored_params={ignoring.scale})
+    expect(UnsupportedError, r"\['scale'\] .*ignored_params", rsfsdp.describe, ignoring, "param")
     net, opt = make_fsdp(mesh)
     expect(ValueError, "kind must be one of", rsfsdp.describe, net, "grad")
     expect(ValueError, "needs the optimizer", rsfsdp.describe, net, "exp_avg")
     foreign = torch.optim.AdamW(make_net(1).parameters())
     train(net, opt, 1, seed=1, rank=rank)
+    # a fault of the configuration every rank may not share (assign-loads on one rank): a
+    # check() reason, so that the preflight refuses on every rank
     expect(
-        UnsupportedError, "none of this module's FSDP2", rsfsdp.describe, net, "exp_avg", foreign
+        NotReadyError, "none of this module's FSDP2", rsfsdp.describe(net, "exp_avg", foreign).check
     )
     sgd = torch.optim.SGD(param_groups(net), lr=LR, momentum=0.9)
     train(net, sgd, 1, seed=2, rank=rank)
@@ -582,7 +589,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import reshard as rs
-    from reshard.errors import NotReadyError, UnsupportedError
+    from reshard.errors import NotReadyError
     from reshard.integrations import dtensor as rsdt
     from reshard.integrations import fsdp as rsfsdp
 
@@ -599,7 +606,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
     expect(ValueError, "step must be an integer", rsfsdp.init_adam_state, opt, 2.5)
     assert not opt.state  # nothing was created by the refused calls
     train(net, opt, 1, seed=6, rank=rank)
-    expect(UnsupportedError, "amsgrad", rsfsdp.describe, net, "max_exp_avg_sq", opt)
+    expect(NotReadyError, "amsgrad", rsfsdp.describe(net, "max_exp_avg_sq", opt).check)
 
     # unshard(async_op=True) not waited for: the parameters still say SHARDED while their
     # all-gather is in flight (the next forward copies out what it gathered)
@@ -647,7 +654,7 @@ def _more_errors(rank, world, mesh, expect, refused_everywhere):
 
 def test_readiness_and_errors(tmp_path):
     seen = run_ranks(_errors_worker, 2, tmp_path, env=ENV, timeout=300)[0]
-    assert len(seen) == 33, seen
+    assert len(seen) == 34, seen
 
 
 def _changed_in_place_worker(rank, world):
@@ -921,3 +928,164 @@ def test_demo_fsdp_mode():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "OK:" in res.stdout and "bitwise equal" in res.stdout, res.stdout[-3000:]
+
+
+def _one_rank_config_faults_worker(rank, world):
+    """What used to raise in describe() on one rank alone: a plain tensor or a Partial
+    placement where the peers hold a DTensor (rsdt), an optimizer holding none of the
+    module's parameters, max_exp_avg_sq with amsgrad off (rsfsdp). Each rank plans against
+    one target layout (a rollout's, the same everywhere); every rank must raise the same
+    PreflightError naming rank 1, fast, writing nothing."""
+    import time
+
+    import torch
+    from _dsutil import replicated_targets
+    from _fsdputil import BETAS, LR, broadcast_layout, make_fsdp, param_groups, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    import reshard as rs
+    from reshard.integrations import dtensor as rsdt
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+
+    def refused(tag, describe, match, good):
+        """`good()` describes the healthy state: its layout (rank 0's) is the target's."""
+        target, bufs = replicated_targets(good(), list(range(world)))
+        target = broadcast_layout(target)
+        t0 = time.perf_counter()
+        try:
+            live = describe()
+            rs.Transfer(live.layout, target, timeout=FAULT_TIMEOUT_S)(live, bufs)
+        except rs.PreflightError as exc:
+            err = exc
+        except Exception as exc:  # noqa: BLE001 - the old behaviour: this rank alone raises
+            raise AssertionError(f"{tag}: rank {rank} raised {type(exc).__name__}: {exc}") from exc
+        else:
+            raise AssertionError(f"{tag}: rank {rank}: the transfer ran")
+        took = time.perf_counter() - t0
+        assert took < FAULT_TIMEOUT_S / 4, f"{tag}: rank {rank} took {took:.1f} s"
+        assert sorted(err.failures) == [1], (tag, err.failures)
+        assert any(match in r for r in err.failures[1]), (tag, str(err))
+        assert all(bool(b.isnan().all()) for b in bufs.values()), tag
+        out.append((tag, str(err)))
+
+    # rsdt: rank 1 holds the full tensor as a plain tensor, or a Partial DTensor
+    full = torch.arange(42.0).view(7, 6)
+    dt = distribute_tensor(full, mesh, [Shard(0)])
+    other = distribute_tensor(torch.ones(3, 2), mesh, [Replicate()])
+    good = lambda: rsdt.describe({"w": dt, "o": other})  # noqa: E731
+    w = full.clone() if rank == 1 else dt
+    refused("plain tensor", lambda: rsdt.describe({"w": w, "o": other}), "not a DTensor", good)
+    part = DTensor.from_local(torch.ones(3, 2), mesh, [Partial()], run_check=False)
+    o = part if rank == 1 else other
+    refused("partial", lambda: rsdt.describe({"w": dt, "o": o}), "placement Partial", good)
+
+    # rsfsdp: rank 1's optimizer holds none of the module's parameters (it was built for
+    # another model there)
+    net, opt = make_fsdp(mesh, seed=8, amsgrad=True)
+    train(net, opt, 1, seed=8, rank=rank)
+    twin, _ = make_fsdp(mesh, seed=8)
+    foreign = torch.optim.AdamW(param_groups(twin), lr=LR, betas=BETAS)
+    mine = foreign if rank == 1 else opt
+    refused(
+        "optimizer holds none",
+        lambda: rsfsdp.describe(net, "exp_avg", mine),
+        "holds none of this module's FSDP2 sharded parameters on this rank",
+        lambda: rsfsdp.describe(net, "exp_avg", opt),
+    )
+    # rank 1's param groups turned amsgrad off (a load_state_dict of another config)
+    if rank == 1:
+        for g in opt.param_groups:
+            g["amsgrad"] = False
+    refused(
+        "amsgrad off",
+        lambda: rsfsdp.describe(net, "max_exp_avg_sq", opt),
+        "keeps no 'max_exp_avg_sq' on this rank",
+        lambda: rsfsdp.describe(net, "exp_avg_sq", opt),
+    )
+    for g in opt.param_groups:
+        g["amsgrad"] = True
+
+    # rank 1 lost one parameter's state, or keeps its moments in bf16: its layout differs, so
+    # the plans do; its notes say how, by name (the preflight names only the fingerprints)
+    for tag in ("state lost", "bf16 moments"):
+        saved = {p: dict(st) for p, st in opt.state.items()}
+        if rank == 1 and tag == "state lost":
+            del opt.state[net.fc2.weight]
+        elif rank == 1:
+            for st in opt.state.values():
+                st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+        live = rsfsdp.describe(net, "exp_avg", opt)
+        target, bufs = replicated_targets(live, list(range(world)))  # each rank's own
+        with pytest.raises(rs.PreflightError, match="fingerprint") as err:
+            rs.Transfer(live.layout, target, timeout=FAULT_TIMEOUT_S)(live, bufs)
+        assert sorted(err.value.failures) == [1], err.value.failures
+        want = {"state lost": "left out", "bf16 moments": "in torch.bfloat16"}[tag]
+        if rank == 1:
+            assert any(want in n and "fc2.weight" in n for n in live.notes), live.notes
+        else:
+            assert live.notes == [], live.notes
+        for p, st in saved.items():
+            opt.state[p] = st
+    # amsgrad in one param group only: the other group's parameters are not "left out" of
+    # max_exp_avg_sq (they never keep one)
+    opt.param_groups[1]["amsgrad"] = False
+    live = rsfsdp.describe(net, "max_exp_avg_sq", opt)
+    assert live.reasons() == [] and live.notes == [], (live.reasons(), live.notes)
+    return out
+
+
+def test_configuration_faults_of_one_rank_are_refused_everywhere(tmp_path):
+    res = run_ranks(
+        _one_rank_config_faults_worker, 2, tmp_path, env=ENV, timeout=240, group_timeout=30
+    )
+    assert [t for t, _ in res[0]] == [
+        "plain tensor",
+        "partial",
+        "optimizer holds none",
+        "amsgrad off",
+    ]
+    assert res[0] == res[1]
+
+
+def _compiled_worker(rank, world):
+    """torch.compile's wrapper (OptimizedModule) adds `_orig_mod` to named_parameters(): the
+    names must stay the model's own (as torch.distributed.checkpoint keeps them), so that a
+    rollout or DeepSpeed layout of the same model plans against them; values bitwise."""
+    import torch
+    from _dsutil import check_targets, replicated_targets
+    from _fsdputil import full_moments, full_params, make_fsdp, train
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import reshard as rs
+
+    mesh = init_device_mesh("cpu", (world,))
+    net, opt = make_fsdp(mesh, seed=9)
+    net.fc2 = torch.compile(net.fc2, backend="aot_eager")  # a compiled submodule, too
+    compiled = torch.compile(net, backend="aot_eager")
+    train(compiled, opt, 2, seed=9, rank=rank)
+    names = sorted(n.replace("_orig_mod.", "") for n, _ in compiled.named_parameters())
+    for kind in ("param", "exp_avg"):
+        live = _describe(compiled, opt, kind)
+        plain = _describe(net, opt, kind)
+        assert sorted(live.layout.tensors) == sorted(plain.layout.tensors), sorted(
+            live.layout.tensors
+        )
+        assert live.layout == plain.layout
+        if kind == "param":
+            assert sorted(live.layout.tensors) == names
+        dst, bufs = replicated_targets(live, list(range(world)))
+        rs.Transfer(live.layout, dst)(live, bufs)
+        ref = full_params(net) if kind == "param" else full_moments(net, opt, kind)
+        ref = {n.replace("_orig_mod.", ""): t for n, t in ref.items()}
+        check_targets(dst, bufs, ref, f"compiled {kind}")
+        assert live.reasons() == []
+    return sorted(live.layout.tensors)
+
+
+def test_compiled_module_keeps_the_model_names(tmp_path):
+    res = run_ranks(_compiled_worker, 2, tmp_path, env=ENV, timeout=240)
+    assert "fc2.weight" in res[0] and not any("_orig_mod" in n for n in res[0]), res[0]

@@ -14,8 +14,9 @@ Placements (applied left to right over the mesh dims, as DTensor does):
 - `_StridedShard(d, split_factor=sf)`: the extent is first cut into sf chunks, each of those into
   mesh-size chunks, and a rank holds its chunk of each, in order (FSDP2 composed with TP);
 - `Replicate()`: every rank of that mesh dim holds the same elements (replicas);
-- `Partial` and anything else: `UnsupportedError` naming the placement (the values are not
-  materialized anywhere).
+- `Partial` and anything else: a `check()` reason naming the placement (the values are not
+  materialized anywhere), laid out like `Replicate` with no buffer, so that the peers (which
+  may hold it otherwise placed) plan alike and every rank's preflight refuses.
 
 One storage per (tensor, mesh coordinate) with a non-empty local tensor. A local tensor may be
 split into several pieces (a strided shard); each piece addresses the local tensor row-major.
@@ -29,7 +30,15 @@ from dataclasses import dataclass, field
 from reshard._ops import facts_key
 from reshard.errors import NotReadyError, UnsupportedError
 
-from .dtensor_geometry import build_layout, check_group, entry, local_shape, segments
+from .dtensor_geometry import (
+    build_layout,
+    check_group,
+    entry,
+    local_shape,
+    placement_problem,
+    plain_entry,
+    segments,
+)
 
 __all__ = ["LiveDTensors", "describe", "describe_entries"]
 
@@ -90,7 +99,6 @@ def _views(entries, mine, locals_):
 
 
 _SHAPE = operator.attrgetter("shape")
-_LOCAL = operator.attrgetter("_local_tensor")
 
 
 def _locals_key(locals_, mine) -> tuple | None:
@@ -132,6 +140,10 @@ class LiveDTensors:
     _identity: dict = field(repr=False)  # location -> identity tuple at describe time
     _key: tuple | None = field(repr=False)  # _locals_key at describe time
     _problems: list = field(repr=False, default_factory=list)  # _views' at describe time
+    # what this rank's own state chose of the layout where its peers' may differ (e.g. which
+    # parameters have optimizer state): not faults, but when the plans' fingerprints differ
+    # they say how this rank's layout came to be
+    notes: list = field(default_factory=list)
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
@@ -165,7 +177,7 @@ class LiveDTensors:
             raise NotReadyError(f"{self.what} not ready: " + "; ".join(reasons))
 
 
-def describe_entries(what, entries, locals_fn, group=None):
+def describe_entries(what, entries, locals_fn, group=None, notes=()):
     """A LiveDTensors over `entries`; `locals_fn()` returns (every entry's local tensor now,
     None where this rank has none, and the reasons the state is not usable now).
 
@@ -186,6 +198,7 @@ def describe_entries(what, entries, locals_fn, group=None):
         _identity={loc: _identity(t) for loc, t in buffers.items()},
         _key=_locals_key(locals_, mine),
         _problems=problems,
+        notes=list(notes),
     )
 
 
@@ -195,10 +208,11 @@ def describe(dtensors, group=None) -> LiveDTensors:
     Call it on every rank of the transfer group with the same names and DTensor specs (the
     layout is computed from the specs; nothing is communicated). `group`: the process group
     the transfer runs over (default: the world); storages are owned by ranks numbered in it,
-    so it must contain every rank of every mesh. Raises `UnsupportedError` for `Partial` and
-    other placements that do not store elements. A local tensor that only this rank sees is
-    wrong (not contiguous, another shape than its spec places here) is not raised here but by
-    `check()`, which the transfer's preflight runs on every rank, so every rank refuses.
+    so it must contain every rank of every mesh. What may differ between ranks is not raised
+    here but by `check()`, which the transfer's preflight runs on every rank, so every rank
+    refuses: a local tensor wrong (not contiguous, another shape than its spec places here),
+    a placement that stores no elements (`Partial`), a plain tensor where a DTensor belongs.
+    A value that is not a tensor at all raises TypeError.
     """
     if not hasattr(dtensors, "items"):
         raise TypeError(f"describe() takes a {{name: DTensor}} mapping, got {type(dtensors)}")
@@ -206,7 +220,29 @@ def describe(dtensors, group=None) -> LiveDTensors:
     bad = [name for name in dtensors if not isinstance(name, str)]
     if bad:
         raise TypeError(f"DTensor names must be str, got {bad[:8]!r}")
+    import torch
+    from torch.distributed.tensor import DTensor
+
     items = sorted(dtensors.items(), key=operator.itemgetter(0))
-    entries = [entry(name, dt) for name, dt in items]
-    dts = [dt for _, dt in items]
-    return describe_entries("DTensors", entries, lambda: (list(map(_LOCAL, dts)), []), group=group)
+    entries, usable, problems = [], [], []
+    for name, dt in items:
+        # A plain tensor or a Partial placement where the peers may hold a usable DTensor (a
+        # rank-dependent path replaced it): raising here alone would leave the peers waiting
+        # in the transfer. Laid out as well as this rank can (a plain tensor: its shape on
+        # this rank), with no buffer and a reason, so every rank's preflight refuses.
+        if isinstance(dt, DTensor):
+            why = placement_problem(name, dt._spec.placements)
+            entries.append(entry(name, dt, strict=False))
+        elif isinstance(dt, torch.Tensor):
+            why = f"{name!r} is a {type(dt).__name__}, not a DTensor, on this rank"
+            entries.append(plain_entry(name, dt))
+        else:  # nothing to lay out: a program error, not a state one rank alone reached
+            raise TypeError(f"{name!r} is a {type(dt).__name__}, not a DTensor")
+        usable.append(dt if why is None else None)
+        if why is not None:
+            problems.append(why)
+
+    def locals_():
+        return [None if dt is None else dt._local_tensor for dt in usable], problems
+
+    return describe_entries("DTensors", entries, locals_, group=group)

@@ -26,6 +26,8 @@ __all__ = [
     "local_shape",
     "mesh_ranks",
     "placement_ops",
+    "placement_problem",
+    "plain_entry",
     "segments",
 ]
 
@@ -90,11 +92,14 @@ def segments(shape, mesh_shape, coord, ops):
     return [_merge(s) for s in segs]
 
 
-def placement_ops(name, placements, ndim):
+def placement_ops(name, placements, ndim, strict=True):
     """DTensor placements -> the ops `segments` applies, left to right.
 
     Mesh dims are numbered as in `mesh_ranks` (dim 0: the mesh's instances), so placement i
-    acts on mesh dim i + 1.
+    acts on mesh dim i + 1. A placement that stores no elements (Partial) raises
+    UnsupportedError; with strict=False it is laid out like Replicate (its local tensor has
+    the full extent there), for a caller that keeps no buffer for it and reports
+    `placement_problem` instead.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -105,15 +110,27 @@ def placement_ops(name, placements, ndim):
             ops.append(PlacementOp(mesh_dim + 1, "strided", p.dim % ndim, int(p.split_factor)))
         elif isinstance(p, Shard):
             ops.append(PlacementOp(mesh_dim + 1, "shard", p.dim % ndim, 1))
-        elif isinstance(p, Replicate):
+        elif isinstance(p, Replicate) or not strict:
             continue
         else:
-            raise UnsupportedError(
+            raise UnsupportedError(placement_problem(name, placements))
+    return tuple(ops)
+
+
+def placement_problem(name, placements):
+    """Why `placements` cannot be read or written (a placement that stores no elements, e.g.
+    Partial); None when they can."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, (Shard, _StridedShard, Replicate)):  # no common base in torch 2.13
+            return (
                 f"{name!r}: placement {p!r} on mesh dim {mesh_dim} is not supported (reshard "
                 "moves stored elements; a Partial value is not materialized on any rank): "
                 "redistribute() it to Shard or Replicate first"
             )
-    return tuple(ops)
+    return None
 
 
 def mesh_ranks(mesh):
@@ -243,8 +260,9 @@ def build_layout(entries, group):
     return rs.Layout(tensors, storages), where
 
 
-def entry(name, dt, ops=None):
-    """`dt`'s `Entry`; `ops` (default: its placements' `placement_ops`) overrides the geometry."""
+def entry(name, dt, ops=None, strict=True):
+    """`dt`'s `Entry`; `ops` (default: its placements' `placement_ops`) overrides the geometry.
+    strict=False: see `placement_ops`."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(dt, DTensor):
@@ -252,5 +270,15 @@ def entry(name, dt, ops=None):
     spec = dt._spec
     shape = tuple(dt.shape)
     if ops is None:
-        ops = placement_ops(name, spec.placements, len(shape))
+        ops = placement_ops(name, spec.placements, len(shape), strict)
     return Entry(name, shape, dt.dtype, mesh_ranks(spec.mesh), tuple(ops))
+
+
+def plain_entry(name, t):
+    """An `Entry` for a plain tensor where a DTensor was expected: one storage of its shape on
+    this rank. Only a stand-in that lets this rank plan (against a target of that shape)
+    while its check() says why; the tensor has no buffer."""
+    import torch.distributed as dist
+
+    me = np.array([[dist.get_rank()]], dtype=np.int64)
+    return Entry(name, tuple(t.shape), t.dtype, me, ())

@@ -21,7 +21,8 @@ so no piece covers it and a transfer never reads or writes it. HSDP adds a Repli
 
 `describe()` raises only for what every rank of the same program sees alike (arguments,
 configuration, DTensor specs). A fault in one rank's own state (unsharded, an unshard in flight,
-no optimizer state yet, a moment missing or placed otherwise) is kept as a reason `check()`
+no optimizer state yet, a moment missing or placed otherwise, an optimizer holding none of the
+module's parameters or without amsgrad for max_exp_avg_sq) is kept as a reason `check()`
 raises: the transfer's preflight runs it on every rank, so all ranks refuse together instead of
 one raising alone while the others wait in the transfer.
 """
@@ -113,7 +114,7 @@ def _params(module):
             for m, n in zip(info.shared_modules, info.shared_param_names, strict=True):
                 owner[(id(m), n)] = fp
     out, plain, seen = [], [], set()
-    for prefix, m in module.named_modules():
+    for prefix, m in _named_modules(module):
         for attr, p in m._parameters.items():
             if p is None:
                 continue
@@ -127,10 +128,34 @@ def _params(module):
     if plain:
         raise UnsupportedError(
             f"parameters {[n for n, _ in plain[:8]]} are not managed by fully_shard() under "
-            "this module: call fully_shard() on the module that owns them (e.g. the root)"
+            "this module: call fully_shard() on the module that owns them (e.g. the root). "
+            "Parameters passed as fully_shard(ignored_params=) are not FSDP2 state: describe "
+            "a submodule without them, and them with rsdt.describe (as DTensors)"
         )
     # sorted like dtensor.describe: location ids follow sorted names (docs/fsdp.md)
     return groups, sorted(out, key=operator.itemgetter(0))
+
+
+def _named_modules(module):
+    """`module.named_modules()` with the `_orig_mod` of every torch.compile wrapper
+    (OptimizedModule) left out of the names, as torch.distributed.checkpoint leaves it out of
+    its keys: the compiled and the plain module describe the same names, which a rollout
+    target or a DeepSpeed layout of the same model has."""
+    import sys
+
+    # no torch.compile wrapper exists unless dynamo was imported (importing it costs seconds)
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(dynamo, "OptimizedModule", ())
+    clean = {}
+    for prefix, m in module.named_modules():
+        parent, _, last = prefix.rpartition(".")
+        if not prefix:
+            clean[prefix] = ""
+        elif last == "_orig_mod" and isinstance(module.get_submodule(parent), wrapper):
+            clean[prefix] = clean[parent]
+        else:
+            clean[prefix] = f"{clean[parent]}.{last}" if clean[parent] else last
+        yield clean[prefix], m
 
 
 def _not_ready(module, groups, params):
@@ -139,7 +164,7 @@ def _not_ready(module, groups, params):
     any whose module holds another object than FSDP2's sharded parameter. [] when none."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    prefix = {id(m): n for n, m in module.named_modules()}
+    prefix = {id(m): n for n, m in _named_modules(module)}
     bad, foreign = [], []
     for g in groups:
         if _gathering(g):
@@ -249,7 +274,8 @@ def describe(module, kind: str, optimizer=None, group=None):
     It raises only for what every rank of the same program sees alike (arguments, the
     configuration, the DTensor specs). What one rank's own state may say (unsharded
     parameters, an unshard in flight, no optimizer state yet, a moment missing or placed
-    otherwise) is a reason `check()` raises, so the transfer's preflight refuses on every
+    otherwise, an optimizer holding none of them, no amsgrad group) is a reason `check()`
+    raises, so the transfer's preflight refuses on every
     rank, before any write, instead of this rank raising alone while its peers wait.
     """
     _check_args(module, kind, optimizer)
@@ -273,11 +299,48 @@ def describe(module, kind: str, optimizer=None, group=None):
             moments.append(None if missing or why else st[kind])
             # the moment's own dtype: state need not be kept in the parameter's; a moment this
             # rank lacks is laid out in the parameter's (what init_adam_state makes)
-            m = st.get(kind)
+            # (max_exp_avg_sq missing as amsgrad is off here: in exp_avg_sq's, as torch keeps it)
+            m = st.get(kind, st.get("exp_avg_sq") if kind == "max_exp_avg_sq" else None)
             dtype = m.dtype if isinstance(m, torch.Tensor) else p.dtype
             entries.append(replace(entry(n, p, _ops(n, p)), dtype=dtype))
         state = _MomentState(module, chosen, moments, problems, optimizer, kind)
+        notes = _moment_notes(params, chosen, entries, optimizer, kind)
+        return describe_entries(f"FSDP2 {kind}", entries, state, group, notes)
     return describe_entries(f"FSDP2 {kind}", entries, state, group)
+
+
+def _moment_notes(params, chosen, entries, optimizer, kind):
+    """What this rank's own optimizer state chose of its moments' layout, where that need not
+    be its peers' choice: trainable parameters it holds without state (left out), moments in
+    another dtype than their parameters. Not faults (every rank may agree), but when the
+    ranks' layouts differ these say how, by name (`LiveDTensors.notes`)."""
+    groups = optimizer.param_groups
+    if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
+        groups = [g for g in groups if g.get("amsgrad")] or groups
+    held = {id(q) for g in groups for q in g["params"]}
+    described = {n for n, _ in chosen}
+    left_out = [
+        n
+        for n, fp in params
+        if n not in described and fp.sharded_param.requires_grad and id(fp.sharded_param) in held
+    ]
+    notes = []
+    if left_out:
+        notes.append(
+            f"{kind} of {len(chosen)} parameters laid out; left out, as this rank's optimizer "
+            f"holds no state for them though they require grad: {left_out[:8]}"
+            f"{' ...' if len(left_out) > 8 else ''}"
+        )
+    by_dtype = {}
+    for (n, fp), e in zip(chosen, entries, strict=True):
+        if e.dtype != fp.sharded_param.dtype:
+            by_dtype.setdefault((e.dtype, fp.sharded_param.dtype), []).append(n)
+    for (dtype, pdtype), names in by_dtype.items():
+        notes.append(
+            f"{kind} laid out in {dtype} (its parameters' is {pdtype}) for {names[:8]}"
+            f"{' ...' if len(names) > 8 else ''}"
+        )
+    return notes
 
 
 def _optimized(params, optimizer, kind):
@@ -300,17 +363,23 @@ def _optimized(params, optimizer, kind):
         )
     groups = optimizer.param_groups
     if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
-        groups = [g for g in groups if g.get("amsgrad")]
-        if not groups:
-            raise UnsupportedError(
-                f"{opt_name} keeps no 'max_exp_avg_sq': Adam/AdamW keep it only with "
-                "amsgrad=True, which no param group of this optimizer sets"
+        amsgrad = [g for g in groups if g.get("amsgrad")]
+        if not amsgrad:
+            # hyperparameters are this rank's too (optimizer.load_state_dict replaces them):
+            # laid out as an amsgrad optimizer's would be, refused by check()
+            return _first_step(params, groups, optimizer.state), (
+                f"{opt_name} keeps no 'max_exp_avg_sq' on this rank: Adam/AdamW keep it only "
+                "with amsgrad=True, which no param group of this optimizer sets"
             )
+        groups = amsgrad
     held = {id(q) for g in groups for q in g["params"]}
     mine = [(n, fp) for n, fp in params if id(fp.sharded_param) in held]
     if not mine:
-        raise UnsupportedError(
-            f"the optimizer holds none of this module's FSDP2 sharded parameters"
+        # e.g. load_state_dict(assign=True) on this rank alone replaced the parameters: laid
+        # out as the module's trainable parameters, refused by check()
+        first = [(n, fp) for n, fp in params if fp.sharded_param.requires_grad] or params
+        return first, (
+            f"the optimizer holds none of this module's FSDP2 sharded parameters on this rank"
             f"{' in an amsgrad group' if kind == 'max_exp_avg_sq' else ''} (built before "
             "fully_shard(), for another module, or the parameters were replaced since, e.g. "
             "load_state_dict(assign=True)?)"
@@ -325,6 +394,15 @@ def _optimized(params, optimizer, kind):
         "of this module it holds: Adam moments exist after the first optimizer.step() that "
         "saw a gradient, or after rsfsdp.init_adam_state(); then describe() again"
     )
+
+
+def _first_step(params, groups, state):
+    """The module's parameters the optimizer holds that have state, else those its first step
+    would give state to (as `_optimized`)."""
+    held = {id(q) for g in groups for q in g["params"]}
+    mine = [(n, fp) for n, fp in params if id(fp.sharded_param) in held] or params
+    out = [(n, fp) for n, fp in mine if state.get(fp.sharded_param)]
+    return out or [(n, fp) for n, fp in mine if fp.sharded_param.requires_grad] or mine
 
 
 class _Unchanged:
