@@ -62,6 +62,7 @@ class BufferSet:
     checks: list = field(default_factory=list)
     layout: Layout | None = None
     source: str = ""
+    notes: list = field(default_factory=list)  # how this rank's state shaped its layout
 
 
 def as_buffer_set(obj, side: str, hooks: list | None = None) -> BufferSet:
@@ -81,7 +82,9 @@ def as_buffer_set(obj, side: str, hooks: list | None = None) -> BufferSet:
             )
         if hooks is None:
             hooks = readiness_hooks(obj, side)
-        return BufferSet(dict(buffers), hooks, layout, type(obj).__name__)
+        notes = getattr(obj, "notes", None)
+        notes = [str(n) for n in notes[:8]] if isinstance(notes, (list, tuple)) else []
+        return BufferSet(dict(buffers), hooks, layout, type(obj).__name__, notes)
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
@@ -758,9 +761,11 @@ def agree(
     device,
     timeout_s=None,
     gather=None,
+    notes=(),
 ) -> None:
     """One all-gather of (ok, fingerprint, entry time); raise the same PreflightError on every
-    rank if any rank failed or the fingerprints differ. When the ranks' entries were far apart
+    rank if any rank failed or the fingerprints differ (`notes`: what shaped this rank's
+    layout, named in the error when its plan differs). When the ranks' entries were far apart
     (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written.
     world_size 1 and no group: purely local. timeout_s bounds every wait on CPU (gloo) tensors;
     NCCL relies on the group's timeout. gather: a `GatherRows` of this group for the first
@@ -792,22 +797,28 @@ def agree(
         return
     # Second collective only on failure; every rank takes this branch (same `rows` everywhere).
     _raise_failures(
-        reasons, fingerprint, fp_bad, fps.index(ref_fp), group, world_size, device, timeout_s
+        reasons,
+        fingerprint,
+        fp_bad,
+        fps.index(ref_fp),
+        (group, world_size, device, timeout_s),
+        notes,
     )
 
 
-def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, device, timeout_s):
-    """Gather every rank's reasons and fingerprint text; raise the one PreflightError."""
+def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=()):
+    """Gather every rank's reasons, fingerprint text and notes; raise the one PreflightError.
+    over: (group, world size, device, timeout_s) of the gather."""
+    group, world_size, device, timeout_s = over
     if world_size == 1:
-        all_reasons = [reasons]
-        all_fps = [str(fingerprint)]
+        payload = [[list(map(str, reasons)), str(fingerprint), list(notes)]]
     else:
-        blob = json.dumps([list(map(str, reasons)), str(fingerprint)]).encode()
+        blob = json.dumps([list(map(str, reasons)), str(fingerprint), list(notes)]).encode()
         payload = [
             json.loads(b) for b in _all_gather_bytes(blob, group, world_size, device, timeout_s)
         ]
-        all_reasons = [p[0] for p in payload]
-        all_fps = [p[1] for p in payload]
+    all_reasons = [p[0] for p in payload]
+    all_fps = [p[1] for p in payload]
     failures: dict[int, list[str]] = {}
     for r in range(world_size):
         rs = list(all_reasons[r])
@@ -816,6 +827,8 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, group, world_size, d
                 f"plan fingerprint {all_fps[r]} differs from rank {ref_rank}'s {all_fps[ref_rank]} "
                 "(the ranks planned different transfers)"
             )
+        if fp_bad and payload[r][2]:  # why this rank's layout may differ from its peers'
+            rs.append("its described state: " + "; ".join(payload[r][2]))
         if rs:
             failures[r] = rs
     lines = [f"  rank {r}: {reason}" for r, rs in sorted(failures.items()) for reason in rs]
@@ -898,6 +911,7 @@ class Collected(NamedTuple):
     key: tuple | None
     need_ring: bool
     short: bool
+    notes: tuple | list = ()  # the buffer objects' notes (BufferSet.notes)
 
 
 def layout_difference(have: Layout, want: Layout) -> str | None:
@@ -1000,7 +1014,7 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     every rank, set by `run`). Nothing here raises: an exception (a list where a dict belongs,
     a schedule that cannot be built, an allocation) is a reason of this rank, so every rank
     learns of it."""
-    reasons, src_ok, dst_ok, key, need_ring, short = [], {}, {}, None, False, False
+    reasons, src_ok, dst_ok, key, need_ring, short, notes = [], {}, {}, None, False, False, []
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
@@ -1020,6 +1034,7 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
         reasons += hook_reasons([*src_hooks, *dst_hooks, *checks])
         src = as_buffer_set(src_buffers, "src", src_hooks)
         dst = as_buffer_set(dst_buffers, "dst", dst_hooks)
+        notes = [*src.notes, *dst.notes]
         reasons += layout_reasons(
             ctx, {"source": (src, ctx.plan.src), "target": (dst, ctx.plan.dst)}
         )
@@ -1043,7 +1058,7 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
                 need_ring = ctx.verified_need_ring
     except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
         reasons.append(f"{type(exc).__name__}: {exc}")
-    return Collected(reasons, src_ok, dst_ok, key, need_ring, short)
+    return Collected(reasons, src_ok, dst_ok, key, need_ring, short, notes)
 
 
 def _placement_checks(ctx, src_ok, dst_ok, key=None) -> list[str]:
@@ -1115,12 +1130,22 @@ def _refuse_out_of_step(ctx) -> None:
         )
 
 
-def _exchange(ctx, reasons, fingerprint, timeout_s) -> None:
+def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
     """`agree` over the context's group; a failed exchange marks the group out of step."""
     device = ctx.exchange_device if ctx.transport == "nccl" else torch.device("cpu")
     gather = _gather_rows(ctx, device)
     try:
-        agree(reasons, fingerprint, ctx.group, ctx.rank, ctx.world_size, device, timeout_s, gather)
+        agree(
+            reasons,
+            fingerprint,
+            ctx.group,
+            ctx.rank,
+            ctx.world_size,
+            device,
+            timeout_s,
+            gather,
+            notes,
+        )
     except PreflightError:
         raise
     except Exception as exc:  # the exchange itself failed: a peer died or timed out
@@ -1166,7 +1191,7 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
     t1 = time.perf_counter()
-    _exchange(ctx, reasons, fingerprint, timeout_s)
+    _exchange(ctx, reasons, fingerprint, timeout_s, got.notes)
     t2 = time.perf_counter()
     # cleared on every rank: the rounds run with these buffers, so the next call whose
     # buffers read the same may skip their checks and what the rounds derive from them. On

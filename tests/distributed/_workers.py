@@ -165,6 +165,42 @@ def w_preflight(rank, world, planner, kinds):
     return errs, msgs
 
 
+class _Noted:
+    """A buffers object with the `notes` an integration's describe() keeps (how this rank's
+    state shaped its layout)."""
+
+    def __init__(self, buffers, notes):
+        self.buffers, self.notes = buffers, notes
+
+
+def w_notes(rank, world):
+    """Rank 1 planned another transfer (its layout came out otherwise) and its source object
+    says why: every rank's PreflightError names the differing plan and rank 1's notes; no
+    target byte changes."""
+    shapes = S.model_shapes()
+    values = S.model_values(shapes)
+    case = (("zero12", list(range(world))), ("tp", [list(range(world))]), "fp32", "bf16", 64)
+    src, dst = build(case, shapes)
+    plan = make_plan("real", src.layout(), dst.layout(), 64)
+    other = make_plan("real", src.layout(), dst.layout(), 96, salt="other")
+    sb, db = S.source_buffers(src, values, rank), dst.empty(rank)
+    before = {k: t.clone() for k, t in db.items()}
+    note = "'fc2.weight' left out: no optimizer state for it on this rank"
+    try:
+        if rank == 1:
+            rs.execute(other, _Noted(sb, [note]), db)
+        else:
+            rs.execute(plan, _Noted(sb, []), db)
+    except rs.PreflightError as exc:
+        msg = str(exc)
+    else:
+        return [f"rank {rank}: no PreflightError"], ""
+    errs = [f"touched {m}" for m in S.mismatches(db, before)]
+    if f"rank 1: its described state: {note}" not in msg or "rank 0: its" in msg:
+        errs.append(f"notes not named as expected: {msg}")
+    return errs, msg
+
+
 def w_killed(rank, world, planner, victim, mode, timeout):
     """`victim` dies (or stalls) in the middle of the rounds; the others must raise
     TransferError within the timeout. Modes ending in "_direct": a transfer whose messages all

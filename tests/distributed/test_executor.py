@@ -103,6 +103,16 @@ def test_repeated_transfer(tmp_path, planner):
         assert rss[1] - rss[0] < 1 << 20, f"rank {rank} RSS grew {rss}"
 
 
+def test_differing_plans_name_what_shaped_each_layout(tmp_path):
+    """A rank whose described state laid its layout out otherwise (an integration's `notes`)
+    is named with those notes in the one PreflightError every rank raises."""
+    res = run_ranks(W.w_notes, 2, tmp_path)
+    for errs, _ in res:
+        assert not errs, "\n".join(errs)
+    assert res[0][1] == res[1][1]
+    assert "differs from rank 0's" in res[0][1]
+
+
 def test_preflight_failures_are_collective(tmp_path):
     world, planner = 3, "real"
     res = run_ranks(W.w_preflight, world, tmp_path, args=(planner, W.PREFLIGHT_KINDS))
