@@ -165,23 +165,17 @@ MUTANTS = (
         "a DTensor local tensor given new storage in place (.data =) still passes check()",
     ),
     Mutant(
-        "fsdp_module_tree_unchecked",
+        "module_tree_unchecked",
         PKG,
         "        for m, mod_names, mods, param_names, params in self.tree:",
         "        for m, mod_names, mods, param_names, params in ():",
-        (f"{FSDP}::test_readiness_and_errors",),
-        "parameters replaced since describe() (load_state_dict(assign=True)) pass check()",
-    ),
-    Mutant(
-        "deepspeed_module_tree_unchecked",
-        PKG,
-        "        for m, mod_keys, mods, param_keys, params in self.tree:",
-        "        for m, mod_keys, mods, param_keys, params in ():",
         (
+            f"{FSDP}::test_readiness_and_errors",
             "tests/deepspeed/test_deepspeed_state_changes.py::"
             "test_replaced_parameters_are_refused_and_resynced",
         ),
-        "a parameter replaced on engine.module since describe() passes check(): wrong data",
+        "a parameter replaced on the module since describe() (FSDP2: load_state_dict("
+        "assign=True); DeepSpeed: engine.module) passes check(): wrong data",
     ),
     Mutant(
         "deepspeed_sync_failure_local",

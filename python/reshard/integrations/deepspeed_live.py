@@ -9,7 +9,6 @@ per-param links, so another DeepSpeed version's layout is an UnsupportedError, n
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import reshard as rs
 from reshard.errors import NotReadyError, UnsupportedError
 
+from ._module_tree import ModuleTree
 from .deepspeed_checks import (
     DESTROYED,
     check_alive,
@@ -44,40 +44,17 @@ def _identity(t):
 
 
 class _ModuleTree:
-    """engine.module's submodules and parameters, by name and identity, as describe() saw them.
-
-    A parameter replaced on the module (`m.weight = nn.Parameter(...)`,
-    `load_state_dict(assign=True)`) leaves the described storage behind: forward reads the new
-    tensor, a transfer would read or write the old one. `changed()` compares identities module
-    by module (no name strings built), so it is cheap enough for every transfer."""
+    """engine.module's submodules and parameters, by name and identity, as describe() saw them
+    (`ModuleTree`), and what changed since, by name."""
 
     def __init__(self, module):
         self.module = module
         self.named = list(module.named_parameters(remove_duplicate=False))
-        self.tree = [
-            (
-                m,
-                tuple(m._modules),
-                tuple(m._modules.values()),
-                tuple(m._parameters),
-                tuple(m._parameters.values()),
-            )
-            for m in module.modules()
-        ]
+        self.shape = ModuleTree(module)
 
     def changed(self) -> str | None:
         """What changed since describe() (names), or None."""
-        is_ = operator.is_
-        for m, mod_keys, mods, param_keys, params in self.tree:
-            now_mods, now_params = m._modules, m._parameters
-            if (
-                tuple(now_mods) != mod_keys
-                or tuple(now_params) != param_keys
-                or not all(map(is_, now_mods.values(), mods))
-                or not all(map(is_, now_params.values(), params))
-            ):
-                break
-        else:
+        if self.shape.unchanged():
             return None
         then = dict(self.named)
         now = dict(self.module.named_parameters(remove_duplicate=False))

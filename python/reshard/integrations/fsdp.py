@@ -35,6 +35,7 @@ from dataclasses import replace
 
 from reshard.errors import UnsupportedError
 
+from ._module_tree import ModuleTree
 from .dtensor import describe_entries
 from .dtensor_geometry import (
     PlacementOp,
@@ -418,16 +419,7 @@ class _Unchanged:
         self.sharded = ShardedState.SHARDED
         self.groups = _fsdp_groups(module)
         self.fsdp_params = [fp for g in self.groups for fp in g.fsdp_params]
-        self.tree = [
-            (
-                m,
-                tuple(m._modules),
-                tuple(m._modules.values()),
-                tuple(m._parameters),
-                tuple(m._parameters.values()),
-            )
-            for m in module.modules()
-        ]
+        self.tree = ModuleTree(module)
 
     def __call__(self) -> bool:
         sharded = self.sharded
@@ -435,17 +427,7 @@ class _Unchanged:
             return False
         if any(map(_gathering, self.groups)):
             return False
-        is_ = operator.is_
-        for m, mod_names, mods, param_names, params in self.tree:
-            now_mods, now_params = m._modules, m._parameters
-            if (
-                tuple(now_mods) != mod_names
-                or tuple(now_params) != param_names
-                or not all(map(is_, now_mods.values(), mods))
-                or not all(map(is_, now_params.values(), params))
-            ):
-                return False
-        return True
+        return self.tree.unchanged()
 
 
 class _ParamState:
