@@ -207,3 +207,21 @@ def test_the_report_names_the_tp_size_it_ran():
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(3 uneven shards) -> TP=3 bf16" in res.stdout, res.stdout[:500]
+
+
+def test_more_gloo_ranks_than_memory_holds_are_refused(monkeypatch, capsys):
+    monkeypatch.setattr(demo, "_available_memory_bytes", lambda: 10 * demo.RANK_PROCESS_BYTES)
+    argv = ["--mode", "synthetic", "--backend", "gloo", "--world", "11"]
+    assert _refused(argv, capsys) == (
+        "argument --world: 11 gloo ranks are 11 processes, each with its own torch (about "
+        f"400 MiB); this machine has {10 * 400} MiB available, enough for 10. "
+        "Use --world 10 or fewer"
+    )
+    assert _launched(monkeypatch, [*argv[:-1], "10"])[0] == 10
+
+
+def test_available_memory_is_read_from_the_kernel():
+    available = demo._available_memory_bytes()
+    if sys.platform.startswith("linux"):
+        assert available is not None
+    assert available is None or 0 < available < 1 << 50

@@ -108,6 +108,23 @@ def run_rank(rank, world, backend, cfg):
     }
 
 
+# One gloo rank is one process with its own torch: 0.22 GiB RSS after importing torch and
+# reshard (Python 3.11, torch 2.13 CPU), before its process group and model.
+RANK_PROCESS_BYTES = 400 << 20
+
+
+def _available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _default_mode():
     for name in MODES:
         if not _missing(name):
@@ -131,7 +148,10 @@ def _at_least(lo: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reshard.demo", description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--world", type=_at_least(1), default=None, help="ranks (default: 2, or #GPUs >= 2)"
+        "--world",
+        type=_at_least(1),
+        default=None,
+        help="ranks (default: 2, or #GPUs >= 2); gloo: as many as memory holds, about 0.4 GiB each",
     )
     ap.add_argument(
         "--backend",
@@ -206,6 +226,14 @@ def main(argv=None) -> int:
         ap.error(
             f"argument --backend: nccl needs a CUDA GPU per rank: --world {world} needs {world}, "
             f"{gpus} visible. Use --world {gpus} or fewer, or --backend gloo to run on CPU"
+        )
+    available = _available_memory_bytes() if backend == "gloo" else None
+    if available is not None and world * RANK_PROCESS_BYTES > available:
+        fits = max(1, available // RANK_PROCESS_BYTES)
+        ap.error(
+            f"argument --world: {world} gloo ranks are {world} processes, each with its own "
+            f"torch (about {RANK_PROCESS_BYTES >> 20} MiB); this machine has "
+            f"{available >> 20} MiB available, enough for {fits}. Use --world {fits} or fewer"
         )
     if "deepspeed" in MODES[args.mode].requires and backend == "gloo":
         deepspeed_cpu_ops.prepare()  # once here, not in every rank's first initialize
