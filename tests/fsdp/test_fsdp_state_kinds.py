@@ -309,7 +309,7 @@ def _one_rank_faults_worker(rank, world):
     import torch
     from _dsutil import replicated_targets
     from _fsdputil import FAULT_TIMEOUT_S, LR, make_fsdp, param_groups, refused_by_rank_1, train
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
     import reshard as rs
@@ -368,6 +368,20 @@ def _one_rank_faults_worker(rank, world):
         state["sum"] = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
     refused("placed otherwise", net, "sum", adagrad, "sum is a DTensor placed (Replicate(),)")
     restore()
+    flipped = DeviceMesh("cpu", [1, 0])  # every rank builds it (group creation is collective)
+    if rank == 1:  # placed alike, on a mesh of the ranks in another order
+        sum_ = adagrad.state[net.fc2.weight]["sum"]
+        adagrad.state[net.fc2.weight]["sum"] = DTensor.from_local(
+            sum_._local_tensor, flipped, sum_.placements, shape=sum_.shape, stride=sum_.stride()
+        )
+    refused(
+        "another mesh",
+        net,
+        "sum",
+        adagrad,
+        "on another mesh (ranks [1, 0], its parameter's [0, 1])",
+    )
+    restore()
     if rank == 1:  # the full tensor, plain: not this rank's shard
         adagrad.state[net.fc2.weight]["sum"] = torch.zeros(7, 11)
     refused("full plain tensor", net, "sum", adagrad, "sum is a Tensor of shape (7, 11)")
@@ -411,6 +425,7 @@ def test_faults_of_one_rank_by_key_are_refused_everywhere(tmp_path):
         "lost for one",
         "lost for all",
         "placed otherwise",
+        "another mesh",
         "full plain tensor",
         "user key lost",
     ]

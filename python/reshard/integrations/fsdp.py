@@ -265,6 +265,9 @@ def _state_problem(name, p, state, kind):
             if tuple(m.shape) == tuple(p.shape):
                 return None
         what = f"a DTensor placed {m.placements} of shape {tuple(m.shape)}"
+        if m._spec.mesh != p._spec.mesh:
+            mine, its = m.device_mesh.mesh.tolist(), p.device_mesh.mesh.tolist()
+            what += f" on another mesh (ranks {mine}, its parameter's {its})"
     elif isinstance(m, torch.Tensor):
         if tuple(m.shape) == local:
             return None
