@@ -188,3 +188,26 @@ def broadcast_layout(layout, src=0):
     box = [layout]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+# A fault only rank 1 has when every rank describes and transfers: each rank must raise the
+# same PreflightError naming rank 1, fast, with nothing written. A rank-local raise in
+# describe() would leave rank 0 in the transfer's exchange until FAULT_TIMEOUT_S: the worker
+# then fails at once (the parent sees the differing error, not a hang).
+FAULT_TIMEOUT_S = 20.0
+
+
+def refused_by_rank_1(tag, rank, err, t0):
+    """A transfer started at `t0` ended with `err`: the PreflightError every rank raises for
+    rank 1's fault alone, well before the timeout (before the fixes, rank 1 raised alone)."""
+    import time
+
+    import reshard as rs
+
+    if err is None:
+        raise AssertionError(f"{tag}: rank {rank}: the transfer ran")
+    if not isinstance(err, rs.PreflightError):
+        raise AssertionError(f"{tag}: rank {rank} raised {type(err).__name__}: {err}") from err
+    took = time.perf_counter() - t0
+    assert took < FAULT_TIMEOUT_S / 4, f"{tag}: rank {rank} took {took:.1f} s"
+    assert sorted(err.failures) == [1], (tag, err.failures)

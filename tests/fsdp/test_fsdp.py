@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_spawn.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _fsdputil.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deepspeed"))  # _dsutil.py
 
+from _fsdputil import FAULT_TIMEOUT_S, refused_by_rank_1
 from _spawn import run_ranks
 
 ENV = {"RESHARD_TEST_THREADS": "1"}
@@ -740,29 +741,6 @@ def test_state_changed_in_place_on_one_rank_is_refused_everywhere(tmp_path):
     assert res[0] == res[1]  # the same message, call by call, on every rank
 
 
-# A fault only rank 1 has when every rank describes and transfers: each rank must raise the
-# same PreflightError naming rank 1, fast, with nothing written. A rank-local raise in
-# describe() would leave rank 0 in the transfer's exchange until FAULT_TIMEOUT_S: the worker
-# then fails at once (the parent sees the differing error, not a hang).
-FAULT_TIMEOUT_S = 20.0
-
-
-def _refused_by_rank_1(tag, rank, err, t0):
-    """A transfer started at `t0` ended with `err`: the PreflightError every rank raises for
-    rank 1's fault alone, well before the timeout (before the fixes, rank 1 raised alone)."""
-    import time
-
-    import reshard as rs
-
-    if err is None:
-        raise AssertionError(f"{tag}: rank {rank}: the transfer ran")
-    if not isinstance(err, rs.PreflightError):
-        raise AssertionError(f"{tag}: rank {rank} raised {type(err).__name__}: {err}") from err
-    took = time.perf_counter() - t0
-    assert took < FAULT_TIMEOUT_S / 4, f"{tag}: rank {rank} took {took:.1f} s"
-    assert sorted(err.failures) == [1], (tag, err.failures)
-
-
 def _rank_local_faults_worker(rank, world, only=None):
     """only: the tags of the faults to try (default: all; each is undone after its try)."""
     import re
@@ -807,11 +785,11 @@ def _rank_local_faults_worker(rank, world, only=None):
             else:
                 sync = rs.Transfer(live.layout, rep, timeout=FAULT_TIMEOUT_S)
                 sync(live, bufs)
-        except Exception as exc:  # noqa: BLE001 - checked by _refused_by_rank_1
+        except Exception as exc:  # noqa: BLE001 - checked by refused_by_rank_1
             err = exc
         else:
             err = None
-        _refused_by_rank_1(tag, rank, err, t0)
+        refused_by_rank_1(tag, rank, err, t0)
         assert any(re.search(match, r) for r in err.failures[1]), (tag, str(err))
         assert "fingerprint" not in str(err), (tag, str(err))  # every rank laid it out alike
         if into:
@@ -971,11 +949,11 @@ def _one_rank_config_faults_worker(rank, world):
         try:
             live = describe()
             rs.Transfer(live.layout, target, timeout=FAULT_TIMEOUT_S)(live, bufs)
-        except Exception as exc:  # noqa: BLE001 - checked by _refused_by_rank_1
+        except Exception as exc:  # noqa: BLE001 - checked by refused_by_rank_1
             err = exc
         else:
             err = None
-        _refused_by_rank_1(tag, rank, err, t0)
+        refused_by_rank_1(tag, rank, err, t0)
         assert any(match in r for r in err.failures[1]), (tag, str(err))
         assert all(bool(b.isnan().all()) for b in bufs.values()), tag
         out.append((tag, str(err)))

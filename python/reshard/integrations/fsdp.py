@@ -12,6 +12,11 @@ as in the DeepSpeed integration, so layouts of both frameworks plan against each
 - "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq" (amsgrad): a torch.optim Adam/AdamW moment of
   every parameter of `module` that the optimizer holds state for, keyed by the sharded
   parameter; a DTensor with the parameter's placements, in its own dtype.
+- any other key of the optimizer's per-parameter state ("momentum_buffer" of SGD, "sum" of
+  Adagrad, "exp_inf" of Adamax, a user optimizer's own): the tensor under that key of every
+  parameter whose state holds it, placed like its parameter (a DTensor with its placements and
+  global shape, or a plain tensor of its local shard's shape). Keys known to hold something
+  else (the "step" counter, NAdam's "mu_product", Adafactor's factored variances) are refused.
 
 The geometry is the parameters' DTensor placements (reshard.integrations.dtensor_geometry): FSDP shards
 dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks hold fewer rows
@@ -21,10 +26,10 @@ so no piece covers it and a transfer never reads or writes it. HSDP adds a Repli
 
 `describe()` raises only for what every rank of the same program sees alike (arguments,
 configuration, DTensor specs). A fault in one rank's own state (unsharded, an unshard in flight,
-no optimizer state yet, a moment missing or placed otherwise, an optimizer holding none of the
-module's parameters or without amsgrad for max_exp_avg_sq) is kept as a reason `check()`
-raises: the transfer's preflight runs it on every rank, so all ranks refuse together instead of
-one raising alone while the others wait in the transfer.
+no optimizer state yet, a moment or state key missing or placed otherwise, an optimizer holding
+none of the module's parameters or without amsgrad for max_exp_avg_sq) is kept as a reason
+`check()` raises: the transfer's preflight runs it on every rank, so all ranks refuse together
+instead of one raising alone while the others wait in the transfer.
 """
 
 from __future__ import annotations
@@ -48,6 +53,19 @@ from .dtensor_geometry import (
 
 KINDS = ("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _MOMENTS = KINDS[1:]
+
+# Per-parameter state keys that torch.optim keeps in another shape than the parameter: refused
+# by name (the optimizer's class, which every rank shares), not by this rank's state, so that
+# every rank raises alike; a user optimizer's other keys are judged by the state (`check()`).
+# {key: (the torch.optim class names that keep it, or None for every optimizer, what it is)}
+_NOT_PLACED = {
+    "step": (None, "the step counter: one scalar per parameter"),
+    "mu_product": (("NAdam",), "the product of NAdam's momentum coefficients: a scalar"),
+    "eta": (("ASGD",), "ASGD's step size: a scalar"),
+    "mu": (("ASGD",), "ASGD's averaging coefficient: a scalar"),
+    "row_var": (("Adafactor",), "Adafactor's factored row variance (the last dim reduced)"),
+    "col_var": (("Adafactor",), "Adafactor's factored column variance (a dim reduced)"),
+}
 
 __all__ = ["KINDS", "describe", "init_adam_state"]
 
@@ -227,6 +245,42 @@ def _ops(name, p):
     return ops
 
 
+def _local_of(t):
+    """The local tensor of a DTensor; a plain tensor is its own."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _state_problem(name, p, state, kind):
+    """Why this rank's `state[kind]` of parameter `p` (a key other than the Adam moments, held
+    by its state) is not placed like `p`; None when it is: a DTensor with p's placements, mesh
+    and global shape, or a plain tensor of p's local shard's shape (an optimizer stepping
+    `p.to_local()`). Only this rank sees it: a reason for `check()`, never a raise."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    m = state[kind]
+    local = tuple(p._local_tensor.shape)
+    if isinstance(m, DTensor):
+        if m._spec.placements == p._spec.placements and m._spec.mesh == p._spec.mesh:
+            if tuple(m.shape) == tuple(p.shape):
+                return None
+        what = f"a DTensor placed {m.placements} of shape {tuple(m.shape)}"
+        if m._spec.mesh != p._spec.mesh:
+            mine, its = m.device_mesh.mesh.tolist(), p.device_mesh.mesh.tolist()
+            what += f" on another mesh (ranks {mine}, its parameter's {its})"
+    elif isinstance(m, torch.Tensor):
+        if tuple(m.shape) == local:
+            return None
+        what = f"a {type(m).__name__} of shape {tuple(m.shape)} on this rank"
+    else:
+        what = f"a Python {type(m).__name__}"
+    return (
+        f"{name!r}: {kind} is {what}, not placed like its parameter (a DTensor placed "
+        f"{p.placements} of shape {tuple(p.shape)}, or a tensor of its local shard's shape "
+        f"{local}): only per-element state moves; set scalars and other state on the target"
+    )
+
+
 def _moment_problem(name, p, state, kind, opt_name):
     """Why this rank's `kind` moment of parameter `p` (which has state) cannot be described;
     None when it can. Only this rank sees its optimizer's state: a reason for `check()`, never
@@ -235,6 +289,8 @@ def _moment_problem(name, p, state, kind, opt_name):
 
     if kind not in state:
         return f"{name!r}: {opt_name} keeps no {kind!r} state for it (keys {sorted(state)})"
+    if kind not in _MOMENTS:
+        return _state_problem(name, p, state, kind)
     m = state[kind]
     if not isinstance(m, DTensor) or m._spec.placements != p._spec.placements:
         what = m.placements if isinstance(m, DTensor) else type(m).__name__
@@ -249,8 +305,11 @@ def _check_args(module, kind, optimizer):
 
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not isinstance(kind, str) or not kind or (kind not in KINDS and optimizer is None):
+        raise ValueError(
+            f"kind must be one of {KINDS} or a key of the optimizer's per-parameter state "
+            f"(with optimizer=), got {kind!r}"
+        )
     if kind in _MOMENTS and optimizer is None:
         raise ValueError(f"kind {kind!r} needs the optimizer: describe(module, kind, optimizer=)")
     if kind == "param" and optimizer is not None:
@@ -259,6 +318,15 @@ def _check_args(module, kind, optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
+    if kind in _NOT_PLACED:
+        keepers, what = _NOT_PLACED[kind]
+        classes = [getattr(torch.optim, c, None) for c in keepers or ()]
+        if keepers is None or isinstance(optimizer, tuple(c for c in classes if c)):
+            raise UnsupportedError(
+                f"{type(optimizer).__name__}'s {kind!r} is {what}, not a tensor placed like its "
+                "parameter: describe() moves per-element state only; set it on the target's "
+                "optimizer (for Adam/AdamW's step: rsfsdp.init_adam_state)"
+            )
 
 
 def describe(module, kind: str, optimizer=None, group=None):
@@ -266,7 +334,14 @@ def describe(module, kind: str, optimizer=None, group=None):
 
     kind: "param" (the sharded parameters), "exp_avg", "exp_avg_sq" or "max_exp_avg_sq" (a
     torch.optim Adam/AdamW moment, the last under amsgrad=True; pass `optimizer`): the
-    moments of every parameter of `module` that the optimizer holds state for. group: the
+    moments of every parameter of `module` that the optimizer holds state for; or any other
+    key of the optimizer's per-parameter state (SGD's "momentum_buffer", Adagrad's "sum",
+    Adamax's "exp_inf", a user optimizer's): the tensors under it, placed like their
+    parameters, of every parameter whose state holds it (a parameter whose state is of another
+    kind is left out, `notes` says so). Keys torch.optim keeps in another shape ("step",
+    NAdam's "mu_product", Adafactor's "row_var"/"col_var", ASGD's "eta"/"mu") raise
+    UnsupportedError; a user optimizer's state not placed like its parameter (a scalar, a
+    factored tensor) is a `check()` reason. group: the
     process group the transfer runs over (default: the world); it must contain the FSDP2
     mesh. Call on every rank of the mesh at the safe boundary (after optimizer.step(), before
     the next forward); it communicates nothing. Returns a `LiveDTensors`: `.layout`,
@@ -274,10 +349,10 @@ def describe(module, kind: str, optimizer=None, group=None):
 
     It raises only for what every rank of the same program sees alike (arguments, the
     configuration, the DTensor specs). What one rank's own state may say (unsharded
-    parameters, an unshard in flight, no optimizer state yet, a moment missing or placed
-    otherwise, an optimizer holding none of them, no amsgrad group) is a reason `check()`
-    raises, so the transfer's preflight refuses on every
-    rank, before any write, instead of this rank raising alone while its peers wait.
+    parameters, an unshard in flight, no optimizer state yet, a moment or state key missing
+    or placed otherwise, an optimizer holding none of them, no amsgrad group) is a reason
+    `check()` raises, so the transfer's preflight refuses on every rank, before any write,
+    instead of this rank raising alone while its peers wait.
     """
     _check_args(module, kind, optimizer)
     check_group(group)
@@ -290,6 +365,9 @@ def describe(module, kind: str, optimizer=None, group=None):
 
         chosen, missing = _optimized(params, optimizer, kind)
         opt_name = type(optimizer).__name__
+        others = []  # names of parameters whose state is of another kind, without `kind`
+        if kind not in _MOMENTS and not missing:
+            chosen, others, missing = _holding(chosen, optimizer, kind)
         moments, problems, entries = [], [missing] if missing else [], []
         for n, fp in chosen:
             p = fp.sharded_param
@@ -305,21 +383,22 @@ def describe(module, kind: str, optimizer=None, group=None):
             dtype = m.dtype if isinstance(m, torch.Tensor) else p.dtype
             entries.append(replace(entry(n, p, _ops(n, p)), dtype=dtype))
         state = _MomentState(module, chosen, moments, problems, optimizer, kind)
-        notes = _moment_notes(params, chosen, entries, optimizer, kind)
+        notes = _moment_notes(params, chosen, entries, optimizer, kind, others)
         return describe_entries(f"FSDP2 {kind}", entries, state, group, notes)
     return describe_entries(f"FSDP2 {kind}", entries, state, group)
 
 
-def _moment_notes(params, chosen, entries, optimizer, kind):
+def _moment_notes(params, chosen, entries, optimizer, kind, others=()):
     """What this rank's own optimizer state chose of its moments' layout, where that need not
-    be its peers' choice: trainable parameters it holds without state (left out), moments in
-    another dtype than their parameters. Not faults (every rank may agree), but when the
-    ranks' layouts differ these say how, by name (`LiveDTensors.notes`)."""
+    be its peers' choice: trainable parameters it holds without state (left out), parameters
+    whose state is of another kind without `kind` (`others`, left out), moments in another
+    dtype than their parameters. Not faults (every rank may agree), but when the ranks'
+    layouts differ these say how, by name (`LiveDTensors.notes`)."""
     groups = optimizer.param_groups
     if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
         groups = [g for g in groups if g.get("amsgrad")] or groups
     held = {id(q) for g in groups for q in g["params"]}
-    described = {n for n, _ in chosen}
+    described = {n for n, _ in chosen}.union(others)
     left_out = [
         n
         for n, fp in params
@@ -331,6 +410,12 @@ def _moment_notes(params, chosen, entries, optimizer, kind):
             f"{kind} of {len(chosen)} parameters laid out; left out, as this rank's optimizer "
             f"holds no state for them though they require grad: {left_out[:8]}"
             f"{' ...' if len(left_out) > 8 else ''}"
+        )
+    if others:
+        notes.append(
+            f"{kind} of {len(chosen)} parameters laid out; left out, as this rank's optimizer "
+            f"state for them is of another kind, without {kind!r}: {list(others[:8])}"
+            f"{' ...' if len(others) > 8 else ''}"
         )
     by_dtype = {}
     for (n, fp), e in zip(chosen, entries, strict=True):
@@ -356,7 +441,7 @@ def _optimized(params, optimizer, kind):
     its first step would give state to (as `init_adam_state`), and the reason goes to
     `check()`."""
     opt_name = type(optimizer).__name__
-    if "betas" not in optimizer.defaults:
+    if kind in _MOMENTS and "betas" not in optimizer.defaults:
         # by the optimizer's kind, not by its state: the state is this rank's alone
         raise UnsupportedError(
             f"{opt_name} keeps no {kind!r} state: Adam moments come from an Adam-family "
@@ -390,11 +475,53 @@ def _optimized(params, optimizer, kind):
     if out:
         return out, None
     first = [(n, fp) for n, fp in mine if fp.sharded_param.requires_grad] or mine
+    made = (
+        "Adam moments exist after the first optimizer.step() that saw a gradient, or after "
+        "rsfsdp.init_adam_state()"
+        if kind in _MOMENTS
+        else "its per-parameter state exists after the first optimizer.step() that saw a "
+        "gradient (or the state torch's first step makes, given by hand)"
+    )
     return first, (
         f"{opt_name} has no optimizer state yet on this rank for the {len(mine)} parameters "
-        "of this module it holds: Adam moments exist after the first optimizer.step() that "
-        "saw a gradient, or after rsfsdp.init_adam_state(); then describe() again"
+        f"of this module it holds: {made}; then describe() again"
     )
+
+
+def _holding(chosen, optimizer, kind):
+    """Of the parameters with state (`chosen`), for a key other than the Adam moments:
+    ([(name, FSDPParam)] laid out, [name] left out, why this rank has none or None).
+
+    A key held by some parameters only follows the moments' rule, by the state: a parameter
+    whose state is of another kind has none and is left out (a note says so): a param group
+    whose hyperparameters keep no such state (RMSprop's momentum=0), a hybrid optimizer's
+    other rule, Adafactor's factored state of matrices beside the "variance" of vectors. One
+    whose state holds what a holder's of its param group and number of dims holds except
+    `kind` lost it: laid out, and `check()` says so, as of a moment missing. When none holds
+    it, all are laid out and `check()` refuses."""
+    state = optimizer.state
+    group_of = {id(q): i for i, g in enumerate(optimizer.param_groups) for q in g["params"]}
+
+    def like(fp):  # what a parameter's state is compared with: its group, its dims, its keys
+        p = fp.sharded_param
+        return group_of.get(id(p)), p.ndim, frozenset(state[p]) - {kind}
+
+    holders = {like(fp) for _, fp in chosen if kind in state[fp.sharded_param]}
+    if not holders:
+        keys = set().union(*(state[fp.sharded_param] for _, fp in chosen))
+        why = (
+            f"{type(optimizer).__name__} keeps no {kind!r} state on this rank for any of the "
+            f"{len(chosen)} parameters of this module it has state for (their keys: "
+            f"{sorted(keys, key=str)})"
+        )
+        return chosen, [], why
+    laid, left = [], []
+    for n, fp in chosen:
+        if kind in state[fp.sharded_param] or like(fp) in holders:
+            laid.append((n, fp))
+        else:
+            left.append(n)
+    return laid, left, None
 
 
 def _first_step(params, groups, state):
@@ -523,7 +650,7 @@ class _MomentState:
         return why
 
     def __call__(self):
-        locals_ = [None if m is None else m._local_tensor for m in self.moments]
+        locals_ = [None if m is None else _local_of(m) for m in self.moments]
         return locals_, self.reasons()
 
 
