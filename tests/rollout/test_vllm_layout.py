@@ -6,6 +6,7 @@ UnsupportedError."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -370,6 +371,18 @@ def test_bad_arguments():
         rsvllm.tp_layout(_llama(), 0, [])
     with pytest.raises(ValueError, match="ranks must be a list"):
         rsvllm.tp_layout(_llama(), 2, None)
+
+
+@pytest.mark.timeout(30)
+def test_ranks_that_are_unordered_or_endless_are_refused():
+    """A set's iteration order placed TP ranks on processes the caller did not name; an
+    endless iterator was read forever."""
+    for ranks in ({3, 1}, frozenset((0, 1)), {0: 1, 1: 0}, "01"):
+        with pytest.raises(ValueError, match="ranks must be a list"):
+            rsvllm.tp_layout(_llama(), 2, ranks)
+    with pytest.raises(ValueError, match="ranks has more than 2 entries, tp_size is 2"):
+        rsvllm.tp_layout(_llama(), 2, itertools.count())
+    assert rsvllm.tp_layout(_llama(), 2, iter([1, 0])).ranks == [1, 0]
 
 
 def test_buffers_names_every_mismatch():

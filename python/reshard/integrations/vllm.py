@@ -26,6 +26,7 @@ Configs this rule does not cover raise `UnsupportedError` naming the setting.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -401,12 +402,17 @@ def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    if isinstance(ranks, (set, frozenset, Mapping, str)):
+        # a set's order is not the caller's: TP ranks would land on other processes
+        raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}")
     try:
-        ranks = list(ranks)
+        # at most one more than needed: an endless iterator is refused, not read forever
+        ranks = list(itertools.islice(ranks, tp_size + 1))
     except TypeError:
         raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}") from None
     if len(ranks) != tp_size:
-        raise ValueError(f"ranks has {len(ranks)} entries, tp_size is {tp_size}: one per TP rank")
+        many = f"more than {tp_size}" if len(ranks) > tp_size else len(ranks)
+        raise ValueError(f"ranks has {many} entries, tp_size is {tp_size}: one per TP rank")
     for r in ranks:
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"ranks must be non-negative ints, got {r!r}")
