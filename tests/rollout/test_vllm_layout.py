@@ -235,6 +235,7 @@ def test_layout_ranks_follow_ranks_argument():
         (_llama(architectures=["LlamaForSequenceClassification"]), 2, "architectures"),
         (_qwen2(architectures=["LlamaForCausalLM"]), 2, "architectures"),
         (_llama(architectures="LlamaForCausalLM"), 2, "architectures"),
+        (_llama(quantization_config={"quant_method": "fp8"}), 2, "quantization_config"),
         # vLLM names a multimodal model's decoder language_model.model.*, HF model.language_model.*
         (transformers.LlavaConfig(text_config=_llama().to_dict()), 2, "model_type 'llava'"),
     ],

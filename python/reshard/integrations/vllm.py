@@ -262,6 +262,12 @@ def _decoder_config(cfg):
             f"model_type {model_type!r}: tp_layout covers {MODEL_TYPES} decoders (vLLM's "
             "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
         )
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        # vLLM then loads into quantized parameters (packed or fp8 weights plus scales)
+        raise UnsupportedError(
+            f"quantization_config {quant!r}: tp_layout covers unquantized weights only"
+        )
     archs = getattr(cfg, "architectures", None)
     if archs is not None:
         ok = ARCHITECTURES[model_type]
