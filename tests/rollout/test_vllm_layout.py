@@ -374,6 +374,25 @@ def test_bad_arguments():
         rsvllm.tp_layout(_llama(), 2, None)
 
 
+def test_numpy_ints_are_tp_sizes_and_ranks():
+    """np.int64 ranks were refused as 'ranks must be non-negative ints, got 0' (a numpy int
+    prints as a plain one); Stream and plan() take them."""
+    want = rsvllm.tp_layout(_llama(), 2, [1, 0])
+    tgt = rsvllm.tp_layout(_llama(), np.int64(2), np.array([1, 0]))
+    assert tgt.layout == want.layout and tgt.tp_size == 2 and type(tgt.tp_size) is int
+    assert tgt.ranks == [1, 0] and all(type(r) is int for r in tgt.ranks)
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    assert tgt.buffers(params, np.int32(1)).keys() == want.buffers(params, 1).keys()
+    full = torch.randn(32)
+    tgt.load("model.norm.weight", full, np.int64(1), params)
+    assert torch.equal(params["model.norm.weight"], full.to(torch.bfloat16))
+    for bad in (1.0, "1", True, torch.tensor(1)):
+        with pytest.raises(ValueError, match="tp_rank must be an int"):
+            tgt.buffers(params, bad)
+    with pytest.raises(ValueError, match="ranks must be non-negative ints, got 1.0 \\(float\\)"):
+        rsvllm.tp_layout(_llama(), 2, [0, 1.0])
+
+
 @pytest.mark.timeout(30)
 def test_ranks_that_are_unordered_or_endless_are_refused():
     """A set's iteration order placed TP ranks on processes the caller did not name; an

@@ -27,6 +27,7 @@ Configs this rule does not cover raise `UnsupportedError` naming the setting.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -74,7 +75,7 @@ class TPLayout:
         with plain torch slicing. The stream-then-shard path (full tensors to every TP rank,
         each taking its part); a transfer into `layout` writes the same elements directly.
         """
-        self._check_load(name, full, tp_rank, params)
+        tp_rank = self._check_load(name, full, tp_rank, params)
         s, tp = self.spec, self.tp_size
         hd = s.head_dim
         q_rows = s.heads // tp * hd
@@ -103,10 +104,11 @@ class TPLayout:
         else:  # norms and row-parallel biases: replicated
             params[name].copy_(full)
 
-    def _check_load(self, name, full, tp_rank, params) -> None:
+    def _check_load(self, name, full, tp_rank, params) -> int:
         """What vLLM's loader asserts (shapes), so that `copy_` never broadcasts a wrong-sized
-        tensor into a parameter, and a rank outside the TP group never copies nothing."""
-        _check_tp_rank(tp_rank, self.tp_size)
+        tensor into a parameter, and a rank outside the TP group never copies nothing.
+        Returns tp_rank as an int."""
+        tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         tl = self.layout.tensors.get(name) if isinstance(name, str) else None
         if tl is None:
             raise ValueError(
@@ -124,6 +126,7 @@ class TPLayout:
                 f"params[{vname!r}] must be TP rank {tp_rank}'s parameter of shape "
                 f"{self.shapes[vname]}, got {got}"
             )
+        return tp_rank
 
     def buffers(self, named_params, tp_rank: int) -> dict:
         """{location: flat view} of TP rank `tp_rank`'s parameters, for a transfer's targets.
@@ -133,7 +136,7 @@ class TPLayout:
         shape, dtype or contiguity differs from the layout (call it once at setup, on every
         process that hosts a TP rank). Parameters the layout does not know are left alone.
         """
-        _check_tp_rank(tp_rank, self.tp_size)
+        tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         try:
             pairs = named_params.items() if isinstance(named_params, Mapping) else named_params
             params = dict(pairs)
@@ -171,11 +174,21 @@ class TPLayout:
         return out
 
 
-def _check_tp_rank(tp_rank, tp_size) -> None:
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int):
-        raise ValueError(f"tp_rank must be an int, got {tp_rank!r}")
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+def _int(value) -> int | None:
+    """`value` as an int when it is an integer (numpy's too, as everywhere a rank is taken),
+    else None (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _check_tp_rank(tp_rank, tp_size) -> int:
+    r = _int(tp_rank)
+    if r is None:
+        raise ValueError(f"tp_rank must be an int, got {tp_rank!r} ({type(tp_rank).__name__})")
+    if not 0 <= r < tp_size:
+        raise ValueError(f"tp_rank {r} out of range for tp_size {tp_size}")
+    return r
 
 
 def _vllm_name(hf_name: str) -> str:
@@ -406,8 +419,10 @@ def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     Tensors are the HF parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so any
     source layout of the HF model (e.g. a DeepSpeed `describe()`) transfers into it.
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+    tp = _int(tp_size)
+    if tp is None or tp < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    tp_size = tp
     if isinstance(ranks, (set, frozenset, Mapping, str)):
         # a set's order is not the caller's: TP ranks would land on other processes
         raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}")
@@ -419,9 +434,10 @@ def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     if len(ranks) != tp_size:
         many = f"more than {tp_size}" if len(ranks) > tp_size else len(ranks)
         raise ValueError(f"ranks has {many} entries, tp_size is {tp_size}: one per TP rank")
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"ranks must be non-negative ints, got {r!r}")
+    for i, r in enumerate(ranks):
+        ranks[i] = _int(r)
+        if ranks[i] is None or ranks[i] < 0:
+            raise ValueError(f"ranks must be non-negative ints, got {r!r} ({type(r).__name__})")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     s = _spec(hf_config)
