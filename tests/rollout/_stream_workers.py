@@ -11,6 +11,8 @@ from __future__ import annotations
 import gc
 import math
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -164,23 +166,26 @@ def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
 
 
 def held_storages(stream, bufs) -> int:
-    """Bytes of every storage reachable from `stream` (through its objects, found with the
-    garbage collector's referents, not its own accounting), other than the sources in `bufs`
-    and the executor's int64 descriptor tables (metadata, a few words per copy run): what the
-    stated bound `staging_bytes` must cover."""
+    """Bytes of every storage reachable from `stream` through containers and reshard's own
+    objects (found with the garbage collector's referents, not the Stream's own accounting),
+    other than the sources in `bufs` and the executor's int64 descriptor tables (metadata, a
+    few words per copy run): what the stated bound `staging_bytes` must cover. Modules,
+    functions and threads are not followed (they reach the whole interpreter)."""
     sources = {t.untyped_storage().data_ptr() for t in bufs.values()}
     held, seen, todo = {}, set(), [stream]
     while todo:
         o = todo.pop()
-        if id(o) in seen or isinstance(o, type):
+        if id(o) in seen:
             continue
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
             if st.data_ptr() not in sources and o.dtype != torch.int64:
                 held[st.data_ptr()] = st.nbytes()
-            continue
-        todo.extend(gc.get_referents(o))
+        elif isinstance(o, (dict, list, tuple, set, frozenset, deque, Future)) or (
+            type(o).__module__.startswith("reshard.") and not isinstance(o, type)
+        ):
+            todo.extend(gc.get_referents(o))
     return sum(held.values())
 
 
