@@ -374,6 +374,21 @@ def test_bad_arguments():
         rsvllm.tp_layout(_llama(), 2, None)
 
 
+def test_buffers_names_parameters_that_share_memory():
+    """Two engine parameters over the same bytes: the transfer's preflight refused them by
+    location number only ("target locations 10 and 12 alias"); buffers() names them."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{a} and {b} share memory"):
+        tgt.buffers(dict(params, **{a: flat[:32], b: flat[16:48]}), 0)
+    with pytest.raises(ValueError, match=f"{a} and {b} share memory"):
+        tgt.buffers(dict(params, **{a: flat[:32], b: flat[:32]}), 0)
+    # adjacent views of one flat buffer (as engines pack parameters) are fine
+    assert len(tgt.buffers(dict(params, **{a: flat[:32], b: flat[32:]}), 0)) == len(tgt.shapes)
+
+
 def test_numpy_ints_are_tp_sizes_and_ranks():
     """np.int64 ranks were refused as 'ranks must be non-negative ints, got 0' (a numpy int
     prints as a plain one); Stream and plan() take them."""

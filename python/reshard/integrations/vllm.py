@@ -145,7 +145,7 @@ class TPLayout:
                 "named_params must be model.named_parameters() (pairs of name and tensor) or a "
                 f"mapping, got {type(named_params).__name__}"
             ) from None
-        out, problems = {}, []
+        out, problems, views = {}, [], []
         for name, shape in self.shapes.items():
             t = params.get(name)
             if t is None:
@@ -166,12 +166,32 @@ class TPLayout:
                 problems.append(f"{name}: " + "; ".join(bad))
             else:
                 out[self.locations[(name, tp_rank)]] = t.view(-1)
+                views.append((name, t))
+        problems += _shared_memory(views)
         if problems:
             raise ValueError(
                 f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
                 f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
             )
         return out
+
+
+def _shared_memory(views) -> list[str]:
+    """'a and b share memory' for each pair of (name, tensor) whose bytes overlap: the
+    transfer would write both, one over the other (its preflight refuses that too, by
+    location number; here the parameters are named)."""
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in views
+        if t.device.type != "meta" and t.numel()
+    )
+    out, last = [], None  # last: (device, end, name) of the span reaching furthest so far
+    for dev, lo, hi, name in spans:
+        if last is not None and last[0] == dev and lo < last[1]:
+            out.append(f"{last[2]} and {name} share memory (one would overwrite the other)")
+        if last is None or last[0] != dev or hi > last[1]:
+            last = (dev, hi, name)
+    return out
 
 
 def _int(value) -> int | None:
