@@ -133,8 +133,9 @@ class TPLayout:
 
         named_params: that rank's `model.named_parameters()` (an iterable of (name, tensor) or a
         mapping), vLLM names. Raises ValueError naming every parameter that is missing or whose
-        shape, dtype or contiguity differs from the layout (call it once at setup, on every
-        process that hosts a TP rank). Parameters the layout does not know are left alone.
+        shape, dtype or contiguity differs from the layout, and every two that share memory
+        (call it once at setup, on every process that hosts a TP rank). Parameters the layout
+        does not know are left alone.
         """
         tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         try:
