@@ -385,6 +385,11 @@ def test_buffers_names_parameters_that_share_memory():
         tgt.buffers(dict(params, **{a: flat[:32], b: flat[16:48]}), 0)
     with pytest.raises(ValueError, match=f"{a} and {b} share memory"):
         tgt.buffers(dict(params, **{a: flat[:32], b: flat[:32]}), 0)
+    # freed storages all sit at address 0: the transfer's preflight names them as freed
+    freed = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    for n in (a, b):
+        freed[n].untyped_storage().resize_(0)
+    assert len(tgt.buffers(freed, 0)) == len(tgt.shapes)
     # adjacent views of one flat buffer (as engines pack parameters) are fine
     assert len(tgt.buffers(dict(params, **{a: flat[:32], b: flat[32:]}), 0)) == len(tgt.shapes)
 

@@ -106,7 +106,7 @@ class TPLayout:
 
     def _check_load(self, name, full, tp_rank, params) -> int:
         """What vLLM's loader asserts (shapes), so that `copy_` never broadcasts a wrong-sized
-        tensor into a parameter, and a rank outside the TP group never copies nothing.
+        tensor into a parameter, and a rank outside the TP group never silently copies nothing.
         Returns tp_rank as an int."""
         tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         tl = self.layout.tensors.get(name) if isinstance(name, str) else None
@@ -184,7 +184,8 @@ def _shared_memory(views) -> list[str]:
     spans = sorted(
         (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
         for name, t in views
-        if t.device.type != "meta" and t.numel()
+        # meta tensors and freed storages (all at address 0) are the preflight's to refuse
+        if t.device.type != "meta" and t.numel() and t.untyped_storage().nbytes()
     )
     out, last = [], None  # last: (device, end, name) of the span reaching furthest so far
     for dev, lo, hi, name in spans:
