@@ -8,8 +8,11 @@ from the same seed, cast with torch. Workers return lists of error strings.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -162,6 +165,37 @@ def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
     return errs
 
 
+def held_storages(stream, bufs) -> int:
+    """Bytes of every storage reachable from `stream` through containers and reshard's own
+    objects (found with the garbage collector's referents, not the Stream's own accounting),
+    other than the sources in `bufs` and the executor's int64 descriptor tables (metadata, a
+    few words per copy run): what the stated bound `staging_bytes` must cover. Modules,
+    functions and threads are not followed (they reach the whole interpreter)."""
+    sources = {t.untyped_storage().data_ptr() for t in bufs.values()}
+    held, seen, todo = {}, set(), [stream]
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.data_ptr() not in sources and o.dtype != torch.int64:
+                held[st.data_ptr()] = st.nbytes()
+        elif isinstance(o, (dict, list, tuple, set, frozenset, deque, Future)) or (
+            type(o).__module__.startswith("reshard.") and not isinstance(o, type)
+        ):
+            todo.extend(gc.get_referents(o))
+    return sum(held.values())
+
+
+def _held_within_bound(stream, bufs, tag) -> list[str]:
+    held, bound = held_storages(stream, bufs), sum(stream.staging_bytes().values())
+    return [f"{tag}: the Stream holds {held} B of storage, its stated bound is {bound} B"] * (
+        held > bound
+    )
+
+
 def w_stream(rank, world):
     errs = []
     values = full_values(seed=1)
@@ -190,6 +224,7 @@ def w_stream(rank, world):
         errs += consume(s, bufs, want2, rank in receivers, tag + " call 2")
         if s.report.peak_staging_bytes != held1:  # staging is kept, not re-allocated
             errs.append(f"{tag}: held {held1} then {s.report.peak_staging_bytes}")
+        errs += _held_within_bound(s, bufs, tag)
         if [id(p) for p in s.plans] != plans:
             errs.append(f"{tag}: plans were rebuilt")
         _, bufs = zero3_source(world, values, rank)
@@ -465,4 +500,38 @@ def _resolved_per_call(rank, local, bufs, values):
     except TypeError as exc:
         if "explicit process group cannot be pickled" not in str(exc):
             errs.append(f"rank {rank}: pickling a Stream on a group: {exc}")
+    return errs
+
+
+class _Injected(Exception):
+    pass
+
+
+def w_throw_on_one_rank(rank, world):
+    """Receiver rank 2 throws an exception into its generator (`gen.throw`) at its second
+    tensor; the other receiver and the sender-only rank finish normally, promptly, with the
+    right tensors, and rank 2 gets its own exception. The next call is complete everywhere."""
+    values = full_values(seed=5)
+    layout, bufs = zero3_source(world, values, rank)
+    s = rs.Stream(layout, [0, 2], 1024, dtype=torch.bfloat16, timeout=60)
+    want = {n: values[n].to(torch.bfloat16) for n in values}
+    errs = []
+    t0 = time.perf_counter()
+    if rank == 2:
+        gen = s(bufs)
+        next(gen)
+        next(gen)
+        try:
+            gen.throw(_Injected("thrown into rank 2's generator"))
+            errs.append("rank 2: throw() did not raise")
+        except _Injected:
+            pass
+        except Exception as exc:  # noqa: BLE001 - reported
+            errs.append(f"rank 2: throw() raised {type(exc).__name__}: {exc}")
+    else:
+        errs += consume(s, bufs, want, rank == 0, f"rank {rank} while rank 2 throws")
+    if time.perf_counter() - t0 > 30:
+        errs.append(f"rank {rank}: the call took {time.perf_counter() - t0:.0f} s")
+    errs += consume(s, bufs, want, rank in (0, 2), f"rank {rank} after the throw")
+    dist.barrier()
     return errs

@@ -1,4 +1,4 @@
-"""An independent statement of how vLLM 0.33.0 loads HF weights into TP rank r (what its
+"""An independent statement of how vLLM 0.33.0 / 0.34.0 load HF weights into TP rank r (what its
 weight loaders narrow and where they copy), for checking `reshard.integrations.vllm`.
 
 It slices full HF tensors with torch (`narrow`, `cat`), never through a reshard layout or plan.
@@ -30,6 +30,8 @@ def shards(full: dict, cfg, tp: int, r: int, dtype, fill=float("nan")) -> dict:
     """{vLLM name: tensor} on TP rank r, from {HF name: full tensor}."""
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
+    # LlamaAttention / Qwen3Attention: config.head_dim or hidden // heads; Qwen2Attention
+    # always hidden // heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if cfg.model_type == "qwen2":
         head_dim = cfg.hidden_size // heads
@@ -62,7 +64,7 @@ def shards(full: dict, cfg, tp: int, r: int, dtype, fill=float("nan")) -> dict:
             t = torch.full((per, w.shape[1]), fill, dtype=dtype)
             t[: end - start] = w[start:end].to(dtype)
             out[name] = t
-        else:  # norms, o_proj / down_proj biases: replicated
+        else:  # norms (Qwen3's q_norm / k_norm too), o_proj / down_proj biases: replicated
             out[name] = w
     for name, p in parts.items():
         order = ["q", "k", "v"] if "q" in p else [0, 1]

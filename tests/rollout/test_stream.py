@@ -850,3 +850,10 @@ def test_stream_gloo_early_stop(tmp_path):
     args = (local,)
     for errs in run_ranks(W.w_early_stop, 2, tmp_path, env=ENV, timeout=180, args=args):
         assert errs == []
+
+
+def test_stream_gloo_exception_thrown_into_one_ranks_generator(tmp_path):
+    """gen.throw() on one receiver: it gets its exception, its peers finish the call with the
+    right tensors (its generator moves the rest for them), and the next call is complete."""
+    for errs in run_ranks(W.w_throw_on_one_rank, 3, tmp_path, env=ENV, timeout=180):
+        assert errs == []

@@ -6,6 +6,7 @@ UnsupportedError."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import types
 from pathlib import Path
@@ -64,6 +65,21 @@ def _mistral(**kw):
     )
     base.update(kw)
     return transformers.MistralConfig(**base)
+
+
+def _qwen3(**kw):
+    base = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,  # != hidden / heads: vLLM's Qwen3 reads config.head_dim
+        tie_word_embeddings=False,
+    )
+    base.update(kw)
+    return transformers.Qwen3Config(**base)
 
 
 def _full_weights(cfg, seed=0):
@@ -133,6 +149,14 @@ CASES = [
     ("qwen2 qkv bias, tied", _qwen2, {}, (1, 2, 4)),
     ("qwen2 untied", _qwen2, {"tie_word_embeddings": False}, (2,)),
     ("mistral head_dim", _mistral, {}, (2, 4)),
+    # 4 > kv heads: replicated kv heads of head_dim 16; q_norm / k_norm replicated
+    ("qwen3 head_dim, qk norms", _qwen3, {}, (1, 2, 4)),
+    (
+        "qwen3 tied, head_dim = hidden / heads",
+        _qwen3,
+        {"tie_word_embeddings": True, "head_dim": 8},
+        (2,),
+    ),
 ]
 
 
@@ -206,11 +230,73 @@ def test_layout_ranks_follow_ranks_argument():
         (_llama(num_key_value_heads=0), 2, "num_key_value_heads = 0"),
         (_llama(num_key_value_heads=-2), 2, "num_key_value_heads = -2"),
         (_llama(head_dim=-4), 2, "head_dim = -4"),
+        (_qwen3(attention_bias=True), 2, "qwen3 with attention_bias"),
+        (_qwen3(architectures=["Qwen3ForSequenceClassification"]), 2, "architectures"),
+        (_llama(architectures=["LlamaForSequenceClassification"]), 2, "architectures"),
+        (_qwen2(architectures=["LlamaForCausalLM"]), 2, "architectures"),
+        (_llama(architectures="LlamaForCausalLM"), 2, "architectures"),
+        (_llama(quantization_config={"quant_method": "fp8"}), 2, "quantization_config"),
+        # vLLM names a multimodal model's decoder language_model.model.*, HF model.language_model.*
+        (transformers.LlavaConfig(text_config=_llama().to_dict()), 2, "model_type 'llava'"),
     ],
 )
 def test_unsupported_configs(cfg, tp, match):
     with pytest.raises(rs.UnsupportedError, match=match):
         rsvllm.tp_layout(cfg, tp, list(range(tp)))
+
+
+def test_architectures_of_the_same_layout_are_covered():
+    for cfg in (
+        _llama(architectures=["LlamaForCausalLM"]),
+        _llama(architectures=["MistralForCausalLM"]),  # vLLM's Mistral is its Llama
+        _mistral(architectures=["MistralForCausalLM"]),
+        _qwen2(architectures=["Qwen2ForCausalLM"]),
+        _qwen3(architectures=["Qwen3ForCausalLM"]),
+    ):
+        rsvllm.tp_layout(cfg, 2, [0, 1])
+
+
+def test_qwen3_layout_has_its_qk_norms_replicated():
+    tgt = rsvllm.tp_layout(_qwen3(), 2, [0, 1])
+    for norm in ("q_norm", "k_norm"):
+        name = f"model.layers.1.self_attn.{norm}.weight"
+        assert tgt.shapes[name] == (16,)
+        assert {tgt.layout.storages[p.location].rank for p in tgt.layout.tensors[name].pieces} == {
+            0,
+            1,
+        }
+    # 2 q heads + 1 kv head each for k and v, of head_dim 16 (not hidden / heads = 8)
+    assert tgt.shapes["model.layers.0.self_attn.qkv_proj.weight"] == ((2 + 2 * 1) * 16, 32)
+    assert tgt.shapes["model.layers.0.self_attn.o_proj.weight"] == (32, 2 * 16)
+
+
+def test_llama_qkv_bias_present_as_none_is_refused():
+    """vLLM's Llama takes config.qkv_bias whenever the attribute exists: None drops the qkv
+    bias while attention_bias keeps o_proj's; tp_layout laid out both."""
+    cfg = _llama(attention_bias=True)
+    cfg.qkv_bias = None
+    with pytest.raises(rs.UnsupportedError, match="config.qkv_bias is set"):
+        rsvllm.tp_layout(cfg, 2, [0, 1])
+
+
+def test_load_refuses_what_vllms_loader_asserts():
+    """load() copied a wrong-sized full tensor by broadcasting it (a (1,) norm became 32 equal
+    values) and a TP rank past tp_size copied nothing into a vocab shard, silently."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    params = {n: torch.full(s, float("nan")) for n, s in tgt.shapes.items()}
+    with pytest.raises(ValueError, match="model.norm.weight: the full tensor has shape"):
+        tgt.load("model.norm.weight", torch.ones(1), 0, params)
+    with pytest.raises(ValueError, match="full tensor has shape \\(32, 32\\), got \\(32, 1\\)"):
+        tgt.load("model.layers.0.self_attn.q_proj.weight", torch.ones(32, 1), 0, params)
+    with pytest.raises(ValueError, match="tp_rank 2 out of range"):
+        tgt.load("model.embed_tokens.weight", torch.ones(200, 32), 2, params)
+    with pytest.raises(ValueError, match="'nope' is not a tensor of this layout"):
+        tgt.load("nope", torch.ones(3), 0, params)
+    with pytest.raises(ValueError, match="must be TP rank 0's parameter of shape \\(32,\\)"):
+        tgt.load("model.norm.weight", torch.ones(32), 0, {"model.norm.weight": torch.zeros(2, 32)})
+    with pytest.raises(ValueError, match="qkv_proj.weight'\\] must be TP rank 1's parameter"):
+        tgt.load("model.layers.0.self_attn.k_proj.weight", torch.ones(8, 32), 1, {})
+    assert all(t.isnan().all() for t in params.values()), "a refused load wrote"
 
 
 def _with(cfg, **kw):
@@ -286,6 +372,58 @@ def test_bad_arguments():
         rsvllm.tp_layout(_llama(), 0, [])
     with pytest.raises(ValueError, match="ranks must be a list"):
         rsvllm.tp_layout(_llama(), 2, None)
+
+
+def test_buffers_names_parameters_that_share_memory():
+    """Two engine parameters over the same bytes: the transfer's preflight refused them by
+    location number only ("target locations 10 and 12 alias"); buffers() names them."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    a, b = "model.layers.0.input_layernorm.weight", "model.layers.1.post_attention_layernorm.weight"
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"{a} and {b} share memory"):
+        tgt.buffers(dict(params, **{a: flat[:32], b: flat[16:48]}), 0)
+    with pytest.raises(ValueError, match=f"{a} and {b} share memory"):
+        tgt.buffers(dict(params, **{a: flat[:32], b: flat[:32]}), 0)
+    # freed storages all sit at address 0: the transfer's preflight names them as freed
+    freed = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    for n in (a, b):
+        freed[n].untyped_storage().resize_(0)
+    # (an iterator: a failure's report would repr a dict's freed tensors, which crashes torch)
+    assert len(tgt.buffers(iter(freed.items()), 0)) == len(tgt.shapes)
+    # adjacent views of one flat buffer (as engines pack parameters) are fine
+    assert len(tgt.buffers(dict(params, **{a: flat[:32], b: flat[32:]}), 0)) == len(tgt.shapes)
+
+
+def test_numpy_ints_are_tp_sizes_and_ranks():
+    """np.int64 ranks were refused as 'ranks must be non-negative ints, got 0' (a numpy int
+    prints as a plain one); Stream and plan() take them."""
+    want = rsvllm.tp_layout(_llama(), 2, [1, 0])
+    tgt = rsvllm.tp_layout(_llama(), np.int64(2), np.array([1, 0]))
+    assert tgt.layout == want.layout and tgt.tp_size == 2 and type(tgt.tp_size) is int
+    assert tgt.ranks == [1, 0] and all(type(r) is int for r in tgt.ranks)
+    params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    assert tgt.buffers(params, np.int32(1)).keys() == want.buffers(params, 1).keys()
+    full = torch.randn(32)
+    tgt.load("model.norm.weight", full, np.int64(1), params)
+    assert torch.equal(params["model.norm.weight"], full.to(torch.bfloat16))
+    for bad in (1.0, "1", True, torch.tensor(1)):
+        with pytest.raises(ValueError, match="tp_rank must be an int"):
+            tgt.buffers(params, bad)
+    with pytest.raises(ValueError, match="ranks must be non-negative ints, got 1.0 \\(float\\)"):
+        rsvllm.tp_layout(_llama(), 2, [0, 1.0])
+
+
+@pytest.mark.timeout(30)
+def test_ranks_that_are_unordered_or_endless_are_refused():
+    """A set's iteration order placed TP ranks on processes the caller did not name; an
+    endless iterator was read forever."""
+    for ranks in ({3, 1}, frozenset((0, 1)), {0: 1, 1: 0}, "01"):
+        with pytest.raises(ValueError, match="ranks must be a list"):
+            rsvllm.tp_layout(_llama(), 2, ranks)
+    with pytest.raises(ValueError, match="ranks has more than 2 entries, tp_size is 2"):
+        rsvllm.tp_layout(_llama(), 2, itertools.count())
+    assert rsvllm.tp_layout(_llama(), 2, iter([1, 0])).ranks == [1, 0]
 
 
 def test_buffers_names_every_mismatch():

@@ -8,9 +8,10 @@ A transfer from any source layout of the HF parameters (e.g. a DeepSpeed ZeRO-3 
 `describe(engine, "param").layout`) into `tgt.layout` writes every TP rank's shards straight into
 its vLLM parameters, in vLLM's own kernel layout, with no full tensor materialized anywhere.
 
-The rule, read from vLLM 0.33.0 (`model_executor/layers/linear.py`,
+The rule, read from vLLM 0.33.0 and 0.34.0 (the same rule; `model_executor/layers/linear.py`,
 `model_executor/layers/vocab_parallel_embedding.py`, `model_executor/models/llama.py`,
-`qwen2.py`, `mistral.py`; docs/rollout.md cites the lines), for TP rank r of tp:
+`qwen2.py`, `qwen3.py`, `mistral.py`, `registry.py`; docs/rollout.md cites the lines), for TP
+rank r of tp:
 - `qkv_proj` (fused from q/k/v_proj) rows `[q_r | k_r | v_r]`: q heads split evenly; k and v heads
   split evenly when tp <= num_kv_heads, else rank r holds kv head `r // (tp / num_kv_heads)`
   (replicated across tp / num_kv_heads ranks). The qkv bias follows the same rows.
@@ -19,12 +20,14 @@ The rule, read from vLLM 0.33.0 (`model_executor/layers/linear.py`,
 - `embed_tokens`, `lm_head`: vocab padded to a multiple of 64, split evenly in rows; rank r
   holds rows `[r * p, min((r + 1) * p, vocab))` at the start of its shard, the padding rows
   after them are never written. Tied embeddings: one tensor (`model.embed_tokens.weight`).
-- norms replicated on every rank.
+- norms replicated on every rank (Qwen3's q_norm / k_norm, of head_dim, too).
 Configs this rule does not cover raise `UnsupportedError` naming the setting.
 """
 
 from __future__ import annotations
 
+import itertools
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -37,7 +40,17 @@ from reshard.layout import MAX_ELEMENTS
 __all__ = ["TPLayout", "tp_layout"]
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+# model_type -> the vLLM architectures (config.architectures, which picks vLLM's model class)
+# whose layout is the rule of that model type; vLLM's MistralForCausalLM is its Llama
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
+    "mistral": ("LlamaForCausalLM", "LLaMAForCausalLM", "MistralForCausalLM"),
+    "qwen2": ("Qwen2ForCausalLM",),
+    "qwen3": ("Qwen3ForCausalLM",),
+}
+MODEL_TYPES = tuple(ARCHITECTURES)
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+FUSED.update(gate_proj="gate_up_proj", up_proj="gate_up_proj")
 
 
 @dataclass
@@ -62,6 +75,7 @@ class TPLayout:
         with plain torch slicing. The stream-then-shard path (full tensors to every TP rank,
         each taking its part); a transfer into `layout` writes the same elements directly.
         """
+        tp_rank = self._check_load(name, full, tp_rank, params)
         s, tp = self.spec, self.tp_size
         hd = s.head_dim
         q_rows = s.heads // tp * hd
@@ -90,18 +104,40 @@ class TPLayout:
         else:  # norms and row-parallel biases: replicated
             params[name].copy_(full)
 
+    def _check_load(self, name, full, tp_rank, params) -> int:
+        """What vLLM's loader asserts (shapes), so that `copy_` never broadcasts a wrong-sized
+        tensor into a parameter, and a rank outside the TP group never silently copies nothing.
+        Returns tp_rank as an int."""
+        tp_rank = _check_tp_rank(tp_rank, self.tp_size)
+        tl = self.layout.tensors.get(name) if isinstance(name, str) else None
+        if tl is None:
+            raise ValueError(
+                f"{name!r} is not a tensor of this layout (HF parameter names, e.g. "
+                f"{next(iter(self.layout.tensors))!r})"
+            )
+        if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(tl.shape):
+            got = tuple(full.shape) if isinstance(full, torch.Tensor) else type(full).__name__
+            raise ValueError(f"{name}: the full tensor has shape {tuple(tl.shape)}, got {got}")
+        vname = _vllm_name(name)
+        t = params.get(vname) if isinstance(params, Mapping) else None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != self.shapes[vname]:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else t
+            raise ValueError(
+                f"params[{vname!r}] must be TP rank {tp_rank}'s parameter of shape "
+                f"{self.shapes[vname]}, got {got}"
+            )
+        return tp_rank
+
     def buffers(self, named_params, tp_rank: int) -> dict:
         """{location: flat view} of TP rank `tp_rank`'s parameters, for a transfer's targets.
 
         named_params: that rank's `model.named_parameters()` (an iterable of (name, tensor) or a
         mapping), vLLM names. Raises ValueError naming every parameter that is missing or whose
-        shape, dtype or contiguity differs from the layout (call it once at setup, on every
-        process that hosts a TP rank). Parameters the layout does not know are left alone.
+        shape, dtype or contiguity differs from the layout, and every two that share memory
+        (call it once at setup, on every process that hosts a TP rank). Parameters the layout
+        does not know are left alone.
         """
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int):
-            raise ValueError(f"tp_rank must be an int, got {tp_rank!r}")
-        if not 0 <= tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {self.tp_size}")
+        tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         try:
             pairs = named_params.items() if isinstance(named_params, Mapping) else named_params
             params = dict(pairs)
@@ -110,7 +146,7 @@ class TPLayout:
                 "named_params must be model.named_parameters() (pairs of name and tensor) or a "
                 f"mapping, got {type(named_params).__name__}"
             ) from None
-        out, problems = {}, []
+        out, problems, views = {}, [], []
         for name, shape in self.shapes.items():
             t = params.get(name)
             if t is None:
@@ -131,12 +167,58 @@ class TPLayout:
                 problems.append(f"{name}: " + "; ".join(bad))
             else:
                 out[self.locations[(name, tp_rank)]] = t.view(-1)
+                views.append((name, t))
+        problems += _shared_memory(views)
         if problems:
             raise ValueError(
                 f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
                 f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
             )
         return out
+
+
+def _shared_memory(views) -> list[str]:
+    """'a and b share memory' for each pair of (name, tensor) whose bytes overlap: the
+    transfer would write both, one over the other (its preflight refuses that too, by
+    location number; here the parameters are named)."""
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in views
+        # meta tensors and freed storages (all at address 0) are the preflight's to refuse
+        if t.device.type != "meta" and t.numel() and t.untyped_storage().nbytes()
+    )
+    out, last = [], None  # last: (device, end, name) of the span reaching furthest so far
+    for dev, lo, hi, name in spans:
+        if last is not None and last[0] == dev and lo < last[1]:
+            out.append(f"{last[2]} and {name} share memory (one would overwrite the other)")
+        if last is None or last[0] != dev or hi > last[1]:
+            last = (dev, hi, name)
+    return out
+
+
+def _int(value) -> int | None:
+    """`value` as an int when it is an integer (numpy's too, as everywhere a rank is taken),
+    else None (bools included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _check_tp_rank(tp_rank, tp_size) -> int:
+    r = _int(tp_rank)
+    if r is None:
+        raise ValueError(f"tp_rank must be an int, got {tp_rank!r} ({type(tp_rank).__name__})")
+    if not 0 <= r < tp_size:
+        raise ValueError(f"tp_rank {r} out of range for tp_size {tp_size}")
+    return r
+
+
+def _vllm_name(hf_name: str) -> str:
+    """The vLLM parameter an HF parameter loads into (q/k/v and gate/up are fused)."""
+    for hf, vllm in FUSED.items():
+        if f".{hf}." in hf_name:
+            return hf_name.replace(f".{hf}.", f".{vllm}.")
+    return hf_name
 
 
 @dataclass(frozen=True)
@@ -152,10 +234,11 @@ class _Spec:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # q_norm / k_norm of head_dim, replicated (Qwen3)
 
 
 def _spec(cfg) -> _Spec:
-    cfg = _text_config(cfg)
+    cfg = _decoder_config(cfg)
     hidden, heads = _positive(cfg, "hidden_size"), _positive(cfg, "num_attention_heads")
     layers = _positive(cfg, "num_hidden_layers")
     inter, vocab = _positive(cfg, "intermediate_size"), _positive(cfg, "vocab_size")
@@ -171,10 +254,8 @@ def _spec(cfg) -> _Spec:
         raise UnsupportedError(
             f"hidden_size {hidden} < num_attention_heads {heads}: head_dim would be 0"
         )
-    if cfg.model_type == "qwen2":
-        qkv_bias, o_bias, mlp_bias = _qwen2_biases(cfg, head_dim, hidden // heads)
-    else:
-        qkv_bias, o_bias, mlp_bias = _llama_biases(cfg)
+    biases = {"qwen2": _qwen2_biases, "qwen3": _qwen3_biases}.get(cfg.model_type, _llama_biases)
+    qkv_bias, o_bias, mlp_bias, qk_norm = biases(cfg, head_dim, hidden // heads)
     return _Spec(
         layers=layers,
         hidden=hidden,
@@ -187,6 +268,7 @@ def _spec(cfg) -> _Spec:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
+        qk_norm=qk_norm,
     )
 
 
@@ -201,20 +283,34 @@ def _flag(cfg, key) -> bool:
     return v
 
 
-def _text_config(cfg):
-    """The decoder's config (a multimodal config's text part), of a model type tp_layout covers.
-    A dict (config.json's contents) becomes the transformers config of its model_type, so
-    keys it leaves out take that model's defaults, as vLLM would load them."""
+def _decoder_config(cfg):
+    """The config of a decoder-only model type tp_layout covers, whose `architectures` (what
+    picks vLLM's model class) has that model type's layout. A dict (config.json's contents)
+    becomes the transformers config of its model_type, so keys it leaves out take that
+    model's defaults, as vLLM would load them. A multimodal config is refused by its own
+    model_type: vLLM names its decoder's parameters differently (`language_model.*`)."""
     if isinstance(cfg, Mapping):
         cfg = _config_from_dict(cfg)
-    get_text = getattr(cfg, "get_text_config", None)
-    cfg = get_text() if callable(get_text) else cfg
     model_type = getattr(cfg, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise UnsupportedError(
             f"model_type {model_type!r}: tp_layout covers {MODEL_TYPES} decoders (vLLM's "
-            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)"
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
         )
+    quant = getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        # vLLM then loads into quantized parameters (packed or fp8 weights plus scales)
+        raise UnsupportedError(
+            f"quantization_config {quant!r}: tp_layout covers unquantized weights only"
+        )
+    archs = getattr(cfg, "architectures", None)
+    if archs is not None:
+        ok = ARCHITECTURES[model_type]
+        if not isinstance(archs, (list, tuple)) or not all(a in ok for a in archs):
+            raise UnsupportedError(
+                f"architectures {archs!r} with model_type {model_type!r}: vLLM picks its model "
+                f"class by architecture; tp_layout covers {list(ok)} for this model type"
+            )
     return cfg
 
 
@@ -248,8 +344,9 @@ def _optional_positive(cfg, key) -> int | None:
 
 
 def _qwen2_biases(cfg, head_dim, default_head_dim):
-    """(qkv, o, mlp) biases of vLLM's Qwen2, whose attention always uses hidden_size //
-    num_heads (config.head_dim ignored) and has no qk_norm."""
+    """(qkv, o, mlp biases, qk_norm) of vLLM's Qwen2, whose attention always uses
+    hidden_size // num_heads (config.head_dim ignored); its optional qk_norm is not HF
+    Qwen2's."""
     if head_dim not in (None, default_head_dim):
         raise UnsupportedError(
             f"qwen2 with head_dim {head_dim} != hidden_size // num_attention_heads: vLLM's "
@@ -257,13 +354,26 @@ def _qwen2_biases(cfg, head_dim, default_head_dim):
         )
     if _flag(cfg, "qk_norm"):
         raise UnsupportedError("qwen2 with qk_norm: set config.qk_norm to false")
-    return True, False, False
+    return True, False, False, False
 
 
-def _llama_biases(cfg):
-    """(qkv, o, mlp) biases of vLLM's Llama for an HF Llama/Mistral config."""
+def _qwen3_biases(cfg, head_dim, default_head_dim):
+    """(qkv, o, mlp biases, qk_norm) of vLLM's Qwen3: config.head_dim honoured (else
+    hidden_size // num_heads), q_norm / k_norm always. HF's Qwen3 gives o_proj a bias with
+    attention_bias, vLLM's never: refused."""
+    if _flag(cfg, "attention_bias"):
+        raise UnsupportedError(
+            "qwen3 with attention_bias: HF's Qwen3 then has an o_proj bias, vLLM's Qwen3 none"
+        )
+    return False, False, False, True
+
+
+def _llama_biases(cfg, head_dim, default_head_dim):
+    """(qkv, o, mlp biases, qk_norm) of vLLM's Llama for an HF Llama/Mistral config."""
     for key in ("qkv_bias", "bias"):
-        if getattr(cfg, key, None) is not None:
+        # vLLM's Llama takes config.qkv_bias whenever it exists (None: no qkv bias, while
+        # attention_bias still gives o_proj one); config.bias only when truthy
+        if hasattr(cfg, key) if key == "qkv_bias" else getattr(cfg, key, None) is not None:
             raise UnsupportedError(
                 f"config.{key} is set: vLLM's Llama reads it for non-HF-Llama models; "
                 "tp_layout covers HF Llama/Mistral configs (attention_bias, mlp_bias)"
@@ -271,7 +381,7 @@ def _llama_biases(cfg):
     if getattr(cfg, "ada_rms_norm_t_cond", False):
         raise UnsupportedError("mistral with ada_rms_norm_t_cond adds layers tp_layout lacks")
     attention_bias = _flag(cfg, "attention_bias")
-    return attention_bias, attention_bias, _flag(cfg, "mlp_bias")
+    return attention_bias, attention_bias, _flag(cfg, "mlp_bias"), False
 
 
 def _check_tp(s: _Spec, tp: int):
@@ -313,6 +423,7 @@ def _total_elements(s: _Spec, tp: int) -> int:
     inter = s.intermediate // tp
     layer = (qkv + 3 * inter) * hidden + hidden * (s.heads // tp * hd)  # qkv, gate_up, down, o
     layer += 2 * hidden + qkv * s.qkv_bias + hidden * s.o_bias + (2 * inter + hidden) * s.mlp_bias
+    layer += 2 * hd * s.qk_norm
     vocab = _padded_vocab(s.vocab) // tp * hidden * (1 if s.tied else 2)
     return tp * (s.layers * layer + vocab + hidden)
 
@@ -322,7 +433,7 @@ def _padded_vocab(vocab: int) -> int:
 
 
 def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
-    """vLLM's tensor-parallel layout of a Llama / Mistral / Qwen2 model (GQA included).
+    """vLLM's tensor-parallel layout of a Llama / Mistral / Qwen2 / Qwen3 model (GQA included).
 
     hf_config: the model's `transformers` config, or config.json's contents as a dict. tp_size: vLLM's tensor-parallel size.
     ranks: `ranks[i]` is the rank (in the transfer's process group) of the process hosting
@@ -330,17 +441,25 @@ def tp_layout(hf_config, tp_size: int, ranks, dtype=torch.bfloat16) -> TPLayout:
     Tensors are the HF parameter names (`model.layers.0.self_attn.q_proj.weight`, ...), so any
     source layout of the HF model (e.g. a DeepSpeed `describe()`) transfers into it.
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+    tp = _int(tp_size)
+    if tp is None or tp < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    tp_size = tp
+    if isinstance(ranks, (set, frozenset, Mapping, str)):
+        # a set's order is not the caller's: TP ranks would land on other processes
+        raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}")
     try:
-        ranks = list(ranks)
+        # at most one more than needed: an endless iterator is refused, not read forever
+        ranks = list(itertools.islice(ranks, tp_size + 1))
     except TypeError:
         raise ValueError(f"ranks must be a list of ranks, one per TP rank, got {ranks!r}") from None
     if len(ranks) != tp_size:
-        raise ValueError(f"ranks has {len(ranks)} entries, tp_size is {tp_size}: one per TP rank")
-    for r in ranks:
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            raise ValueError(f"ranks must be non-negative ints, got {r!r}")
+        many = f"more than {tp_size}" if len(ranks) > tp_size else len(ranks)
+        raise ValueError(f"ranks has {many} entries, tp_size is {tp_size}: one per TP rank")
+    for i, r in enumerate(ranks):
+        ranks[i] = _int(r)
+        if ranks[i] is None or ranks[i] < 0:
+            raise ValueError(f"ranks must be non-negative ints, got {r!r} ({type(r).__name__})")
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
     s = _spec(hf_config)
@@ -428,6 +547,10 @@ class _Builder:
                 kv_shape = (s.kv_heads * hd, *tail)
                 self.kv_rows(f"{p}.self_attn.k_proj.{kind}", kv_shape, locs, q_rows)
                 self.kv_rows(f"{p}.self_attn.v_proj.{kind}", kv_shape, locs, q_rows + kv_rows)
+            if s.qk_norm:  # one RMSNorm weight over head_dim, shared by every head
+                for norm in ("q_norm", "k_norm"):
+                    name = f"{p}.self_attn.{norm}.weight"
+                    self.replicated(name, name, (hd,))
             o_shape = (hidden, s.heads * hd)
             locs = self.param(f"{p}.self_attn.o_proj.weight", (hidden, q_rows))
             self.columns(f"{p}.self_attn.o_proj.weight", o_shape, locs)
