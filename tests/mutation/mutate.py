@@ -31,6 +31,7 @@ LOCAL_HOSTILE = "tests/test_hostile_local.py"
 REPEAT = "tests/distributed/test_repeated_calls.py"
 REPEAT_LOCAL = f"{REPEAT}::test_repeated_calls_recheck_every_buffer_in_process"
 FSDP = "tests/fsdp/test_fsdp.py"
+FSDP_KINDS = "tests/fsdp/test_fsdp_state_kinds.py"
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,23 @@ MUTANTS = (
         "        if False:",
         (f"{FSDP}::test_state_changed_in_place_on_one_rank_is_refused_everywhere",),
         "a moment replaced in the optimizer's state since describe() passes check()",
+    ),
+    Mutant(
+        "fsdp_state_key_shape_unchecked",
+        PKG,
+        "            if tuple(m.shape) == tuple(p.shape):",
+        "            if True:",
+        (f"{FSDP_KINDS}::test_user_optimizer_state_by_key",),
+        "a state key's DTensor placed like its parameter but of another global shape passes",
+    ),
+    Mutant(
+        "fsdp_state_key_lost_left_out",
+        PKG,
+        "        if kind in state[fp.sharded_param] or like(fp) in holders:",
+        "        if kind in state[fp.sharded_param]:",
+        (f"{FSDP_KINDS}::test_faults_of_one_rank_by_key_are_refused_everywhere",),
+        "a parameter that lost its state key on one rank is left out of that rank's layout "
+        "instead of refused",
     ),
     Mutant(
         "storage_extent",
