@@ -569,6 +569,37 @@ def test_piece_table_is_public_and_read_only():
     assert rs.layout.as_dtype("bf16") is torch.bfloat16
 
 
+def test_a_table_that_claims_to_cover_is_checked_all_the_same():
+    # covered=True on a table with a gap was trusted: planned, the target's elements 2 and 3
+    # were never written and the plan said success
+    t = rs.layout.PieceTable.of(1, [0], [0], [[0]], [[2]], [[1]])
+    with pytest.raises(rs.LayoutError, match=r"gap: element \(2,\)"):
+        rs.TensorLayout.from_table((4,), t, covered=True)
+    with pytest.raises(rs.LayoutError, match="more than 2\\*\\*53 elements"):
+        rs.TensorLayout.from_table((1 << 40, 1 << 40), rs.layout.PieceTable.empty(2), covered=True)
+    with pytest.raises(rs.LayoutError, match="shape must be an integer, got 4.0"):
+        rs.TensorLayout.from_table(
+            (4.0,), rs.layout.PieceTable.of(1, [0], [0], [[0]], [[4]], [[1]])
+        )
+
+
+@pytest.mark.parametrize(
+    "cols, match",
+    [
+        (([0], [0.5], [[0]], [[4]], [[1]]), "offset must be integers, got dtype float64"),
+        (([0.0], [0], [[0]], [[4]], [[1]]), "location must be integers"),
+        (([True], [0], [[0]], [[4]], [[1]]), "location must be integers, got dtype bool"),
+        (([0], [0], [[0.9]], [[4]], [[1]]), "start must be integers"),
+        (([0], [np.uint64(1 << 63)], [[0]], [[4]], [[1]]), "does not fit in int64"),
+        (([0], [0], [[0, 0]], [[4]], [[1]]), "start has 2 entries, 1 pieces of 1 dims need 1"),
+    ],
+)
+def test_piece_table_takes_integers_only(cols, match):
+    # a float offset or location was truncated (0.5 -> 0, a float location to another storage)
+    with pytest.raises(rs.LayoutError, match=match):
+        rs.layout.PieceTable.of(1, *cols)
+
+
 def brute_overlaps(iv):
     """Element sets of half-open intervals, and whether any two share an element."""
     seen, dup = set(), False

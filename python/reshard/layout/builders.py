@@ -26,7 +26,7 @@ from .values import (
 
 def _tensor_layout(shape, loc, off, start, box, strides, name, covered):
     table = PieceTable.of(len(shape), loc, off, start, box, strides)
-    return TensorLayout.from_table(shape, table, name=name, covered=covered)
+    return TensorLayout._from_table(shape, table, name, covered)
 
 
 def replicated(shape, locations, *, name=None) -> TensorLayout:

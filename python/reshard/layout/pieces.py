@@ -68,16 +68,24 @@ class PieceTable(NamedTuple):
 
     @classmethod
     def of(cls, d, location, offset, start, shape, strides) -> PieceTable:
-        """Contiguous int64 arrays of the right shapes, as read-only views."""
-        loc = np.ascontiguousarray(location, I64).reshape(-1)
+        """Contiguous int64 arrays of the right shapes, as read-only views. Integer arrays
+        only: a float offset or location would be truncated to another piece, silently."""
+        loc = _int64_column("location", location).reshape(-1)
         n = len(loc)
-        cols = (
-            loc,
-            np.ascontiguousarray(offset, I64).reshape(n),
-            np.ascontiguousarray(start, I64).reshape(n, d),
-            np.ascontiguousarray(shape, I64).reshape(n, d),
-            np.ascontiguousarray(strides, I64).reshape(n, d),
-        )
+        cols = [loc]
+        for field, a, shp in (
+            ("offset", offset, (n,)),
+            ("start", start, (n, d)),
+            ("shape", shape, (n, d)),
+            ("strides", strides, (n, d)),
+        ):
+            a = _int64_column(field, a)
+            if a.size != n * d ** (len(shp) - 1):
+                raise LayoutError(
+                    f"PieceTable {field} has {a.size} entries, {n} pieces of {d} dims need "
+                    f"{n * d ** (len(shp) - 1)}"
+                )
+            cols.append(a.reshape(shp))
         return cls(*(_read_only(a) for a in cols))
 
     @classmethod
@@ -106,6 +114,16 @@ class PieceTable(NamedTuple):
         nonempty = (self.shape > 0).all(axis=1)
         hi = self.offset + (self.strides * (self.shape - 1)).sum(axis=1)
         return np.where(nonempty, hi, -1)
+
+
+def _int64_column(field, values) -> np.ndarray:
+    """`values` as a contiguous int64 array; a LayoutError unless they are integers that fit."""
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise LayoutError(f"PieceTable {field} must be integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "u" and int(a.max()) > np.iinfo(I64).max:
+        raise LayoutError(f"PieceTable {field} value {int(a.max())} does not fit in int64")
+    return np.ascontiguousarray(a, I64)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -162,9 +180,16 @@ class TensorLayout:
 
     @classmethod
     def from_table(cls, shape, table: PieceTable, *, name=None, covered=False) -> TensorLayout:
-        """A TensorLayout of validated `shape` from a table of pieces. `covered=True` (the
-        builders): the pieces are known to cover the tensor, the gap search is skipped; every
-        other check runs."""
+        """A TensorLayout from a table of pieces, with every check of `TensorLayout(...)`.
+        `covered` is accepted and checked all the same: a table that said it covered the
+        tensor but did not was planned as if it did, leaving target elements unwritten."""
+        del covered  # only the builders, which build covering tables, skip the gap search
+        return cls._from_table(as_shape(shape, "TensorLayout.shape", name), table, name, False)
+
+    @classmethod
+    def _from_table(cls, shape, table, name, covered) -> TensorLayout:
+        """`from_table` for the builders: `shape` already validated, and with `covered` the
+        pieces are known to cover it (the gap search is skipped; every other check runs)."""
         self = object.__new__(cls)
         self._set(tuple(shape), PieceTable.of(len(shape), *table), name)
         check_pieces(self, check_cover=not covered)
