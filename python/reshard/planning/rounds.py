@@ -149,11 +149,14 @@ def _cuts(g: Groups, cap) -> tuple:
     any rank as sender or as receiver."""
     room = np.maximum(cap - cap % ALIGN, ALIGN) // g.itemsize
     extra = -(-g.numel // room) - 1
+    total = int(extra.sum())
+    if total <= MAX_RANK_CUTS:
+        return total, total  # no rank can have more (the common case: no sort)
     by_rank = max(
         np.bincount(np.unique(g.sender, return_inverse=True)[1], extra).max(),
         np.bincount(np.unique(g.receiver, return_inverse=True)[1], extra).max(),
     )
-    return int(extra.sum()), int(by_rank)
+    return total, int(by_rank)
 
 
 def _fits(g: Groups, cap) -> bool:
