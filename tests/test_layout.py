@@ -399,6 +399,27 @@ def test_unordered_containers_are_no_sequences():
     assert [p.location for p in rs.split((4,), 0, [2, 2], by_block.keys()).pieces] == [5, 4]
 
 
+def test_aliasing_check_bounds_a_cluster_of_interleaved_pieces(monkeypatch):
+    """Column pieces of a row-major buffer interleave: the check expands every piece of the
+    cluster into rows. Each piece was bounded, the cluster was not (10000 x 10000: 10**8 rows,
+    ~10 GB). Refused above MAX_EXPAND_ROWS rows in all; below it, checked as before."""
+    from reshard.layout import aliasing
+
+    monkeypatch.setattr(aliasing, "MAX_EXPAND_ROWS", 64 * 31)
+    R, C = 64, 32
+    tl = rs.TensorLayout((R, C), [rs.Piece(0, j, (0, j), (R, 1), (C, 1)) for j in range(C)])
+    src = rs.Layout({"w": rs.replicated((R, C), [5])}, {5: S(0, R * C)})
+    with pytest.raises(
+        rs.LayoutError,
+        match=r"and 31 more target pieces interleave in location 0: too many to verify they "
+        r"alias nothing \(2048 contiguous rows, more than 1984\)",
+    ):
+        rs.plan(src, rs.Layout({"w": tl}, {0: S(1, R * C)}))
+    tl = rs.TensorLayout((R, C - 1), [rs.Piece(0, j, (0, j), (R, 1), (C, 1)) for j in range(C - 1)])
+    src = rs.Layout({"w": rs.replicated((R, C - 1), [5])}, {5: S(0, R * C)})
+    assert rs.plan(src, rs.Layout({"w": tl}, {0: S(1, R * C)})).num_rounds == 1
+
+
 def test_error_target_aliasing():
     # two tensors written to overlapping storage: caught when planning into them
     dst = rs.Layout(
