@@ -144,6 +144,23 @@ def test_nest_of_many_outer_and_inner_pieces_is_not_quadratic():
     assert len(tl) == 2 * n
 
 
+def test_split_into_many_blocks_of_distinct_sizes_is_linear():
+    """Strides were set once per distinct block size over all blocks: 30000 distinct sizes
+    took 3.6 s, 60000 about 14 s."""
+    import time
+
+    from reshard.layout.values import row_major
+
+    k = 60000
+    sizes = list(range(k))  # block 0 is empty
+    t0 = time.perf_counter()
+    tl = rs.split((sum(sizes), 3, 0, 2), 0, sizes, [i % 8 for i in range(k)])
+    assert time.perf_counter() - t0 < 3
+    for i in (0, 1, 2, k // 2, k - 1):
+        p = tl.piece(i)
+        assert p.shape == (sizes[i], 3, 0, 2) and p.strides == row_major(p.shape)
+
+
 def test_nest_tp_shard_buffer_zero_partitioned_with_strides():
     # TP shards (column blocks) whose shard buffers are ZeRO-partitioned, one outer replica
     # left unnested (passes through), inner replicated over two locations

@@ -89,11 +89,12 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
     start[:, dim] = begin[blk]
     box = np.tile(np.array(shape, I64), (n, 1)).reshape(n, d)
     box[:, dim] = size_a[blk]
-    strides = np.empty((n, d), I64)
-    for size in set(sizes):  # row-major strides of each distinct block shape
-        pshape = list(shape)
-        pshape[dim] = size
-        strides[size_a[blk] == size] = row_major(pshape)
+    # row-major strides of each block's own shape (a dim of extent 0 counts as 1), in one
+    # pass: a loop over distinct sizes was quadratic in blocks of distinct sizes
+    steps = np.maximum(box[:, :0:-1], 1)
+    strides = np.concatenate(
+        [np.cumprod(steps, axis=1)[:, ::-1], np.ones((n, 1), I64)], axis=1
+    ).reshape(n, d)
     return _tensor_layout(shape, loc, off, start, box, strides, name, covered=True)
 
 
