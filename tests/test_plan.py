@@ -721,7 +721,7 @@ def test_intersection_work_is_linear_in_pieces(kind, monkeypatch):
     assert sum(p.pair_bytes().values()) + sum(p.local_bytes().values()) == 4 * numel
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(24))
 def test_intersect_finds_exactly_the_overlapping_pairs(seed):
     # random boxes of a few tensors of a few dims against a brute force, whatever key it picks
     rng = np.random.default_rng(seed)
@@ -748,6 +748,10 @@ def test_intersect_finds_exactly_the_overlapping_pairs(seed):
             if a[0][i] == b[0][j] and (hi > lo).all():
                 want.add((i, j, tuple(lo.tolist()), tuple(hi.tolist())))
     assert pairs == want and len(got.a) == len(want)
+    # whichever key wins, every key must offer every overlapping pair as a candidate
+    for keys in intersect._sweep_keys(shape, *a, *b):
+        pa, pb = intersect._candidates(*keys).pairs()
+        assert {(i, j) for i, j, _, _ in want} <= set(zip(pa.tolist(), pb.tolist()))
 
 
 def test_a_budget_far_below_the_data_is_refused_up_front():
