@@ -15,8 +15,9 @@ from ..errors import LayoutError
 from .intervals import overlapping_rows, segmented_cummax
 from .values import I64, num_elements
 
-# Expanding a piece's storage footprint into contiguous rows (aliasing checks of
-# interleaved targets) is refused above this many rows rather than exhausting memory.
+# Expanding a piece's storage footprint, or a cluster of interleaved pieces' footprints, into
+# contiguous rows (aliasing checks of interleaved targets) is refused above this many rows
+# rather than exhausting memory (2**24 rows: about 4 s and 1.5 GB).
 MAX_EXPAND_ROWS = 1 << 24
 
 
@@ -89,8 +90,18 @@ def _check_clusters(tensors, names, fp: Footprints):
     starts = np.nonzero(new)[0]
     sizes = np.diff(np.append(starts, n))
     for c in np.nonzero(sizes > 1)[0].tolist():
+        members = range(int(starts[c]), int(starts[c] + sizes[c]))
+        nrows = sum(_row_shape(tensors[names[int(tix[m])]], int(pix[m]))[2] for m in members)
+        if nrows > MAX_EXPAND_ROWS:
+            m = members[0]
+            tl = tensors[names[int(tix[m])]]
+            raise LayoutError(
+                f"{tl.piece_label(int(pix[m]))} and {len(members) - 1} more target pieces "
+                f"interleave in location {int(loc[m])}: too many to verify they alias nothing "
+                f"({nrows} contiguous rows, more than {MAX_EXPAND_ROWS})"
+            )
         rs, rl, rid = [], [], []
-        for m in range(int(starts[c]), int(starts[c] + sizes[c])):
+        for m in members:
             s, ln = footprint_rows(tensors[names[int(tix[m])]], int(pix[m]))
             rs.append(s)
             rl.append(ln)
@@ -129,16 +140,24 @@ def _injective(box, strides):
     return ok
 
 
-def footprint_rows(tl, i: int):
-    """Piece `i`'s storage footprint as contiguous rows (starts, lengths)."""
+def _row_shape(tl, i: int):
+    """Piece `i`'s footprint as rows: the dims enumerated (smallest stride first), the
+    contiguous length of a row, and the number of rows."""
     t = tl.table
-    box, strides, off = t.shape[i], t.strides[i], int(t.offset[i])
+    box, strides = t.shape[i], t.strides[i]
     dims = [k for k in range(len(box)) if box[k] > 1]
     dims.sort(key=lambda k: strides[k])
     length = 1
     while dims and strides[dims[0]] == length:
         length *= int(box[dims.pop(0)])
-    nrows = num_elements([int(box[k]) for k in dims])
+    return dims, length, num_elements([int(box[k]) for k in dims])
+
+
+def footprint_rows(tl, i: int):
+    """Piece `i`'s storage footprint as contiguous rows (starts, lengths)."""
+    t = tl.table
+    box, strides, off = t.shape[i], t.strides[i], int(t.offset[i])
+    dims, length, nrows = _row_shape(tl, i)
     if nrows > MAX_EXPAND_ROWS:
         raise LayoutError(
             f"{tl.piece_label(i)}: too interleaved to verify it aliases nothing ({nrows} rows)"

@@ -26,7 +26,7 @@ from .values import (
 
 def _tensor_layout(shape, loc, off, start, box, strides, name, covered):
     table = PieceTable.of(len(shape), loc, off, start, box, strides)
-    return TensorLayout.from_table(shape, table, name=name, covered=covered)
+    return TensorLayout._from_table(shape, table, name, covered)
 
 
 def replicated(shape, locations, *, name=None) -> TensorLayout:
@@ -89,11 +89,12 @@ def split(shape, dim, sizes, locations, *, offsets=None, name=None) -> TensorLay
     start[:, dim] = begin[blk]
     box = np.tile(np.array(shape, I64), (n, 1)).reshape(n, d)
     box[:, dim] = size_a[blk]
-    strides = np.empty((n, d), I64)
-    for size in set(sizes):  # row-major strides of each distinct block shape
-        pshape = list(shape)
-        pshape[dim] = size
-        strides[size_a[blk] == size] = row_major(pshape)
+    # row-major strides of each block's own shape (a dim of extent 0 counts as 1), in one
+    # pass: a loop over distinct sizes was quadratic in blocks of distinct sizes
+    steps = np.maximum(box[:, :0:-1], 1)
+    strides = np.concatenate(
+        [np.cumprod(steps, axis=1)[:, ::-1], np.ones((n, 1), I64)], axis=1
+    ).reshape(n, d)
     return _tensor_layout(shape, loc, off, start, box, strides, name, covered=True)
 
 
@@ -283,6 +284,7 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
             )
         by_loc[key] = tl
     inner = by_loc
+    search = {loc: _interval_search(tl.table) for loc, tl in inner.items()}
     hi = outer.table.footprint_hi()
     rows = []  # (loc, off, start, box, strides)
     ot = outer.table
@@ -303,7 +305,7 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
                 f"{outer.piece_label(i)}: reaches element {int(hi[i])} of location {loc}, whose "
                 f"inner layout has only {tl.shape[0]} elements"
             )
-        rows.extend(_composed(off, st, bx, sd, tl.table))
+        rows.extend(_composed(off, st, bx, sd, tl.table, _reaching(search[loc], off, hi[i])))
     n = len(rows)
     return _tensor_layout(
         shape,
@@ -317,10 +319,31 @@ def nest(outer, inner, *, name=None) -> TensorLayout:
     )
 
 
-def _composed(off, st, bx, sd, inner):
+def _interval_search(inner):
+    """A 1-D table's pieces [start, start + shape) by start (`order`, `starts`), with the
+    running max of their ends in that order: what `_reaching` searches."""
+    order = np.argsort(inner.start[:, 0], kind="stable")
+    starts = inner.start[order, 0]
+    ends = inner.start[:, 0] + inner.shape[:, 0]
+    return order, starts, ends, np.maximum.accumulate(ends[order]) if len(order) else ends
+
+
+def _reaching(search, lo, hi):
+    """Indices (ascending) of the pieces [start, end) that hold an element of [lo, hi]: among
+    those starting at or before hi, from the first whose running max end passes lo; a binary
+    search each, so nesting n outer pieces in m inner ones is not n * m."""
+    order, starts, ends, run_max = search
+    a = np.searchsorted(run_max, lo, side="right")
+    b = np.searchsorted(starts, hi, side="right")
+    cand = order[a:b]
+    return np.sort(cand[ends[cand] > lo]).tolist()
+
+
+def _composed(off, st, bx, sd, inner, reaching):
     """Rows (loc, off, start, box, strides) of an outer piece (offset `off`, start `st`, box
-    `bx`, strides `sd`) composed with each piece of the 1-D `inner` table it reaches."""
-    for q in range(len(inner.location)):
+    `bx`, strides `sd`) composed with each piece of the 1-D `inner` table it reaches (indices
+    `reaching`, ascending)."""
+    for q in reaching:
         qs = int(inner.start[q, 0])
         qe = qs + int(inner.shape[q, 0])
         qstride = int(inner.strides[q, 0])

@@ -68,16 +68,24 @@ class PieceTable(NamedTuple):
 
     @classmethod
     def of(cls, d, location, offset, start, shape, strides) -> PieceTable:
-        """Contiguous int64 arrays of the right shapes, as read-only views."""
-        loc = np.ascontiguousarray(location, I64).reshape(-1)
+        """Contiguous int64 arrays of the right shapes, as read-only views. Integer arrays
+        only: a float offset or location would be truncated to another piece, silently."""
+        loc = _int64_column("location", location).reshape(-1)
         n = len(loc)
-        cols = (
-            loc,
-            np.ascontiguousarray(offset, I64).reshape(n),
-            np.ascontiguousarray(start, I64).reshape(n, d),
-            np.ascontiguousarray(shape, I64).reshape(n, d),
-            np.ascontiguousarray(strides, I64).reshape(n, d),
-        )
+        cols = [loc]
+        for field, a, shp in (
+            ("offset", offset, (n,)),
+            ("start", start, (n, d)),
+            ("shape", shape, (n, d)),
+            ("strides", strides, (n, d)),
+        ):
+            a = _int64_column(field, a)
+            if a.size != n * d ** (len(shp) - 1):
+                raise LayoutError(
+                    f"PieceTable {field} has {a.size} entries, {n} pieces of {d} dims need "
+                    f"{n * d ** (len(shp) - 1)}"
+                )
+            cols.append(a.reshape(shp))
         return cls(*(_read_only(a) for a in cols))
 
     @classmethod
@@ -106,6 +114,16 @@ class PieceTable(NamedTuple):
         nonempty = (self.shape > 0).all(axis=1)
         hi = self.offset + (self.strides * (self.shape - 1)).sum(axis=1)
         return np.where(nonempty, hi, -1)
+
+
+def _int64_column(field, values) -> np.ndarray:
+    """`values` as a contiguous int64 array; a LayoutError unless they are integers that fit."""
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "iu":
+        raise LayoutError(f"PieceTable {field} must be integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "u" and int(a.max()) > np.iinfo(I64).max:
+        raise LayoutError(f"PieceTable {field} value {int(a.max())} does not fit in int64")
+    return np.ascontiguousarray(a, I64)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -162,9 +180,16 @@ class TensorLayout:
 
     @classmethod
     def from_table(cls, shape, table: PieceTable, *, name=None, covered=False) -> TensorLayout:
-        """A TensorLayout of validated `shape` from a table of pieces. `covered=True` (the
-        builders): the pieces are known to cover the tensor, the gap search is skipped; every
-        other check runs."""
+        """A TensorLayout from a table of pieces, with every check of `TensorLayout(...)`.
+        `covered` is accepted and checked all the same: a table that said it covered the
+        tensor but did not was planned as if it did, leaving target elements unwritten."""
+        del covered  # only the builders, which build covering tables, skip the gap search
+        return cls._from_table(as_shape(shape, "TensorLayout.shape", name), table, name, False)
+
+    @classmethod
+    def _from_table(cls, shape, table, name, covered) -> TensorLayout:
+        """`from_table` for the builders: `shape` already validated, and with `covered` the
+        pieces are known to cover it (the gap search is skipped; every other check runs)."""
         self = object.__new__(cls)
         self._set(tuple(shape), PieceTable.of(len(shape), *table), name)
         check_pieces(self, check_cover=not covered)
@@ -278,7 +303,7 @@ def check_pieces(tl: TensorLayout, check_cover: bool):
         )
     check_footprints(tl)
     if check_cover and tl.numel > 0:
-        gap = find_gap(tl.shape, t.start, t.start + t.shape)
+        gap = find_gap(tl.shape, t.start, t.start + t.shape, tensor_label(tl.name, tl.shape))
         if gap is not None:
             raise LayoutError(
                 f"{tensor_label(tl.name, tl.shape)}: gap: element {gap} is in no piece "
@@ -306,19 +331,28 @@ def check_footprints(tl: TensorLayout):
             )
 
 
-def find_gap(shape, starts, ends):
-    """An element of the box `0..shape` covered by no [start, end) box, or None."""
+def find_gap(shape, starts, ends, label="tensor"):
+    """An element of the box `0..shape` covered by no [start, end) box, or None. `label`
+    names the tensor in the LayoutError of boxes nested too deeply to check."""
     d = len(shape)
     if d == 0:
         return None if len(starts) else ()
     keep = (ends > starts).all(axis=1)
-    return _gap_in(np.zeros(d, I64), np.array(shape, I64), starts[keep], ends[keep])
+    return _gap_in(np.zeros(d, I64), np.array(shape, I64), starts[keep], ends[keep], label)
 
 
-def _gap_in(lo, hi, s, e):
-    # Sweep dim 0; slabs between breakpoints with the same set of spanning boxes are
-    # checked once on the remaining dims. Cheap for the layouts people build: ZeRO flat
-    # ranges, splits, replicas (a box that spans everything ends the search at once).
+# (piece, slab) pairs the gap search holds at one level: a bound on its memory. Pieces of real
+# layouts span one slab or a few (a slab is a dim-0 range between piece boundaries); only
+# pieces nested many deep reach it, and are refused rather than exhaust memory.
+MAX_GAP_PAIRS = 1 << 24
+
+
+def _gap_in(lo, hi, s, e, label):
+    # Sweep dim 0; slabs between breakpoints are covered at once by a box that spans the other
+    # dims, else checked on the remaining dims, once per distinct set of spanning boxes. Each
+    # box is listed in the slabs it spans only (no slabs x boxes matrix: 16000 row pieces made
+    # one of 256 MB and took 4 s, 64000 would take 4 GB), so row blocks, column blocks, ZeRO
+    # ranges and replicas cost about their pieces.
     m = ((s < hi) & (e > lo)).all(axis=1)
     s, e = np.maximum(s[m], lo), np.minimum(e[m], hi)
     if len(s) == 0:
@@ -336,16 +370,37 @@ def _gap_in(lo, hi, s, e):
             return (int(ee[gaps[0]]),)
         return None if ee[-1] >= hi[0] else (int(ee[-1]),)
     bps = np.unique(np.concatenate([s[:, 0], e[:, 0], lo[:1], hi[:1]]))
-    a, b = bps[:-1], bps[1:]
-    active = (s[None, :, 0] <= a[:, None]) & (e[None, :, 0] >= b[:, None])
+    first = np.searchsorted(bps, s[:, 0])
+    span = np.searchsorted(bps, e[:, 0]) - first  # box i spans slabs first[i] .. + span[i]
+    total = int(span.sum())
+    if total > MAX_GAP_PAIRS:
+        raise LayoutError(
+            f"{label}: {len(s)} pieces overlap too deeply to check that they cover the tensor "
+            f"({total} (piece, slab) pairs, more than {MAX_GAP_PAIRS}); describe it with "
+            "fewer overlapping pieces"
+        )
+    box = np.repeat(np.arange(len(s)), span)
+    slab = np.arange(total) - np.repeat(np.cumsum(span) - span, span) + first[box]
+    nslab = len(bps) - 1
+    spans_rest = ((s[:, 1:] <= lo[1:]) & (e[:, 1:] >= hi[1:])).all(axis=1)
+    count = np.bincount(slab, minlength=nslab)
+    empty = np.nonzero(count == 0)[0]
+    if len(empty):
+        return (int(bps[empty[0]]), *(int(x) for x in lo[1:]))
+    covered = np.bincount(slab, weights=spans_rest[box], minlength=nslab) > 0
+    open_slabs = np.nonzero(~covered)[0]
+    if not len(open_slabs):
+        return None
+    order = np.lexsort((box, slab))
+    box, bounds = box[order], np.concatenate([[0], np.cumsum(count)])
     seen = set()
-    for k in range(len(a)):
-        key = np.packbits(active[k]).tobytes()
+    for k in open_slabs.tolist():
+        sel = box[bounds[k] : bounds[k + 1]]
+        key = sel.tobytes()
         if key in seen:
             continue
         seen.add(key)
-        sel = active[k]
-        g = _gap_in(lo[1:], hi[1:], s[sel, 1:], e[sel, 1:])
+        g = _gap_in(lo[1:], hi[1:], s[sel, 1:], e[sel, 1:], label)
         if g is not None:
-            return (int(a[k]), *g)
+            return (int(bps[k]), *g)
     return None

@@ -17,11 +17,13 @@ BATCH_PIECES = 1 << 15
 
 class Batch(NamedTuple):
     """Tensors planned together: global tensor ids `tids`, `pos[tid]` the position of a
-    tensor in the batch, `base[i]` its dim-0 sweep key base, `numel[i]` its element count."""
+    tensor in the batch, `shape[i]` its shape padded in front to the plan's ndim (all zeros
+    for an empty tensor: it has no pieces here and takes no sweep key range), `numel[i]` its
+    element count."""
 
     tids: np.ndarray
     pos: np.ndarray
-    base: np.ndarray
+    shape: np.ndarray
     numel: np.ndarray
 
 
@@ -93,11 +95,9 @@ def batch_of(layout, names, tids, ndim) -> Batch:
     pos = np.zeros(int(tids.max()) + 1, I64)
     pos[tids] = np.arange(len(tids))
     numel = shapes.prod(axis=1)
-    # dim-0 key base per tensor, so one sorted sweep covers every tensor of the batch. An
-    # empty tensor has no pieces here and takes no key range, so the bases stay within the
-    # elements of the batch (below 2**53) however long its dim 0 is.
-    dim0 = np.where(numel > 0, shapes[:, 0], 0)
-    return Batch(tids, pos, np.cumsum(dim0) - dim0, numel)
+    # An empty tensor takes no sweep key range, so the keys of `intersect` stay within the
+    # elements of the batch (below 2**53) however long its dims are.
+    return Batch(tids, pos, np.where(numel[:, None] > 0, shapes, 0), numel)
 
 
 def gather(layout, names, tids, ndim) -> PieceSet:
@@ -147,35 +147,91 @@ def templates(ti, start, box, strides) -> Templates:
     return Templates(order, first, np.diff(np.append(first, len(order))))
 
 
-def intersect(base, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi) -> Overlaps:
+def intersect(shape, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi) -> Overlaps:
     """All pairs (i, j) of boxes a_i, b_j of the same tensor that intersect, with the
-    intersection. Output-sensitive: pairs are enumerated from dim-0 overlaps found by
-    binary search (one box's dim-0 start lies inside the other's range), then filtered.
+    intersection. `shape[t]`: an extent of tensor t holding all its boxes. Output-sensitive:
+    candidate pairs are the pairs whose ranges on one sweep key overlap, found by binary search
+    (one box's key start lies inside the other's range), then filtered. The key is picked per
+    call among one dim or the row-major index over a leading run of dims (see `_sweep_keys`),
+    whichever yields the fewest candidates: dim 0 alone makes every pair of a tensor's column
+    blocks, or of a (1, n) tensor's ZeRO ranges, a candidate (quadratic in pieces).
     The order of the pairs carries no meaning: callers sort what needs an order."""
-    ak0 = base[a_ti] + a_lo[:, 0]
-    ak1 = base[a_ti] + a_hi[:, 0]
-    bk0 = base[b_ti] + b_lo[:, 0]
-    bk1 = base[b_ti] + b_hi[:, 0]
-    ao = np.argsort(ak0, kind="stable")
-    bo = np.argsort(bk0, kind="stable")
-    ak0s, bk0s = ak0[ao], bk0[bo]
-    # a starts inside [b0, b1)
-    x0 = np.searchsorted(ak0s, bk0, "left")
-    x1 = np.searchsorted(ak0s, bk1, "left")
-    oj, k = expand(x1 - x0)
-    pa, pb = ao[x0[oj] + k], oj
-    # b starts strictly inside (a0, a1)
-    y0 = np.searchsorted(bk0s, ak0, "right")
-    y1 = np.searchsorted(bk0s, ak1, "left")
-    oi, k = expand(y1 - y0)
-    pa = np.concatenate([pa, oi])
-    pb = np.concatenate([pb, bo[y0[oi] + k]])
+    best = None
+    for keys in _sweep_keys(shape, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi):
+        cand = _candidates(*keys)
+        if best is None or cand.count < best.count:
+            best = cand
+        if best.count <= 4 * (len(a_ti) + len(b_ti)):
+            break  # about as few as the boxes themselves: no key can do much better
+    pa, pb = best.pairs()
     lo = np.maximum(a_lo[pa], b_lo[pb])
     hi = np.minimum(a_hi[pa], b_hi[pb])
     ok = (hi > lo).all(axis=1)
     if ok.all():
         return Overlaps(pa, pb, lo, hi)
     return Overlaps(pa[ok], pb[ok], lo[ok], hi[ok])
+
+
+def _sweep_keys(shape, a_ti, a_lo, a_hi, b_ti, b_lo, b_hi):
+    """Key ranges [k0, k1) of both box sets for each sweep key, dim 0 first: each dim alone,
+    then the row-major index over dims 0..k (a box's indices there lie between those of its
+    first and last corner, so boxes that intersect have overlapping ranges). Every tensor gets
+    its own key range (a base), so one sweep covers the batch. Ranges are at most a tensor's
+    elements, so keys stay below the batch's elements (2**53)."""
+    shape = np.asarray(shape, I64)
+    D = shape.shape[1]
+    for k in range(D):  # one dim
+        ext = shape[:, k]
+        base = np.cumsum(ext) - ext
+        yield (
+            base[a_ti] + a_lo[:, k],
+            base[a_ti] + a_hi[:, k],
+            base[b_ti] + b_lo[:, k],
+            base[b_ti] + b_hi[:, k],
+        )
+    for k in range(1, D):  # row-major index over dims 0..k
+        ext = shape[:, : k + 1].prod(axis=1)
+        base = np.cumsum(ext) - ext
+        place = np.cumprod(shape[:, k:0:-1], axis=1)[:, ::-1]  # per dim < k: elements/step
+        place = np.concatenate([place, np.ones((len(shape), 1), I64)], axis=1)
+        pa, pb = place[a_ti], place[b_ti]
+        yield (
+            base[a_ti] + (a_lo[:, : k + 1] * pa).sum(axis=1),
+            base[a_ti] + ((a_hi[:, : k + 1] - 1) * pa).sum(axis=1) + 1,
+            base[b_ti] + (b_lo[:, : k + 1] * pb).sum(axis=1),
+            base[b_ti] + ((b_hi[:, : k + 1] - 1) * pb).sum(axis=1) + 1,
+        )
+
+
+class _Candidates(NamedTuple):
+    """Pairs of boxes whose key ranges overlap, as counts per box before expanding: for each
+    b, the a's starting inside [b0, b1) (`ao[x0 : x0 + nx]`); for each a, the b's starting
+    inside (a0, a1) (`bo[y0 : y0 + ny]`). Each overlapping pair is in exactly one of them."""
+
+    count: int
+    ao: np.ndarray
+    x0: np.ndarray
+    nx: np.ndarray
+    bo: np.ndarray
+    y0: np.ndarray
+    ny: np.ndarray
+
+    def pairs(self):
+        oj, k = expand(self.nx)
+        pa, pb = self.ao[self.x0[oj] + k], oj
+        oi, k = expand(self.ny)
+        return np.concatenate([pa, oi]), np.concatenate([pb, self.bo[self.y0[oi] + k]])
+
+
+def _candidates(ak0, ak1, bk0, bk1) -> _Candidates:
+    ao = np.argsort(ak0, kind="stable")
+    bo = np.argsort(bk0, kind="stable")
+    ak0s, bk0s = ak0[ao], bk0[bo]
+    x0 = np.searchsorted(ak0s, bk0, "left")  # a starts inside [b0, b1)
+    nx = np.searchsorted(ak0s, bk1, "left") - x0
+    y0 = np.searchsorted(bk0s, ak0, "right")  # b starts strictly inside (a0, a1)
+    ny = np.searchsorted(bk0s, ak1, "left") - y0
+    return _Candidates(int(nx.sum()) + int(ny.sum()), ao, x0, nx, bo, y0, ny)
 
 
 def source_regions(ti, start, box, direct, numel) -> Regions:
@@ -218,11 +274,10 @@ def disjoint_regions(tensors, r: Regions) -> Regions:
     idx = np.nonzero(bad)[0]
     ti, lo, hi = r.tensor[idx], r.lo[idx], r.hi[idx]
     # earlier boxes of the same tensor that intersect each box, in order (ti is a batch
-    # position: one dim-0 key range per tensor, as in `batch_of`)
-    span = np.zeros(int(ti.max()) + 1 if len(ti) else 0, I64)
-    np.maximum.at(span, ti, hi[:, 0])
-    base = np.cumsum(span) - span
-    ov = intersect(base, ti, lo, hi, ti, lo, hi)
+    # position; each tensor's extent is the furthest its boxes reach)
+    span = np.zeros((int(ti.max()) + 1 if len(ti) else 0, hi.shape[1]), I64)
+    np.maximum.at(span, ti, hi)
+    ov = intersect(span, ti, lo, hi, ti, lo, hi)
     earlier = ov.b < ov.a
     a, b = ov.a[earlier], ov.b[earlier]
     order = np.lexsort((b, a))

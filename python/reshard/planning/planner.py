@@ -232,7 +232,14 @@ def plan(
         )
         if cap is not None:
             budget = min(budget, cap)
-    rounds = cut_rounds(tables.pair_src, tables.pair_dst, tables.pair_numel, index, budget)
+    try:
+        rounds = cut_rounds(tables.pair_src, tables.pair_dst, tables.pair_numel, index, budget)
+    except ValueError as e:
+        if budget == budget_bytes_per_peer:
+            raise
+        raise ValueError(
+            f"{e} (budget_bytes_per_rank={budget_bytes_per_rank} leaves this per-peer budget)"
+        ) from None
     _read_only(index, tables.direct, tables.jobs, rounds)
     return Plan(
         src=src,

@@ -98,7 +98,7 @@ def _rank_batch(plan, tids, s_mine, d_mine):
         first = tpl.order[tpl.first]
         a_lo, t_lo = S.start[a], T.start[first]
         a_hi, t_hi = a_lo + S.shape[a], t_lo + T.shape[first]
-        ov = intersect(b.base, s_ti[a], a_lo, a_hi, d_ti[first], t_lo, t_hi)
+        ov = intersect(b.shape, s_ti[a], a_lo, a_hi, d_ti[first], t_lo, t_hi)
         owner, k = expand(tpl.count[ov.b])
         pj = tpl.order[tpl.first[ov.b[owner]] + k]
         out.append(jobs_of(a[ov.a[owner]], pj, ov.lo[owner], ov.hi[owner], S, T))
@@ -109,7 +109,7 @@ def _rank_batch(plan, tids, s_mine, d_mine):
     if len(r) and len(c):
         c_lo, r_lo = S.start[c], T.start[r]
         c_hi, r_hi = c_lo + S.shape[c], r_lo + T.shape[r]
-        ov = intersect(b.base, s_ti[c], c_lo, c_hi, d_ti[r], r_lo, r_hi)
+        ov = intersect(b.shape, s_ti[c], c_lo, c_hi, d_ti[r], r_lo, r_hi)
         inn.append(jobs_of(c[ov.a], r[ov.b], ov.lo, ov.hi, S, T))
     return out, inn
 

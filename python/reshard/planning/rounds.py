@@ -92,6 +92,7 @@ def cut_rounds(pair_src, pair_dst, pair_numel, index: StorageIndex, budget) -> R
     """Cut each (sender, receiver) stream of storage-pair totals into rounds of at most
     floor16(budget) bytes; every segment starts 16-byte aligned inside its message."""
     groups, local = _groups(pair_src, pair_dst, pair_numel, index)
+    _check_cuts(groups, budget)
     segs, msgs = _cut(groups, budget - budget % ALIGN)
     m = np.array(msgs, I64).reshape(-1, 4)
     send_off, send_arena = _arena_offsets(m, 0)
@@ -130,6 +131,56 @@ def _groups(si, di, numel, index: StorageIndex):
         key=si * len(index.dst_locs) + di,
     )
     return groups, local
+
+
+# Segments beyond one per storage pair, made by cutting pairs' data across rounds, are refused
+# above these many, in all and on one rank (as sender or as receiver): `plan()` cuts every
+# rank's segments, a schedule and every call then work per segment of their rank (a 16 MiB
+# tensor sent at a 16-byte budget is 2**20 segments: 2.5 s to plan, 17 s and 1.5 GB for the
+# sender's schedule), so a budget far below the data is a hang, not a plan. A 140 GB model sent
+# by one rank to another at 1 MiB per round is 2**17 segments.
+MAX_CUTS = 1 << 22
+MAX_RANK_CUTS = 1 << 18
+
+
+def _cuts(g: Groups, cap) -> tuple:
+    """Lower bounds of the segments beyond one per group that `_cut` makes with messages of
+    `cap` bytes (a segment holds at most cap // itemsize elements): in all, and the most of
+    any rank as sender or as receiver."""
+    room = np.maximum(cap - cap % ALIGN, ALIGN) // g.itemsize
+    extra = -(-g.numel // room) - 1
+    total = int(extra.sum())
+    if total <= MAX_RANK_CUTS:
+        return total, total  # no rank can have more (the common case: no sort)
+    by_rank = max(
+        np.bincount(np.unique(g.sender, return_inverse=True)[1], extra).max(),
+        np.bincount(np.unique(g.receiver, return_inverse=True)[1], extra).max(),
+    )
+    return total, int(by_rank)
+
+
+def _fits(g: Groups, cap) -> bool:
+    total, by_rank = _cuts(g, cap)
+    return total <= MAX_CUTS and by_rank <= MAX_RANK_CUTS
+
+
+def _check_cuts(g: Groups, budget):
+    """ValueError when the budget cuts the data into too many segments (MAX_CUTS,
+    MAX_RANK_CUTS), naming the smallest budget that does not."""
+    if not len(g.numel) or _fits(g, budget):
+        return
+    lo, hi = budget, 1 << 62  # no cuts at 2**62: no group holds that many bytes
+    while hi - lo > ALIGN:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _fits(g, mid) else (mid, hi)
+    total, by_rank = _cuts(g, budget)
+    raise ValueError(
+        f"budget_bytes_per_peer={budget} is too small for this plan: it would cut the data of "
+        f"{len(g.numel)} storage pairs into at least {total} more segments ({by_rank} on one "
+        f"rank; the limits are {MAX_CUTS} in all and {MAX_RANK_CUTS} per rank: planning, "
+        f"schedules and calls would take minutes and gigabytes); a per-peer budget of at "
+        f"least {hi - hi % ALIGN} bytes fits"
+    )
 
 
 def _cut(g: Groups, cap):

@@ -129,7 +129,13 @@ class _GlobalPass:
         first = tpl.order[tpl.first]
         t_lo = T.start[first]
         ov = intersect(
-            b.base, regions.tensor, regions.lo, regions.hi, d_ti[first], t_lo, t_lo + T.shape[first]
+            b.shape,
+            regions.tensor,
+            regions.lo,
+            regions.hi,
+            d_ti[first],
+            t_lo,
+            t_lo + T.shape[first],
         )
         self.num_jobs += int(tpl.count[ov.b].sum())
         jobs = _Jobs(ov.a, ov.b, ov.lo, ov.hi)
