@@ -742,8 +742,11 @@ def out_of_step(group) -> str | None:
 def _commit(group, rank, world_size, device, timeout_s) -> None:
     try:
         _all_gather_rows([1], group, world_size, device, timeout_s)
-    except Exception as exc:
-        mark_out_of_step(group, f"a preflight commit failed on rank {rank} ({exc})")
+    except BaseException as exc:  # a KeyboardInterrupt too: the commit is left unmatched
+        what = str(exc) if isinstance(exc, Exception) else repr(exc)
+        mark_out_of_step(group, f"a preflight commit failed on rank {rank} ({what})")
+        if not isinstance(exc, Exception):
+            raise
         raise PreflightError(
             f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
             "nothing was written on this rank. A peer that received every commit "
@@ -912,6 +915,9 @@ class Collected(NamedTuple):
     need_ring: bool
     short: bool
     notes: tuple | list = ()  # the buffer objects' notes (BufferSet.notes)
+    # a KeyboardInterrupt / SystemExit raised here (by a hook, mostly): a reason like any
+    # other, raised again on this rank once every rank has heard of it
+    interrupt: BaseException | None = None
 
 
 def layout_difference(have: Layout, want: Layout) -> str | None:
@@ -1013,8 +1019,11 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     `verified_buffers` the (`_call_key`, need_ring) of the last call that cleared preflight on
     every rank, set by `run`). Nothing here raises: an exception (a list where a dict belongs,
     a schedule that cannot be built, an allocation) is a reason of this rank, so every rank
-    learns of it."""
+    learns of it. A KeyboardInterrupt or SystemExit is a reason too (kept in `interrupt`):
+    raised here, it would leave this rank out of its peers' exchange, and its next call would
+    be paired with the call they are still waiting in."""
     reasons, src_ok, dst_ok, key, need_ring, short, notes = [], {}, {}, None, False, False, []
+    interrupt = None
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
@@ -1056,9 +1065,14 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
             if not reasons:
                 reasons += _placement_checks(ctx, src_ok, dst_ok, key)
                 need_ring = ctx.verified_need_ring
-    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
-        reasons.append(f"{type(exc).__name__}: {exc}")
-    return Collected(reasons, src_ok, dst_ok, key, need_ring, short, notes)
+    except BaseException as exc:  # noqa: BLE001 - collective: every rank must hear of it
+        if isinstance(exc, Exception):
+            reasons.append(f"{type(exc).__name__}: {exc}")
+        else:
+            interrupt = exc
+            said = f": {exc}" if str(exc) else ""
+            reasons.append(f"{type(exc).__name__} on this rank during its preflight{said}")
+    return Collected(reasons, src_ok, dst_ok, key, need_ring, short, notes, interrupt)
 
 
 def _placement_checks(ctx, src_ok, dst_ok, key=None) -> list[str]:
@@ -1148,9 +1162,13 @@ def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
         )
     except PreflightError:
         raise
-    except Exception as exc:  # the exchange itself failed: a peer died or timed out
+    except BaseException as exc:  # the exchange itself failed (a peer died or timed out), or
+        # was interrupted part-way: either way this rank left collectives unmatched
         ctx.gather_rows = None  # its tensors may still be in use: fresh ones next time
-        mark_out_of_step(ctx.group, f"a preflight exchange failed on rank {ctx.rank} ({exc})")
+        what = str(exc) if isinstance(exc, Exception) else repr(exc)
+        mark_out_of_step(ctx.group, f"a preflight exchange failed on rank {ctx.rank} ({what})")
+        if not isinstance(exc, Exception):
+            raise
         raise PreflightError(
             f"preflight exchange failed on rank {ctx.rank} ({type(exc).__name__}: {exc}); "
             f"nothing was written on this rank; {REBUILD}",
@@ -1191,7 +1209,12 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
     t1 = time.perf_counter()
-    _exchange(ctx, reasons, fingerprint, timeout_s, got.notes)
+    try:
+        _exchange(ctx, reasons, fingerprint, timeout_s, got.notes)
+    except PreflightError:
+        if got.interrupt is not None:  # every rank has heard of it: stop as it asked
+            raise got.interrupt  # noqa: B904 - its context is the PreflightError
+        raise
     t2 = time.perf_counter()
     # cleared on every rank: the rounds run with these buffers, so the next call whose
     # buffers read the same may skip their checks and what the rounds derive from them. On
