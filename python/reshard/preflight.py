@@ -830,7 +830,8 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=()):
                 f"plan fingerprint {all_fps[r]} differs from rank {ref_rank}'s {all_fps[ref_rank]} "
                 "(the ranks planned different transfers)"
             )
-        if fp_bad and payload[r][2]:  # why this rank's layout may differ from its peers'
+        # why this rank's layout may differ from its peers' (or why it could not plan)
+        if payload[r][2] and (fp_bad or all_fps[r] == UNAVAILABLE):
             rs.append("its described state: " + "; ".join(payload[r][2]))
         if rs:
             failures[r] = rs
@@ -1176,12 +1177,12 @@ def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
         ) from exc
 
 
-def refuse(ctx, reasons, timeout) -> None:
+def refuse(ctx, reasons, timeout, notes=()) -> None:
     """This rank's side of a call it cannot make (it failed to get its buffers ready, for
     `reasons`) while its peers make it: it joins their preflight exchange with those reasons,
     so every rank raises the same PreflightError and nothing is written anywhere. `ctx.plan`
-    may be None (this rank could not plan): its fingerprint is then not compared. Raises
-    always."""
+    may be None (this rank could not plan): its fingerprint is then not compared, and its
+    `notes` (how its state shaped its layout) are listed. Raises always."""
     _refuse_out_of_step(ctx)
     reasons = [str(r) for r in reasons] or ["the call was refused on this rank"]
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
@@ -1189,7 +1190,7 @@ def refuse(ctx, reasons, timeout) -> None:
         fingerprint = UNAVAILABLE
     else:
         fingerprint = ctx.plan.fingerprint
-    _exchange(ctx, reasons, fingerprint, timeout_s)
+    _exchange(ctx, reasons, fingerprint, timeout_s, notes)
     raise AssertionError("agree() returned with reasons")  # unreachable: it raises
 
 
