@@ -58,10 +58,12 @@ def _good_call(rank, world):
     return S.mismatches(db, dst.fill(values, rank))
 
 
-def _build(src, dst):
-    """rs.Transfer, or Transfer.refusing with the error its construction raised here."""
+def _build(src_layout, dst_layout, **kw):
+    """(rs.Transfer, None), or Transfer.refusing with the error its construction raised
+    here (and that error's text): what a caller does where layouts come from each rank's
+    own state."""
     try:
-        return rs.Transfer(src.layout(), dst.layout(), 64, timeout=TIMEOUT), None
+        return rs.Transfer(src_layout, dst_layout, timeout=TIMEOUT, **kw), None
     except rs.LayoutError as exc:
         return rs.Transfer.refusing(exc, timeout=TIMEOUT), str(exc)
 
@@ -73,7 +75,7 @@ def w_plan_fails(rank, world, bad_ranks):
     name = sorted(S.model_shapes())[0]
     bad = rank in bad_ranks
     src, dst, values = _sides(world, drop=name if bad else None)
-    sync, built = _build(src, dst)
+    sync, built = _build(src.layout(), dst.layout(), budget_bytes_per_peer=64)
     notes = [f"{name!r} left out: no optimizer state for it on this rank"] if bad else []
     outcomes = []
     for _ in range(2):  # a refusing Transfer refuses every call, with its peers
@@ -186,3 +188,44 @@ def w_source_as_target(rank, world):
         kind, msg, _, _ = _outcome(lambda sync=sync, sb=sb, db=db: sync(sb, db), db)
         out.append((kind, msg, S.mismatches(sb, before)))
     return out
+
+
+def w_fsdp_state_lost(rank, world):
+    """Real FSDP2: rank 1's optimizer lost fc2.weight's state, so its exp_avg layout leaves
+    fc2.weight out, and a target built before (naming it) cannot be planned there. With
+    Transfer.refusing every rank raises the same PreflightError (rank 1's LayoutError and its
+    notes), the poisoned targets stay NaN; with the state back, the same target is the
+    reference. Returns (construction errors, the refusal, what the good sync gets wrong)."""
+    import pathlib
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    sys.path[:0] = [str(here.parent / "fsdp"), str(here.parent / "deepspeed")]
+    from _dsutil import replicated_targets
+    from _fsdputil import full_moments, make_fsdp, train
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from reshard.integrations import fsdp as rsfsdp
+
+    net, opt = make_fsdp(init_device_mesh("cpu", (world,)), seed=3)
+    train(net, opt, 1, seed=3, rank=rank)
+    # the target, built while every rank held every moment (as a rollout's would be)
+    target, bufs = replicated_targets(rsfsdp.describe(net, "exp_avg", opt), list(range(world)))
+    saved = dict(opt.state[net.fc2.weight])
+    if rank == 1:
+        del opt.state[net.fc2.weight]
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    sync, built = _build(live.layout, target)
+    kind, msg, secs, _ = _outcome(lambda: sync(live, bufs), bufs)
+    poisoned = all(bool(b.isnan().all()) for b in bufs.values())
+    opt.state[net.fc2.weight] = saved
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    rs.Transfer(live.layout, target, timeout=TIMEOUT)(live, bufs)
+    want = full_moments(net, opt, "exp_avg")
+    wrong = [
+        f"{name}: differs at location {loc}"
+        for i, name in enumerate(sorted(target.tensors))
+        for j in range(world)
+        if (loc := i * world + j) in bufs and not torch.equal(bufs[loc], want[name].flatten())
+    ]
+    return built, (kind, msg, secs, poisoned), wrong

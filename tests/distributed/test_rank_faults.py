@@ -104,3 +104,17 @@ def test_sources_passed_as_targets_are_refused_and_never_written(tmp_path):
         assert remote[0] == "PreflightError" and "sources are never written" in remote[1], remote
         assert local[2] == [] and remote[2] == [], (local[2], remote[2])
     assert res[0][0][1] == res[1][0][1] and res[0][1][1] == res[1][1][1]
+
+
+def test_fsdp2_state_lost_on_one_rank_refuses_on_every_rank(tmp_path):
+    res = run_ranks(W.w_fsdp_state_lost, 2, tmp_path, timeout=300)
+    (built0, refusal0, wrong0), (built1, refusal1, wrong1) = res
+    assert built0 is None and "target tensor 'fc2.weight' has no source" in built1, res
+    assert refusal0[0] == refusal1[0] == "PreflightError" and refusal0[1] == refusal1[1], res
+    msg = refusal0[1]
+    assert "preflight failed on 1 of 2 ranks (1)" in msg, msg
+    assert "rank 1: LayoutError: target tensor 'fc2.weight' has no source" in msg, msg
+    assert "rank 1: its described state: " in msg and "left out" in msg, msg
+    assert refusal0[2] < PROMPT_S and refusal1[2] < PROMPT_S, (refusal0, refusal1)
+    assert refusal0[3] and refusal1[3], "a refused sync wrote a target"
+    assert wrong0 == [] and wrong1 == [], (wrong0, wrong1)
