@@ -769,7 +769,8 @@ def agree(
     """One all-gather of (ok, fingerprint, entry time); raise the same PreflightError on every
     rank if any rank failed or the fingerprints differ (`notes`: what shaped this rank's
     layout, named in the error when its plan differs). When the ranks' entries were far apart
-    (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written.
+    (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written; when a
+    rank's wait had run out before the last rank entered, every rank raises at once.
     world_size 1 and no group: purely local. timeout_s bounds every wait on CPU (gloo) tensors;
     NCCL relies on the group's timeout. gather: a `GatherRows` of this group for the first
     all-gather (else one with fresh tensors). A failed wait raises the collective's own error
@@ -783,6 +784,7 @@ def agree(
         rows = gather(mine, timeout_s)
     else:
         rows = _all_gather_rows(mine, group, world_size, device, timeout_s)
+    _refuse_if_given_up(rows, group)
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
     # rank out is the one named. A rank without a plan (UNAVAILABLE: it already has a reason)
     # is neither the reference nor named for it.
@@ -807,6 +809,27 @@ def agree(
         (group, world_size, device, timeout_s),
         notes,
     )
+
+
+def _refuse_if_given_up(rows, group) -> None:
+    """Raise PreflightError, with the group marked out of step, when the rows show that a
+    rank's wait ran out before the last rank entered: that rank gave up on this call (its
+    all-gather completed here from what it had sent), so neither a commit nor the reasons'
+    gather could ever complete; waiting for them would only cost this rank its own timeout.
+    Every rank that has the rows decides alike (a skewed clock can only make them all refuse a
+    call that could have run)."""
+    last = max(range(len(rows)), key=lambda r: rows[r][3])
+    gone = [r for r, row in enumerate(rows) if rows[last][3] - row[3] > row[4]]
+    if not gone:
+        return
+    first = gone[0]
+    what = (
+        f"rank {last} entered the preflight exchange {(rows[last][3] - rows[first][3]) / 1e6:.3g}"
+        f" s after rank {first}, whose wait of {rows[first][4] / 1e6:g} s had run out: "
+        f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} gave up on this call"
+    )
+    mark_out_of_step(group, what)
+    raise PreflightError(f"{what}; nothing was written; {REBUILD}", {last: [what]})
 
 
 def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=()):

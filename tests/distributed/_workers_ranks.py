@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import _faults as F
 import _scenarios as S
 import torch
 
@@ -229,3 +230,23 @@ def w_fsdp_state_lost(rank, world):
         if (loc := i * world + j) in bufs and not torch.equal(bufs[loc], want[name].flatten())
     ]
     return built, (kind, msg, secs, poisoned), wrong
+
+
+def w_late_with_a_longer_timeout(rank, world, marker_dir):
+    """The last rank, whose timeout is long, enters only after its peers' short waits ran out:
+    it must refuse at once (its peers gave up: no commit can come), not wait out its own
+    timeout. (outcome, seconds of the late rank's call, whether a target changed)."""
+    src, dst, values = _sides(world)
+    plan = rs.plan(src.layout(), dst.layout(), budget_bytes_per_peer=64)
+    timeout = TIMEOUT if rank == world - 1 else 2.0
+    db = dst.empty(rank)
+    before = {k: v.clone() for k, v in db.items()}
+    sb = S.source_buffers(src, values, rank)
+    t0 = []
+
+    def call():
+        t0.append(time.monotonic())
+        rs.execute(plan, sb, db, timeout=timeout)
+
+    outcome = F.arrive_late(rank, world, marker_dir, call)
+    return outcome, time.monotonic() - t0[0], bool(S.mismatches(db, before))

@@ -5,6 +5,8 @@ waiting out the timeout), nothing is written, and the group stays usable where i
 - planning that fails on one rank (its layout differs from its peers'): `rs.Transfer(...)`
   raises LayoutError there; `rs.Transfer.refusing(exc)` joins the peers' call with it. A bad
   layout every rank shares still raises LayoutError at construction on every rank;
+- a rank that enters after its peers' waits ran out, with a longer timeout of its own: it
+  refuses at once instead of waiting out its timeout for a commit that cannot come;
 - a KeyboardInterrupt / SystemExit in one rank's readiness hook or `checks=`: a reason like any
   other (raised again on that rank after the exchange); the next call is correct;
 - an interrupt in the middle of the exchange: that rank's group is marked out of step, so its
@@ -118,3 +120,15 @@ def test_fsdp2_state_lost_on_one_rank_refuses_on_every_rank(tmp_path):
     assert refusal0[2] < PROMPT_S and refusal1[2] < PROMPT_S, (refusal0, refusal1)
     assert refusal0[3] and refusal1[3], "a refused sync wrote a target"
     assert wrong0 == [] and wrong1 == [], (wrong0, wrong1)
+
+
+def test_a_late_rank_with_a_longer_timeout_refuses_at_once(tmp_path):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    res = run_ranks(W.w_late_with_a_longer_timeout, 2, tmp_path, args=(str(markers),), timeout=300)
+    (early, _, touched0), (late, secs, touched1) = res
+    assert early[0] == "PreflightError" and "exchange failed" in early[1], early
+    assert late[0] == "PreflightError" and "rank 0 gave up on this call" in late[1], late
+    assert "nothing was written" in late[1] and "rebuild it" in late[1], late
+    assert secs < PROMPT_S, f"the late rank waited {secs:.1f} s (its timeout: {W.TIMEOUT} s)"
+    assert not touched0 and not touched1
