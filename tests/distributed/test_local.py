@@ -134,6 +134,27 @@ def test_a_refusing_transfer_refuses_every_call_and_writes_nothing():
         rs.Transfer.refusing("x", timeout=0)
 
 
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_a_hook_is_raised_after_the_preflight(interrupt):
+    _, values, src, dst = _one_rank_case()
+    sync = rs.Transfer(src.layout(), dst.layout())
+
+    def hook():
+        raise interrupt("stop")
+
+    db = dst.empty(0)
+    with pytest.raises(interrupt, match="stop") as caught:
+        sync(S.source_buffers(src, values, 0), db, checks=(hook,))
+    refusal = caught.value.__context__
+    assert isinstance(refusal, rs.PreflightError), refusal
+    assert refusal.failures == {
+        0: [f"{interrupt.__name__} on this rank during its preflight: stop"]
+    }
+    assert not S.mismatches(db, dst.empty(0))
+    sync(S.source_buffers(src, values, 0), db)  # the next call runs normally
+    assert not S.mismatches(db, dst.fill(values, 0))
+
+
 def test_group_too_small_for_the_layout():
     shapes = {"w": (5, 3)}
     src = S.Zero3(shapes, [0, 1])
