@@ -250,3 +250,30 @@ def w_late_with_a_longer_timeout(rank, world, marker_dir):
 
     outcome = F.arrive_late(rank, world, marker_dir, call)
     return outcome, time.monotonic() - t0[0], bool(S.mismatches(db, before))
+
+
+class _State:
+    """A buffers object that says which state it holds, as a DeepSpeed LiveState's `kind`."""
+
+    def __init__(self, buffers, kind):
+        self.buffers, self.kind = buffers, kind
+
+
+def w_calls_out_of_order(rank, world):
+    """Two Transfers of one plan (the same layouts: exp_avg and exp_avg_sq of one model) move
+    two states; rank 1 skips the first. Its exp_avg_sq call pairs with rank 0's exp_avg call:
+    both must refuse, naming the kinds, instead of swapping the states. Then the calls pair
+    up again. Per call: (outcome, message, what the targets got wrong or touched)."""
+    src, dst, _ = _sides(world)
+    states = {"exp_avg": S.model_values(S.model_shapes(), seed=1)}
+    states["exp_avg_sq"] = S.model_values(S.model_shapes(), seed=2)
+    syncs = {k: rs.Transfer(src.layout(), dst.layout(), 64, timeout=TIMEOUT) for k in states}
+    order = ["exp_avg", "exp_avg_sq"] if rank == 0 else ["exp_avg_sq", "exp_avg_sq"]
+    out = []
+    for kind in order:
+        db = dst.empty(rank)
+        sb = _State(S.source_buffers(src, states[kind], rank), kind)
+        got, msg, _, touched = _outcome(lambda k=kind, sb=sb, db=db: syncs[k](sb, db), db)
+        wrong = S.mismatches(db, dst.fill(states[kind], rank)) if got == "ok" else touched
+        out.append((got, msg, wrong))
+    return out

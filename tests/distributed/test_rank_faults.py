@@ -132,3 +132,12 @@ def test_a_late_rank_with_a_longer_timeout_refuses_at_once(tmp_path):
     assert "nothing was written" in late[1] and "rebuild it" in late[1], late
     assert secs < PROMPT_S, f"the late rank waited {secs:.1f} s (its timeout: {W.TIMEOUT} s)"
     assert not touched0 and not touched1
+
+
+def test_calls_of_one_plan_moving_different_states_do_not_pair_up(tmp_path):
+    res = run_ranks(W.w_calls_out_of_order, 2, tmp_path, timeout=240)
+    (avg0, sq0), (sq1, again1) = res
+    assert avg0[0] == sq1[0] == "PreflightError" and avg0[1] == sq1[1], (avg0, sq1)
+    assert "its source buffers hold 'exp_avg_sq' state, rank 0's hold 'exp_avg'" in avg0[1]
+    assert not avg0[2] and not sq1[2], "a refused call wrote its targets"
+    assert sq0[0] == again1[0] == "ok" and sq0[2] == again1[2] == [], (sq0, again1)
