@@ -775,9 +775,10 @@ def agree(
     """One all-gather of (ok, fingerprint, entry time, kinds); raise the same PreflightError on
     every rank if any rank failed, the fingerprints differ (`notes`: what shaped this rank's
     layout, named in the error when its plan differs) or the buffers' kinds (source, target:
-    `BufferSet.kind`, None for none) differ among the ranks that have one. When the ranks' entries were far apart
-    (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written; when a
-    rank's wait had run out before the last rank entered, every rank raises at once.
+    `BufferSet.kind`, None for none) differ among the ranks that have one. When the ranks'
+    entries were far apart (`COMMIT_SPREAD`), a second tiny all-gather commits before anything
+    is written; when a rank's wait had run out before the last rank entered, every rank raises
+    at once.
     world_size 1 and no group: purely local. timeout_s bounds every wait on CPU (gloo) tensors;
     NCCL relies on the group's timeout. gather: a `GatherRows` of this group for the first
     all-gather (else one with fresh tensors). A failed wait raises the collective's own error
