@@ -23,7 +23,9 @@ pinned ring by the stage_h2d/stage_d2h ops, docs/cuda.md), and "local"
 Failure model: every failure before the first write (argument types and the timeout
 included) is a collective `PreflightError` with nothing written, except what leaves this rank
 no group to agree over (a `group` that is not a usable process group, a missing
-init_process_group under a launcher): raised on this rank before any collective; when the ranks reached the
+init_process_group under a launcher): raised on this rank before any collective (a plan that
+fails on one rank raises LayoutError there: `Transfer.refusing` lets that rank join its
+peers' preflight instead); when the ranks reached the
 agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
 (docs/executor.md states the windows left). Any failure after the agreement is a
 `TransferError`: targets may be partially written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
@@ -744,6 +746,37 @@ class Transfer:
         self._make_staging = staging
         return self
 
+    @classmethod
+    def refusing(cls, error, group=None, *, timeout=DEFAULT_TIMEOUT_S) -> Transfer:
+        """A Transfer for a rank that could not build its own: every call (collective, as
+        any call) joins its peers' call with `error` as this rank's reason, so every rank
+        raises the same PreflightError naming this rank, and nothing is written anywhere.
+
+            try:
+                sync = rs.Transfer(live.layout, dst_layout, group=g)
+            except rs.LayoutError as exc:  # this rank's layout may differ from its peers'
+                sync = rs.Transfer.refusing(exc, group=g)
+            sync(live, dst_buffers)         # every rank: PreflightError naming this rank
+
+        error: the exception construction raised, a reason, or a list of reasons. It has no
+        plan (`.plan` is None): its fingerprint is not compared with its peers', and the
+        `notes` of the buffer objects a call passes are listed under its reasons."""
+        if isinstance(error, BaseException):
+            reasons = [f"{type(error).__name__}: {error}"]
+        elif isinstance(error, str):
+            reasons = [error]
+        elif isinstance(error, (list, tuple)) and all(isinstance(r, str) for r in error):
+            reasons = list(error)
+        else:
+            raise TypeError(
+                "Transfer.refusing(error): expected the exception this rank's Transfer(...) "
+                f"raised, a reason or a list of reasons, got {type(error).__name__}"
+            )
+        self = cls.__new__(cls)
+        self._setup(None, 0.0, group, timeout, False, False)
+        self._refusal = reasons or ["this rank could not build its Transfer"]
+        return self
+
     def _setup(
         self, plan, plan_seconds, group, timeout, register_host_sources, register_host_targets
     ):
@@ -767,6 +800,7 @@ class Transfer:
         self._make_staging = None
         self._lock = _CallLock()
         self._registered_key = None  # preflight's key of the buffers the registries last saw
+        self._refusal = None  # Transfer.refusing: the reasons every call refuses with
 
     @property
     def engine_allocations(self) -> int:
@@ -777,6 +811,8 @@ class Transfer:
     def __call__(self, src_buffers, dst_buffers, *, checks=()) -> Report:
         """One sync (collective over the group). Calls never interleave: a call made while
         another runs on the same group (or, without a group, on this Transfer) waits for it."""
+        if self._refusal is not None:
+            self._refuse(self._refusal, _notes(src_buffers, dst_buffers))
         resolved = resolve_group(self.group)
         with _holding(_call_lock(resolved[0], self._lock), "a Transfer call", self.timeout):
             return self._call(resolved, src_buffers, dst_buffers, checks)
@@ -785,13 +821,16 @@ class Transfer:
         """This rank's side of a call its peers make on this Transfer when it cannot make
         it (it failed to get its buffers ready): every rank raises the same PreflightError
         naming this rank and `reasons`; nothing is written. Collective; always raises."""
+        self._refuse([*(self._refusal or ()), *map(str, reasons)], ())
+
+    def _refuse(self, reasons, notes) -> None:
         resolved = resolve_group(self.group)
         with _holding(_call_lock(resolved[0], self._lock), "a Transfer call", self.timeout):
             group, rank, world, transport = resolved
             e = self._engine
             if e is None or e.broken or (e.group, e.rank, e.world_size) != resolved[:3]:
                 e = _Engine(self.plan, group, rank, world, transport, self._make_staging)
-            pf.refuse(e, reasons, self.timeout)
+            pf.refuse(e, reasons, self.timeout, notes)
 
     def _call(self, resolved, src_buffers, dst_buffers, checks) -> Report:
         e = self._engine
@@ -858,6 +897,18 @@ class Transfer:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def _notes(*buffer_sets) -> list:
+    """The `notes` of buffer objects (an integration's describe() result: how this rank's
+    state shaped its layout); none for mappings or objects that cannot be read."""
+    notes = []
+    for obj in buffer_sets:
+        try:
+            notes += pf.as_buffer_set(obj, "").notes
+        except Exception:  # noqa: BLE001, S112 - a refusal needs no notes
+            continue
+    return notes
 
 
 def _register(registry, buffers: dict, unchanged: bool):

@@ -4,10 +4,10 @@ Nothing is written unless every rank of the group agrees. Local checks (this ran
 ownership and presence of locations, dtype and extent against each `Storage`, 1-D contiguous,
 device vs transport, target writes that alias a source buffer or another target's writes,
 readiness hooks, staging allocation. Then every rank contributes (ok, plan fingerprint, the
-time it entered) to one small all-gather; only when someone failed (or the fingerprints differ)
-a second all-gather carries the reasons, and every rank raises the same `PreflightError`; only
-when the ranks entered far apart (a peer may have given up waiting) a commit all-gather follows
-before anything is written.
+time it entered, its buffer objects' kinds) to one small all-gather; only when someone failed
+(or the fingerprints or kinds differ) a second all-gather carries the reasons, and every rank
+raises the same `PreflightError`; only when the ranks entered far apart (a peer may have given
+up waiting) a commit all-gather follows before anything is written.
 
 What cannot change between calls is checked once per Transfer (the schedule against what the
 kernels accept). Every call reads, for each buffer, everything the per-buffer checks depend on
@@ -63,6 +63,9 @@ class BufferSet:
     layout: Layout | None = None
     source: str = ""
     notes: list = field(default_factory=list)  # how this rank's state shaped its layout
+    # which state the buffers are (a DeepSpeed LiveState's "exp_avg"): two calls of one plan
+    # moving different states must not pair up across ranks
+    kind: str | None = None
 
 
 def as_buffer_set(obj, side: str, hooks: list | None = None) -> BufferSet:
@@ -84,7 +87,9 @@ def as_buffer_set(obj, side: str, hooks: list | None = None) -> BufferSet:
             hooks = readiness_hooks(obj, side)
         notes = getattr(obj, "notes", None)
         notes = [str(n) for n in notes[:8]] if isinstance(notes, (list, tuple)) else []
-        return BufferSet(dict(buffers), hooks, layout, type(obj).__name__, notes)
+        kind = getattr(obj, "kind", None)
+        kind = kind if isinstance(kind, str) else None
+        return BufferSet(dict(buffers), hooks, layout, type(obj).__name__, notes, kind)
     raise TypeError(
         f"{side}_buffers must be a mapping {{location: tensor}} or an object with a `.buffers` "
         f"mapping, got {type(obj).__name__}"
@@ -676,8 +681,8 @@ class GatherRows:
 
 
 # (ok, two words of the fingerprint's hash, the wall-clock microsecond this rank entered, its
-# timeout in microseconds)
-ROW = 5
+# timeout in microseconds, a word of the source and of the target buffers' kind: 0 for none)
+ROW = 7
 
 
 def _all_gather_bytes(payload: bytes, group, world_size, device, timeout_s) -> list[bytes]:
@@ -742,8 +747,11 @@ def out_of_step(group) -> str | None:
 def _commit(group, rank, world_size, device, timeout_s) -> None:
     try:
         _all_gather_rows([1], group, world_size, device, timeout_s)
-    except Exception as exc:
-        mark_out_of_step(group, f"a preflight commit failed on rank {rank} ({exc})")
+    except BaseException as exc:  # a KeyboardInterrupt too: the commit is left unmatched
+        what = str(exc) if isinstance(exc, Exception) else repr(exc)
+        mark_out_of_step(group, f"a preflight commit failed on rank {rank} ({what})")
+        if not isinstance(exc, Exception):
+            raise
         raise PreflightError(
             f"preflight commit failed on rank {rank} ({type(exc).__name__}: {exc}); "
             "nothing was written on this rank. A peer that received every commit "
@@ -762,11 +770,15 @@ def agree(
     timeout_s=None,
     gather=None,
     notes=(),
+    kinds=(None, None),
 ) -> None:
-    """One all-gather of (ok, fingerprint, entry time); raise the same PreflightError on every
-    rank if any rank failed or the fingerprints differ (`notes`: what shaped this rank's
-    layout, named in the error when its plan differs). When the ranks' entries were far apart
-    (`COMMIT_SPREAD`), a second tiny all-gather commits before anything is written.
+    """One all-gather of (ok, fingerprint, entry time, kinds); raise the same PreflightError on
+    every rank if any rank failed, the fingerprints differ (`notes`: what shaped this rank's
+    layout, named in the error when its plan differs) or the buffers' kinds (source, target:
+    `BufferSet.kind`, None for none) differ among the ranks that have one. When the ranks'
+    entries were far apart (`COMMIT_SPREAD`), a second tiny all-gather commits before anything
+    is written; when a rank's wait had run out before the last rank entered, every rank raises
+    at once.
     world_size 1 and no group: purely local. timeout_s bounds every wait on CPU (gloo) tensors;
     NCCL relies on the group's timeout. gather: a `GatherRows` of this group for the first
     all-gather (else one with fresh tensors). A failed wait raises the collective's own error
@@ -774,21 +786,28 @@ def agree(
     timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     words = fingerprint_words(fingerprint)
     mine = [0 if reasons else 1, *words, time.time_ns() // 1000, int(timeout_s * 1e6)]
+    mine += [_kind_word(k) for k in kinds]
     if world_size == 1:
         rows = [mine]
     elif gather is not None:
         rows = gather(mine, timeout_s)
     else:
         rows = _all_gather_rows(mine, group, world_size, device, timeout_s)
+    _refuse_if_given_up(rows, group)
     # The reference fingerprint is the most common one (ties: the lowest rank's), so the odd
     # rank out is the one named. A rank without a plan (UNAVAILABLE: it already has a reason)
     # is neither the reference nor named for it.
     fps = [tuple(row[1:3]) for row in rows]
-    none = fingerprint_words(UNAVAILABLE)
-    known = [f for f in fps if f != none] or fps
-    ref_fp = max(known, key=lambda f: (fps.count(f), -fps.index(f)))
-    fp_bad = [r for r, f in enumerate(fps) if f != ref_fp and f != none]
-    if all(row[0] for row in rows) and not fp_bad:
+    ref_fp, fp_bad = _odd_ones(fps, fingerprint_words(UNAVAILABLE))
+    # Two calls of one plan that move different states (exp_avg on one rank, exp_avg_sq on
+    # another: the same layout, so the same fingerprint) paired up: the ranks called in
+    # different orders. Ranks that name no kind (a plain dict) are not compared.
+    kind_bad = {}
+    for side, col in (("source", ROW - 2), ("target", ROW - 1)):
+        ref_kind, bad = _odd_ones([row[col] for row in rows], 0)
+        if bad:
+            kind_bad[side] = ([row[col] for row in rows].index(ref_kind), bad)
+    if all(row[0] for row in rows) and not fp_bad and not kind_bad:
         # from the smallest timeout of any rank, so that ranks given different timeouts
         # still take the same branch
         shortest = min(row[4] for row in rows) / 1e6
@@ -803,17 +822,56 @@ def agree(
         fps.index(ref_fp),
         (group, world_size, device, timeout_s),
         notes,
+        (kinds, kind_bad),
     )
 
 
-def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=()):
-    """Gather every rank's reasons, fingerprint text and notes; raise the one PreflightError.
-    over: (group, world size, device, timeout_s) of the gather."""
+def _kind_word(kind) -> int:
+    """A nonzero int64 standing for a buffers' kind; 0 for none."""
+    return 0 if kind is None else (_hash_words("kind " + kind)[0] or 1)
+
+
+def _odd_ones(values: list, none) -> tuple:
+    """(the reference value, the ranks whose value differs from it). The reference is the most
+    common value (ties: the lowest rank's), so the odd rank out is the one named; ranks whose
+    value is `none` (no plan, no kind) are neither the reference nor named."""
+    known = [v for v in values if v != none] or values
+    ref = max(known, key=lambda v: (values.count(v), -values.index(v)))
+    return ref, [r for r, v in enumerate(values) if v != ref and v != none]
+
+
+def _refuse_if_given_up(rows, group) -> None:
+    """Raise PreflightError, with the group marked out of step, when the rows show that a
+    rank's wait ran out before the last rank entered: that rank gave up on this call (its
+    all-gather completed here from what it had sent), so neither a commit nor the reasons'
+    gather could ever complete; waiting for them would only cost this rank its own timeout.
+    Every rank that has the rows decides alike (a skewed clock can only make them all refuse a
+    call that could have run)."""
+    last = max(range(len(rows)), key=lambda r: rows[r][3])
+    gone = [r for r, row in enumerate(rows) if rows[last][3] - row[3] > row[4]]
+    if not gone:
+        return
+    first = gone[0]
+    what = (
+        f"rank {last} entered the preflight exchange {(rows[last][3] - rows[first][3]) / 1e6:.3g}"
+        f" s after rank {first}, whose wait of {rows[first][4] / 1e6:g} s had run out: "
+        f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} gave up on this call"
+    )
+    mark_out_of_step(group, what)
+    raise PreflightError(f"{what}; nothing was written; {REBUILD}", {last: [what]})
+
+
+def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=(), kinds=((), {})):
+    """Gather every rank's reasons, fingerprint text, notes and kinds; raise the one
+    PreflightError. over: (group, world size, device, timeout_s) of the gather. kinds: (this
+    rank's (source, target) kinds, {side: (reference rank, ranks whose kind differs)})."""
     group, world_size, device, timeout_s = over
+    mine, kind_bad = kinds
+    mine = [list(map(str, reasons)), str(fingerprint), list(notes), list(mine)]
     if world_size == 1:
-        payload = [[list(map(str, reasons)), str(fingerprint), list(notes)]]
+        payload = [mine]
     else:
-        blob = json.dumps([list(map(str, reasons)), str(fingerprint), list(notes)]).encode()
+        blob = json.dumps(mine).encode()
         payload = [
             json.loads(b) for b in _all_gather_bytes(blob, group, world_size, device, timeout_s)
         ]
@@ -827,8 +885,17 @@ def _raise_failures(reasons, fingerprint, fp_bad, ref_rank, over, notes=()):
                 f"plan fingerprint {all_fps[r]} differs from rank {ref_rank}'s {all_fps[ref_rank]} "
                 "(the ranks planned different transfers)"
             )
-        if fp_bad and payload[r][2]:  # why this rank's layout may differ from its peers'
+        # why this rank's layout may differ from its peers' (or why it could not plan)
+        if payload[r][2] and (fp_bad or all_fps[r] == UNAVAILABLE):
             rs.append("its described state: " + "; ".join(payload[r][2]))
+        for side, (ref, bad) in kind_bad.items():
+            if r in bad:
+                col = ("source", "target").index(side)
+                rs.append(
+                    f"its {side} buffers hold {payload[r][3][col]!r} state, rank {ref}'s hold "
+                    f"{payload[ref][3][col]!r}: the ranks paired two different calls (call in "
+                    "the same order on every rank)"
+                )
         if rs:
             failures[r] = rs
     lines = [f"  rank {r}: {reason}" for r, rs in sorted(failures.items()) for reason in rs]
@@ -912,6 +979,10 @@ class Collected(NamedTuple):
     need_ring: bool
     short: bool
     notes: tuple | list = ()  # the buffer objects' notes (BufferSet.notes)
+    # a KeyboardInterrupt / SystemExit raised here (by a hook, mostly): a reason like any
+    # other, raised again on this rank once every rank has heard of it
+    interrupt: BaseException | None = None
+    kinds: tuple = (None, None)  # the source and target buffer sets' kinds (BufferSet.kind)
 
 
 def layout_difference(have: Layout, want: Layout) -> str | None:
@@ -1013,8 +1084,11 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
     `verified_buffers` the (`_call_key`, need_ring) of the last call that cleared preflight on
     every rank, set by `run`). Nothing here raises: an exception (a list where a dict belongs,
     a schedule that cannot be built, an allocation) is a reason of this rank, so every rank
-    learns of it."""
+    learns of it. A KeyboardInterrupt or SystemExit is a reason too (kept in `interrupt`):
+    raised here, it would leave this rank out of its peers' exchange, and its next call would
+    be paired with the call they are still waiting in."""
     reasons, src_ok, dst_ok, key, need_ring, short, notes = [], {}, {}, None, False, False, []
+    interrupt, kinds = None, (None, None)
     bad_timeout = timeout_error(timeout)
     if bad_timeout:
         reasons.append(f"{type(bad_timeout).__name__}: {bad_timeout}")
@@ -1034,7 +1108,7 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
         reasons += hook_reasons([*src_hooks, *dst_hooks, *checks])
         src = as_buffer_set(src_buffers, "src", src_hooks)
         dst = as_buffer_set(dst_buffers, "dst", dst_hooks)
-        notes = [*src.notes, *dst.notes]
+        notes, kinds = [*src.notes, *dst.notes], (src.kind, dst.kind)
         reasons += layout_reasons(
             ctx, {"source": (src, ctx.plan.src), "target": (dst, ctx.plan.dst)}
         )
@@ -1056,9 +1130,14 @@ def collect(ctx, src_buffers, dst_buffers, checks, timeout) -> Collected:
             if not reasons:
                 reasons += _placement_checks(ctx, src_ok, dst_ok, key)
                 need_ring = ctx.verified_need_ring
-    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it
-        reasons.append(f"{type(exc).__name__}: {exc}")
-    return Collected(reasons, src_ok, dst_ok, key, need_ring, short, notes)
+    except BaseException as exc:  # noqa: BLE001 - collective: every rank must hear of it
+        if isinstance(exc, Exception):
+            reasons.append(f"{type(exc).__name__}: {exc}")
+        else:
+            interrupt = exc
+            said = f": {exc}" if str(exc) else ""
+            reasons.append(f"{type(exc).__name__} on this rank during its preflight{said}")
+    return Collected(reasons, src_ok, dst_ok, key, need_ring, short, notes, interrupt, kinds)
 
 
 def _placement_checks(ctx, src_ok, dst_ok, key=None) -> list[str]:
@@ -1130,7 +1209,7 @@ def _refuse_out_of_step(ctx) -> None:
         )
 
 
-def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
+def _exchange(ctx, reasons, fingerprint, timeout_s, notes=(), kinds=(None, None)) -> None:
     """`agree` over the context's group; a failed exchange marks the group out of step."""
     device = ctx.exchange_device if ctx.transport == "nccl" else torch.device("cpu")
     gather = _gather_rows(ctx, device)
@@ -1145,12 +1224,17 @@ def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
             timeout_s,
             gather,
             notes,
+            kinds,
         )
     except PreflightError:
         raise
-    except Exception as exc:  # the exchange itself failed: a peer died or timed out
+    except BaseException as exc:  # the exchange itself failed (a peer died or timed out), or
+        # was interrupted part-way: either way this rank left collectives unmatched
         ctx.gather_rows = None  # its tensors may still be in use: fresh ones next time
-        mark_out_of_step(ctx.group, f"a preflight exchange failed on rank {ctx.rank} ({exc})")
+        what = str(exc) if isinstance(exc, Exception) else repr(exc)
+        mark_out_of_step(ctx.group, f"a preflight exchange failed on rank {ctx.rank} ({what})")
+        if not isinstance(exc, Exception):
+            raise
         raise PreflightError(
             f"preflight exchange failed on rank {ctx.rank} ({type(exc).__name__}: {exc}); "
             f"nothing was written on this rank; {REBUILD}",
@@ -1158,12 +1242,12 @@ def _exchange(ctx, reasons, fingerprint, timeout_s, notes=()) -> None:
         ) from exc
 
 
-def refuse(ctx, reasons, timeout) -> None:
+def refuse(ctx, reasons, timeout, notes=()) -> None:
     """This rank's side of a call it cannot make (it failed to get its buffers ready, for
     `reasons`) while its peers make it: it joins their preflight exchange with those reasons,
     so every rank raises the same PreflightError and nothing is written anywhere. `ctx.plan`
-    may be None (this rank could not plan): its fingerprint is then not compared. Raises
-    always."""
+    may be None (this rank could not plan): its fingerprint is then not compared, and its
+    `notes` (how its state shaped its layout) are listed. Raises always."""
     _refuse_out_of_step(ctx)
     reasons = [str(r) for r in reasons] or ["the call was refused on this rank"]
     timeout_s = DEFAULT_TIMEOUT_S if timeout_error(timeout) else float(timeout)
@@ -1171,7 +1255,7 @@ def refuse(ctx, reasons, timeout) -> None:
         fingerprint = UNAVAILABLE
     else:
         fingerprint = ctx.plan.fingerprint
-    _exchange(ctx, reasons, fingerprint, timeout_s)
+    _exchange(ctx, reasons, fingerprint, timeout_s, notes)
     raise AssertionError("agree() returned with reasons")  # unreachable: it raises
 
 
@@ -1191,7 +1275,12 @@ def run(ctx, src_buffers, dst_buffers, checks, timeout) -> Cleared:
         fingerprint = f"unavailable on rank {ctx.rank}"
         reasons.append(f"plan fingerprint: {type(exc).__name__}: {exc}")
     t1 = time.perf_counter()
-    _exchange(ctx, reasons, fingerprint, timeout_s, got.notes)
+    try:
+        _exchange(ctx, reasons, fingerprint, timeout_s, got.notes, got.kinds)
+    except PreflightError:
+        if got.interrupt is not None:  # every rank has heard of it: stop as it asked
+            raise got.interrupt  # noqa: B904 - its context is the PreflightError
+        raise
     t2 = time.perf_counter()
     # cleared on every rank: the rounds run with these buffers, so the next call whose
     # buffers read the same may skip their checks and what the rounds derive from them. On

@@ -760,7 +760,9 @@ def w_hostile(rank, world, kinds):
 def w_late_rank(rank, world, marker_dir, timeout):
     """Ranks other than the last give up in preflight waiting for the last one (it arrives
     only after they raised). The late rank must not write its targets: every rank raises
-    PreflightError and every target stays poisoned."""
+    PreflightError and every target stays poisoned. Its clock runs behind: it reports having
+    entered half a timeout after its peers, as if their waits had not run out, so the rows
+    alone cannot tell it they gave up and the commit is what stops it."""
     shapes = S.model_shapes()
     values = S.model_values(shapes)
     r = list(range(world))
@@ -772,12 +774,22 @@ def w_late_rank(rank, world, marker_dir, timeout):
     has_local = bool(plan.schedule(late).local)
     db = dst.empty(rank)
     before = {k: v.clone() for k, v in db.items()}
-    out = F.arrive_late(
-        rank,
-        world,
-        marker_dir,
-        lambda: rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout),
-    )
+    entered = os.path.join(marker_dir, f"entered{rank}")
+
+    def call():
+        if rank != late:
+            with open(entered, "w") as f:
+                f.write(str(time.time_ns()))
+            return rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+        peers = [int(open(os.path.join(marker_dir, f"entered{p}")).read()) for p in range(late)]
+        real = time.time_ns
+        time.time_ns = lambda: max(peers) + int(timeout * 0.5e9)  # a clock running behind
+        try:
+            return rs.execute(plan, S.source_buffers(src, values, rank), db, timeout=timeout)
+        finally:
+            time.time_ns = real
+
+    out = F.arrive_late(rank, world, marker_dir, call)
     return (
         out,
         S.mismatches(db, before),

@@ -104,6 +104,57 @@ def test_buffer_set_hooks():
         rs.execute(plan, [1, 2], db)
 
 
+def test_a_refusing_transfer_refuses_every_call_and_writes_nothing():
+    _, values, src, dst = _one_rank_case()
+    with pytest.raises(rs.LayoutError) as caught:  # every target tensor lacks a source
+        rs.Transfer(rs.Layout({}, dict(src.layout().storages)), dst.layout())
+    sync = rs.Transfer.refusing(caught.value)
+    assert sync.plan is None
+    db = dst.empty(0)
+    before = {k: v.clone() for k, v in db.items()}
+
+    class Noted:  # a describe() result: how this rank's state shaped its layout
+        buffers = S.source_buffers(src, values, 0)
+        notes = ["'w' left out: no optimizer state for it on this rank"]
+
+    why = f"LayoutError: {caught.value}"
+    for call, failures in (
+        (lambda: sync(Noted(), db), [why, "its described state: " + Noted.notes[0]]),
+        (lambda: sync({}, db), [why]),
+        (lambda: sync.refuse(["and this"]), [why, "and this"]),
+    ):
+        with pytest.raises(rs.PreflightError) as exc:
+            call()
+        assert exc.value.failures == {0: failures}
+    assert not S.mismatches(db, before)
+    for bad in (None, 3, [1]):
+        with pytest.raises(TypeError, match="Transfer.refusing"):
+            rs.Transfer.refusing(bad)
+    with pytest.raises(ValueError, match="timeout"):
+        rs.Transfer.refusing("x", timeout=0)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_a_hook_is_raised_after_the_preflight(interrupt):
+    _, values, src, dst = _one_rank_case()
+    sync = rs.Transfer(src.layout(), dst.layout())
+
+    def hook():
+        raise interrupt("stop")
+
+    db = dst.empty(0)
+    with pytest.raises(interrupt, match="stop") as caught:
+        sync(S.source_buffers(src, values, 0), db, checks=(hook,))
+    refusal = caught.value.__context__
+    assert isinstance(refusal, rs.PreflightError), refusal
+    assert refusal.failures == {
+        0: [f"{interrupt.__name__} on this rank during its preflight: stop"]
+    }
+    assert not S.mismatches(db, dst.empty(0))
+    sync(S.source_buffers(src, values, 0), db)  # the next call runs normally
+    assert not S.mismatches(db, dst.fill(values, 0))
+
+
 def test_group_too_small_for_the_layout():
     shapes = {"w": (5, 3)}
     src = S.Zero3(shapes, [0, 1])
