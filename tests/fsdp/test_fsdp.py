@@ -1075,3 +1075,69 @@ def _compiled_worker(rank, world):
 def test_compiled_module_keeps_the_model_names(tmp_path):
     res = run_ranks(_compiled_worker, 2, tmp_path, env=ENV, timeout=240)
     assert "fc2.weight" in res[0] and not any("_orig_mod" in n for n in res[0]), res[0]
+
+
+def _crossed_kinds_worker(rank, world):
+    """Two Transfers of one plan (exp_avg and exp_avg_sq of a stepped AdamW have the same
+    layouts) called in crossed order on the two ranks: each call pairs one rank's exp_avg
+    with the other's exp_avg_sq. Both calls must be refused with the same PreflightError
+    naming both kinds, writing nothing, instead of swapping the moments; then the calls in
+    one order move the right moments. The same for dtensor.describe's `kind=`."""
+    import torch
+    from _dsutil import check_targets, replicated_targets
+    from _fsdputil import full_moments, make_fsdp, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import reshard as rs
+    from reshard.integrations import dtensor as rsdt
+
+    mesh = init_device_mesh("cpu", (world,))
+    net, opt = make_fsdp(mesh)
+    train(net, opt, 2, seed=7, rank=rank)
+    owners = list(range(world))
+    out = {}
+
+    def crossed(lives, want):
+        kinds = list(lives)
+        syncs, targets = {}, {}
+        for k, live in lives.items():
+            dst, bufs = replicated_targets(live, owners)
+            syncs[k], targets[k] = rs.Transfer(live.layout, dst, timeout=FAULT_TIMEOUT_S), bufs
+        assert len({s.plan.fingerprint for s in syncs.values()}) == 1  # one plan: paired
+        refused = []
+        for k in kinds if rank == 0 else kinds[::-1]:
+            try:
+                syncs[k](lives[k], targets[k])
+                refused.append(("ok", ""))
+            except rs.PreflightError as exc:
+                refused.append(("PreflightError", str(exc)))
+        untouched = all(bool(b.isnan().all()) for bs in targets.values() for b in bs.values())
+        for k in kinds:  # in one order: the group is in step, each state lands where it belongs
+            syncs[k](lives[k], targets[k])
+            check_targets(syncs[k].plan.dst, targets[k], want[k], f"{k} after the refusal")
+        return refused, untouched
+
+    lives = {k: _describe(net, opt, k) for k in ("exp_avg", "exp_avg_sq")}
+    assert {k: live.kind for k, live in lives.items()} == {k: k for k in lives}
+    out["fsdp"] = crossed(lives, {k: full_moments(net, opt, k) for k in lives})
+    assert _describe(net, opt, "param").kind == "param"
+
+    vals = {k: torch.arange(21.0).view(7, 3) * (i + 1) for i, k in enumerate(("a", "b"))}
+    dts = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in vals.items()}
+    plain = {k: rsdt.describe({"w": dt}, kind=k) for k, dt in dts.items()}
+    out["dtensor"] = crossed(plain, {k: {"w": v} for k, v in vals.items()})
+    assert rsdt.describe({"w": dts["a"]}).kind is None
+    with pytest.raises(TypeError, match="kind must be a str or None"):
+        rsdt.describe({"w": dts["a"]}, kind=1)
+    return out
+
+
+def test_transfers_of_two_moments_in_crossed_order_are_refused(tmp_path):
+    res = run_ranks(_crossed_kinds_worker, 2, tmp_path, env=ENV, timeout=300)
+    for what, kinds in (("fsdp", ("exp_avg", "exp_avg_sq")), ("dtensor", ("a", "b"))):
+        (calls0, untouched0), (calls1, untouched1) = res[0][what], res[1][what]
+        for c0, c1 in zip(calls0, calls1, strict=True):
+            assert c0[0] == c1[0] == "PreflightError" and c0[1] == c1[1], (what, c0, c1)
+            assert all(repr(k) in c0[1] for k in kinds), (what, c0[1])
+        assert untouched0 and untouched1, f"{what}: a refused call wrote its targets"

@@ -144,6 +144,9 @@ class LiveDTensors:
     # parameters have optimizer state): not faults, but when the plans' fingerprints differ
     # they say how this rank's layout came to be
     notes: list = field(default_factory=list)
+    # which state the tensors are ("param", "exp_avg"; None: unnamed): the preflight refuses
+    # two calls of one plan that pair up across ranks while moving different kinds
+    kind: str | None = None
 
     def reasons(self) -> list:
         """Local reasons this state must not be read or written now; [] when it may."""
@@ -177,9 +180,10 @@ class LiveDTensors:
             raise NotReadyError(f"{self.what} not ready: " + "; ".join(reasons))
 
 
-def describe_entries(what, entries, locals_fn, group=None, notes=()):
+def describe_entries(what, entries, locals_fn, group=None, notes=(), kind=None):
     """A LiveDTensors over `entries`; `locals_fn()` returns (every entry's local tensor now,
-    None where this rank has none, and the reasons the state is not usable now).
+    None where this rank has none, and the reasons the state is not usable now). kind: the
+    object's `.kind`.
 
     What only this rank can see is never raised here: a raise on one rank would leave its
     peers waiting in the transfer. It is kept as a reason that `check()` raises, so the
@@ -199,10 +203,11 @@ def describe_entries(what, entries, locals_fn, group=None, notes=()):
         _key=_locals_key(locals_, mine),
         _problems=problems,
         notes=list(notes),
+        kind=kind,
     )
 
 
-def describe(dtensors, group=None) -> LiveDTensors:
+def describe(dtensors, group=None, kind=None) -> LiveDTensors:
     """Describe DTensors by name: where each element lives on the ranks of its device mesh.
 
     Call it on every rank of the transfer group with the same names and DTensor specs (the
@@ -213,9 +218,15 @@ def describe(dtensors, group=None) -> LiveDTensors:
     refuses: a local tensor wrong (not contiguous, another shape than its spec places here),
     a placement that stores no elements (`Partial`), a plain tensor where a DTensor belongs.
     A value that is not a tensor at all raises TypeError.
+
+    `kind`: which state the tensors are (a name such as "exp_avg"; default None, unnamed), the
+    result's `.kind`. Two Transfers of one plan moving differently named states, called in
+    another order on another rank, are then refused by their preflight instead of pairing up.
     """
     if not hasattr(dtensors, "items"):
         raise TypeError(f"describe() takes a {{name: DTensor}} mapping, got {type(dtensors)}")
+    if kind is not None and not isinstance(kind, str):
+        raise TypeError(f"kind must be a str or None, got {type(kind).__name__} {kind!r}")
     check_group(group)
     bad = [name for name in dtensors if not isinstance(name, str)]
     if bad:
@@ -245,4 +256,4 @@ def describe(dtensors, group=None) -> LiveDTensors:
     def locals_():
         return [None if dt is None else dt._local_tensor for dt in usable], problems
 
-    return describe_entries("DTensors", entries, locals_, group=group)
+    return describe_entries("DTensors", entries, locals_, group=group, kind=kind)

@@ -345,7 +345,8 @@ def describe(module, kind: str, optimizer=None, group=None):
     process group the transfer runs over (default: the world); it must contain the FSDP2
     mesh. Call on every rank of the mesh at the safe boundary (after optimizer.step(), before
     the next forward); it communicates nothing. Returns a `LiveDTensors`: `.layout`,
-    `.buffers`, `.check()`, `.reasons()`.
+    `.buffers`, `.check()`, `.reasons()`, and `.kind` (`kind`: the preflight refuses two calls
+    of one plan that pair up across ranks while moving different kinds).
 
     It raises only for what every rank of the same program sees alike (arguments, the
     configuration, the DTensor specs). What one rank's own state may say (unsharded
@@ -384,8 +385,8 @@ def describe(module, kind: str, optimizer=None, group=None):
             entries.append(replace(entry(n, p, _ops(n, p)), dtype=dtype))
         state = _MomentState(module, chosen, moments, problems, optimizer, kind)
         notes = _moment_notes(params, chosen, entries, optimizer, kind, others)
-        return describe_entries(f"FSDP2 {kind}", entries, state, group, notes)
-    return describe_entries(f"FSDP2 {kind}", entries, state, group)
+        return describe_entries(f"FSDP2 {kind}", entries, state, group, notes, kind)
+    return describe_entries(f"FSDP2 {kind}", entries, state, group, kind=kind)
 
 
 def _moment_notes(params, chosen, entries, optimizer, kind, others=()):
