@@ -359,3 +359,55 @@ def test_one_rank_failures_in_refreshes_and_constructor_fail_every_rank(tmp_path
             and "destroyed" in msgs[0]
         ), msgs[0]
         assert max(r[what][1] for r in res) < 20, [r[what][1] for r in res]
+
+
+def _crossed_kinds_worker(rank, world):
+    """SyncAfterStep with exp_avg and exp_avg_sq into one target layout (one plan for both),
+    its targets dict in crossed order on the two ranks (built from a set, say): every sync
+    pairs one rank's exp_avg with the other's exp_avg_sq, from the first (fresh LiveStates)
+    to later ones (the cached state, `_Checked`). Each must be refused alike on every rank,
+    writing nothing; a SyncAfterStep in one order then moves the right states."""
+    from _dsutil import check_targets, ds_env, make_engine, reference, replicated_targets, train
+
+    ds_env(rank, world)
+    import reshard as rs
+    from reshard.integrations import deepspeed as rsds
+
+    engine = make_engine(2, "none", "block")
+    train(engine, "block", 2, seed=3, rank=rank)
+    kinds = ["exp_avg", "exp_avg_sq"]
+    layout, _ = replicated_targets(rsds.describe(engine, "exp_avg"), list(range(world)))
+
+    def targets(order):
+        return {
+            k: (layout, replicated_targets(rsds.describe(engine, k), list(range(world)))[1])
+            for k in order
+        }
+
+    crossed = targets(kinds if rank == 0 else kinds[::-1])
+    sync = rsds.SyncAfterStep(engine, crossed)
+    out = []
+    for _ in range(3):
+        try:
+            sync.sync()
+            out.append("no error")
+        except rs.PreflightError as exc:
+            out.append(str(exc))
+    out.append(all(bool(v.isnan().all()) for _, bufs in crossed.values() for v in bufs.values()))
+    ordered = targets(kinds)
+    sync = rsds.SyncAfterStep(engine, ordered)
+    for _ in range(2):  # the second through the cached state
+        sync.sync()
+        for k, (dst, bufs) in ordered.items():
+            check_targets(dst, bufs, reference(engine, k), k)
+    engine.destroy()
+    return out
+
+
+def test_sync_after_step_kinds_in_crossed_order_are_refused(tmp_path):
+    res = run_ranks(_crossed_kinds_worker, 2, tmp_path, env=ENV, timeout=300, group_timeout=40)
+    for i in range(3):
+        msgs = [r[i] for r in res]
+        assert msgs[0] == msgs[1], (i, msgs)  # the same error on every rank
+        assert "'exp_avg'" in msgs[0] and "'exp_avg_sq'" in msgs[0], (i, msgs[0])
+    assert res[0][3] and res[1][3], "a refused sync wrote its targets"

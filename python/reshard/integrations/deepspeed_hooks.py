@@ -140,14 +140,17 @@ class SyncAfterStep:
 
 
 class _Checked:
-    """A LiveState whose reasons() this sync found empty just before its transfer: its buffers
-    and layout without the readiness hook, which would only compute them again."""
+    """A LiveState whose reasons() this sync found empty just before its transfer: its buffers,
+    layout and kind without the readiness hook, which would only compute them again. The kind
+    is kept: the preflight compares it, so ranks whose syncs run their kinds in another order
+    (exp_avg and exp_avg_sq share one plan) are refused instead of swapping the states."""
 
-    __slots__ = ("buffers", "layout")
+    __slots__ = ("buffers", "kind", "layout")
 
     def __init__(self, live):
         self.buffers = live.buffers
         self.layout = live.layout
+        self.kind = live.kind
 
 
 def _synchronize():
