@@ -97,13 +97,18 @@ class Call:
         """Bucket 0's extra preflight checks, run here on the caller's thread, which holds the
         group's lock (on the worker, a hook that calls a Transfer or iterates a Stream on the
         group would wait for that lock forever; here it raises at once): each failure is
-        raised again in the preflight, where it is a reason like any other."""
+        raised again in the preflight, where it is a reason like any other. A KeyboardInterrupt
+        or SystemExit too, and it ends the checks: raised here, bucket 0 would never reach
+        its peers' preflight; raised there, every rank hears of it (`preflight.collect`) and
+        the bucket raises it again on this rank, the PreflightError as its context."""
         failed = []
         for check in [*self.hooks, lambda: self.s.check_sources(self.bufs, self.stopped)]:
             try:
                 check()
-            except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
+            except BaseException as exc:  # noqa: BLE001 - a reason of the collective preflight
                 failed.append(exc)
+                if not isinstance(exc, Exception):
+                    break
         return [functools.partial(_raise, exc) for exc in failed]
 
     def advance(self, consumed: int) -> None:

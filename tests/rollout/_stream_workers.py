@@ -535,3 +535,47 @@ def w_throw_on_one_rank(rank, world):
     errs += consume(s, bufs, want, rank in (0, 2), f"rank {rank} after the throw")
     dist.barrier()
     return errs
+
+
+def w_interrupted_hook(rank, world, raiser):
+    """The source object's readiness hook (`.check`) raises `raiser` once on one rank (the
+    sender-only rank 1, then the receiver rank 0): every rank's call must end promptly in
+    bucket 0's preflight, nothing yielded, the peers with a PreflightError naming the
+    interrupt and the interrupted rank with the interrupt, that same PreflightError as its
+    context. Then a good call is complete everywhere."""
+    error = {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[raiser]
+    values = full_values(seed=6)
+    layout, bufs = zero3_source(world, values, rank)
+    s = rs.Stream(layout, [0], 1024, dtype=torch.bfloat16, timeout=60)
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs, msgs = [], []
+    for bad in (1, 0):
+        pending = [rank == bad]
+
+        def hook(pending=pending, bad=bad):
+            if pending[0]:
+                pending[0] = False
+                raise error(f"interrupted in rank {bad}'s readiness hook")
+
+        got, outcome, msg = [], "no error", ""
+        t0 = time.perf_counter()
+        try:
+            for name, _ in s(_Live(bufs, check=hook)):
+                got.append(name)
+        except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt too: judged here
+            outcome = type(exc).__name__
+            refusal = exc if rank != bad else exc.__context__
+            msg = str(refusal) if isinstance(refusal, rs.PreflightError) else repr(refusal)
+        expect = raiser if rank == bad else "PreflightError"
+        if outcome != expect:
+            errs.append(f"rank {rank} (rank {bad} interrupted): got {outcome} {msg!r}")
+        if f"rank {bad}: {raiser} on this rank during its preflight" not in msg:
+            errs.append(f"rank {rank}: the error does not name rank {bad}'s interrupt: {msg!r}")
+        if got:
+            errs.append(f"rank {rank}: yielded {got} before the error")
+        if time.perf_counter() - t0 > 20:
+            errs.append(f"rank {rank}: the call took {time.perf_counter() - t0:.0f} s")
+        msgs.append(msg)
+        errs += consume(s, bufs, want, rank == 0, f"rank {rank} after rank {bad}'s interrupt")
+    dist.barrier()
+    return errs, msgs

@@ -857,3 +857,14 @@ def test_stream_gloo_exception_thrown_into_one_ranks_generator(tmp_path):
     right tensors (its generator moves the rest for them), and the next call is complete."""
     for errs in run_ranks(W.w_throw_on_one_rank, 3, tmp_path, env=ENV, timeout=180):
         assert errs == []
+
+
+@pytest.mark.parametrize("raiser", ["KeyboardInterrupt", "SystemExit"])
+def test_stream_gloo_an_interrupt_in_one_ranks_hook_refuses_on_every_rank(tmp_path, raiser):
+    """A KeyboardInterrupt / SystemExit in one rank's readiness hook is a reason of bucket 0's
+    preflight: the same PreflightError on every rank (the interrupt itself raised again on
+    its rank), nothing yielded, and the group's next call is complete."""
+    out = run_ranks(W.w_interrupted_hook, 2, tmp_path, env=ENV, timeout=180, args=(raiser,))
+    for errs, _ in out:
+        assert errs == []
+    assert out[0][1] == out[1][1], "every rank raises the same PreflightError"
