@@ -283,8 +283,8 @@ class Stream:
         """A generator of (name, tensor): full tensors on receivers, nothing elsewhere.
 
         src_buffers: {location: tensor} for the source locations this rank owns, or an object
-        with `.buffers` and an optional `.check()` readiness hook (a DeepSpeed `describe()`
-        result). A yielded tensor is a view of the stream's buffer, valid until the next
+        with `.buffers`, an optional `.check()` readiness hook and an optional `.kind` (a
+        DeepSpeed `describe()` result). A yielded tensor is a view of the stream's buffer, valid until the next
         iteration, or until the loop stops (break, an exception: the rest of the stream then
         moves through the buffer): copy it to keep it. The call holds the process group until
         it ends (see the module docstring).
@@ -292,7 +292,7 @@ class Stream:
         return self._run(src_buffers)
 
     def _run(self, src_buffers):
-        bufs, hooks, self._layout_seen = _buffers_and_hooks(
+        bufs, hooks, kind, self._layout_seen = _buffers_and_hooks(
             src_buffers, self.src_layout, self._layout_seen
         )
         with _ENTRY_GUARD:  # checked and taken at once: two threads never both pass
@@ -327,7 +327,7 @@ class Stream:
             self._buffer_error = self._allocate_buffer()
             self.mover.register(bufs)
             stopped, self.stopped_error = self.stopped_error, None
-            call = Call(self, bufs, hooks, stopped)
+            call = Call(self, bufs, hooks, stopped, kind)
             yield from call.run()
             call.completed(time.perf_counter() - t0)
             self._last_call, self._report = call, None
@@ -517,9 +517,10 @@ def _resolve_device(device, backend) -> torch.device:
 
 
 def _buffers_and_hooks(src_buffers, layout, seen):
-    """({location: tensor}, readiness hooks, seen) of a call's `src_buffers`, read as a Transfer reads
-    them (preflight.as_buffer_set): a mapping, or an object with `.buffers`, an optional
-    callable `.check` and an optional `.layout`, which must agree with the Stream's. Whatever is
+    """({location: tensor}, readiness hooks, kind, seen) of a call's `src_buffers`, read as a
+    Transfer reads them (preflight.as_buffer_set): a mapping, or an object with `.buffers`, an
+    optional callable `.check`, an optional `.kind` (which state it is) and an optional
+    `.layout`, which must agree with the Stream's. Whatever is
     wrong with the object (including a `.buffers` that raises) becomes a hook that raises in
     bucket 0's collective preflight, so every rank raises it, not this one alone. `seen`: the
     last buffer layout found equal to `layout` (not compared again), returned updated."""
@@ -527,7 +528,7 @@ def _buffers_and_hooks(src_buffers, layout, seen):
         bs = pf.as_buffer_set(src_buffers, "src")
         bufs, hooks = dict(bs.buffers), list(bs.checks)
     except Exception as exc:  # noqa: BLE001 - a reason of the collective preflight
-        return {}, [functools.partial(_raise, exc)], seen
+        return {}, [functools.partial(_raise, exc)], None, seen
     have = bs.layout
     if have is not None and have is not layout and have is not seen:
         why = pf.layout_difference(have, layout)
@@ -543,7 +544,7 @@ def _buffers_and_hooks(src_buffers, layout, seen):
                     ),
                 )
             )
-    return bufs, hooks, seen
+    return bufs, hooks, bs.kind, seen
 
 
 def _raise(exc):

@@ -56,10 +56,11 @@ AWAIT_SPIN_US = 10_000
 
 class Call:
     """One call's state. `stream`: the Stream (buckets, buffer, mover); `bufs`: {location:
-    tensor}; `hooks`: the buffer set's readiness checks (run in bucket 0's preflight)."""
+    tensor}; `hooks`: the buffer set's readiness checks (run in bucket 0's preflight); `kind`:
+    the buffer object's `.kind` (compared in bucket 0's preflight) or None."""
 
-    def __init__(self, stream, bufs, hooks, stopped=None):
-        self.s, self.bufs, self.hooks = stream, bufs, hooks
+    def __init__(self, stream, bufs, hooks, stopped=None, kind=None):
+        self.s, self.bufs, self.hooks, self.kind = stream, bufs, hooks, kind
         self.stopped = stopped  # the previous call's failure after an early stop, or None
         self.pid = os.getpid()  # a call resumed in a forked child has no worker there
         self.receiving = stream.rank in stream.receivers and stream.buffer is not None
@@ -84,6 +85,10 @@ class Call:
             done = s.mover.caller_event(k)
             done.record(torch.cuda.current_stream(s.mover.cuda_device))
         src = {loc: self.bufs[loc] for loc in b.src_locations if loc in self.bufs}
+        if k == 0 and self.kind is not None:
+            # Streams of one plan (exp_avg and exp_avg_sq of one model) iterated in another
+            # order on another rank pair up: the preflight compares the kinds the ranks name
+            src = pf.BufferSet(src, kind=self.kind)
         host_sync = s.device.type != "cuda"
         origin = None
         if self.early:

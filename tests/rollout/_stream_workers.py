@@ -316,10 +316,10 @@ class _BuffersRaise:
 
 
 class _Live:
-    """A buffer object as the integrations return: `.buffers`, `.layout`, `.check`."""
+    """A buffer object as the integrations return: `.buffers`, `.layout`, `.check`, `.kind`."""
 
-    def __init__(self, buffers, layout=None, check=None):
-        self.buffers, self.layout, self.check = buffers, layout, check
+    def __init__(self, buffers, layout=None, check=None, kind=None):
+        self.buffers, self.layout, self.check, self.kind = buffers, layout, check, kind
 
 
 def w_early_stop(rank, world, local=None):
@@ -577,5 +577,36 @@ def w_interrupted_hook(rank, world, raiser):
             errs.append(f"rank {rank}: the call took {time.perf_counter() - t0:.0f} s")
         msgs.append(msg)
         errs += consume(s, bufs, want, rank == 0, f"rank {rank} after rank {bad}'s interrupt")
+    dist.barrier()
+    return errs, msgs
+
+
+def w_crossed_kinds(rank, world):
+    """Two Streams of one plan move two states (exp_avg and exp_avg_sq of one model: the same
+    layout), iterated in crossed order on the two ranks: each call pairs one rank's exp_avg
+    with the other's exp_avg_sq. Both must raise the same PreflightError naming both kinds,
+    nothing yielded, instead of swapping the states; then, in one order, each is complete."""
+    kinds = ["exp_avg", "exp_avg_sq"]
+    values = {k: full_values(seed=7 + i) for i, k in enumerate(kinds)}
+    sources = {k: zero3_source(world, values[k], rank) for k in kinds}
+    layout = sources[kinds[0]][0]
+    streams = {k: rs.Stream(layout, [0], 1024, dtype=torch.bfloat16, timeout=60) for k in kinds}
+    errs, msgs = [], []
+    for k in kinds if rank == 0 else kinds[::-1]:
+        got, msg = [], None
+        try:
+            for name, _ in streams[k](_Live(sources[k][1], kind=k)):
+                got.append(name)
+        except rs.PreflightError as exc:
+            msg = str(exc)
+        if msg is None or any(repr(kind) not in msg for kind in kinds):
+            errs.append(f"rank {rank}: expected a PreflightError naming both kinds, got {msg!r}")
+        if got:
+            errs.append(f"rank {rank}: yielded {got} before the error ({k})")
+        msgs.append(msg)
+    for k in kinds:
+        want = {n: v.to(torch.bfloat16) for n, v in values[k].items()}
+        src = _Live(sources[k][1], kind=k)
+        errs += consume(streams[k], src, want, rank == 0, f"rank {rank} {k} after the refusals")
     dist.barrier()
     return errs, msgs

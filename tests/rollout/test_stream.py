@@ -868,3 +868,12 @@ def test_stream_gloo_an_interrupt_in_one_ranks_hook_refuses_on_every_rank(tmp_pa
     for errs, _ in out:
         assert errs == []
     assert out[0][1] == out[1][1], "every rank raises the same PreflightError"
+
+
+def test_stream_gloo_two_states_in_crossed_order_do_not_pair_up(tmp_path):
+    """Streams of one plan moving differently named states (a source object's `.kind`) are
+    refused alike on every rank when the ranks iterate them in another order."""
+    out = run_ranks(W.w_crossed_kinds, 2, tmp_path, env=ENV, timeout=180)
+    for errs, _ in out:
+        assert errs == []
+    assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
