@@ -81,10 +81,31 @@ MUTANTS = (
     Mutant(
         "fingerprint_ignored",
         PKG,
-        "    if all(row[0] for row in rows) and not fp_bad:",
-        "    if all(row[0] for row in rows):",
+        "    if all(row[0] for row in rows) and not fp_bad and not kind_bad:",
+        "    if all(row[0] for row in rows) and not kind_bad:",
         ("tests/distributed/test_executor.py::test_preflight_failures_are_collective",),
         "ranks with different plans go ahead",
+    ),
+    Mutant(
+        "kind_ignored",
+        PKG,
+        "    if all(row[0] for row in rows) and not fp_bad and not kind_bad:",
+        "    if all(row[0] for row in rows) and not fp_bad:",
+        (
+            "tests/distributed/test_rank_faults.py::"
+            "test_calls_of_one_plan_moving_different_states_do_not_pair_up",
+        ),
+        "two calls of one plan moving different states (exp_avg against exp_avg_sq) pair up",
+    ),
+    Mutant(
+        "interrupt_not_collective",
+        PKG,
+        "        if got.interrupt is not None:  # every rank has heard of it: stop as it asked",
+        "        if False:",
+        (
+            "tests/distributed/test_rank_faults.py::test_an_interrupt_in_one_ranks_hook_refuses_on_every_rank",
+        ),
+        "an interrupt in one rank's readiness hook is swallowed into the PreflightError",
     ),
     Mutant(
         "commit_skipped_for_late_rank",
@@ -351,7 +372,7 @@ MUTANTS = (
     Mutant(
         "local_failure_not_collective",
         PKG,
-        "    except Exception as exc:  # noqa: BLE001 - collective: every rank must hear of it",
+        "    except BaseException as exc:  # noqa: BLE001 - collective: every rank must hear of it",
         "    except ArithmeticError as exc:  # noqa: BLE001",
         (f"{HOSTILE}::test_non_collective_failures_become_collective",),
         "a Python type error on one rank raises there alone; its peers wait for the timeout",
