@@ -157,18 +157,23 @@ def _one_rank_worker(rank, world):
 
     fail = [True]
     sync = rsds.SyncAfterStep(engine, {"param": (layout, buffers)})
+
+    def refused(call):
+        """`call()` must refuse on every rank: its error and time, and no target written."""
+        t0 = time.perf_counter()
+        try:
+            call()
+            out.append(("no error", 0.0))
+        except rs.PreflightError as exc:
+            out.append((str(exc), time.perf_counter() - t0))
+        assert all(v.isnan().all() for v in bufs.values()), "a refused sync wrote"
+
     # the callable raises on rank 1 only, on the first sync (nothing planned before) and on a
     # later one (the Transfer planned)
     for first in (True, False):
         x = batch(engine, "block", 30 + rank)
         engine.backward(engine(x).float().pow(2).mean())
-        t0 = time.perf_counter()
-        try:
-            sync.step()
-            out.append(("no error", 0.0))
-        except rs.PreflightError as exc:
-            out.append((str(exc), time.perf_counter() - t0))
-        assert all(v.isnan().all() for v in bufs.values()), "a refused sync wrote"
+        refused(sync.step)
         if first:  # let one sync through, so the second failure meets a planned Transfer
             fail[0] = False
             sync.sync()
@@ -181,13 +186,7 @@ def _one_rank_worker(rank, world):
     fail[0] = False
     if rank == 1:
         engine.module.head.weight = torch.nn.Parameter(torch.zeros_like(engine.module.head.weight))
-    t0 = time.perf_counter()
-    try:
-        sync.sync()
-        out.append(("no error", 0.0))
-    except rs.PreflightError as exc:
-        out.append((str(exc), time.perf_counter() - t0))
-    assert all(v.isnan().all() for v in bufs.values()), "a refused sync wrote"
+    refused(sync.sync)
     engine.destroy()
     return out
 

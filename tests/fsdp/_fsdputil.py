@@ -110,6 +110,22 @@ def step(net, opt, seed, dtype=None, device=None):
     return loss.detach()
 
 
+def torch_made_state(net, opt):
+    """The state torch's own first step makes (a step with lr 0 and zero gradients)."""
+    import torch
+
+    for p in net.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    opt.zero_grad()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+
+
 def train(net, opt, steps, seed, rank, dtype=None, first=0, device=None):
     for s in range(first, first + steps):
         step(net, opt, seed * 1000 + s * 10 + rank, dtype, device)
@@ -197,17 +213,26 @@ def broadcast_layout(layout, src=0):
 FAULT_TIMEOUT_S = 20.0
 
 
-def refused_by_rank_1(tag, rank, err, t0):
-    """A transfer started at `t0` ended with `err`: the PreflightError every rank raises for
-    rank 1's fault alone, well before the timeout (before the fixes, rank 1 raised alone)."""
+def refused_by_rank_1(tag, rank, attempt, match):
+    """`attempt()` (every rank describes and transfers) must end in the PreflightError every
+    rank raises for rank 1's fault alone, well before the timeout (before the fixes, rank 1
+    raised alone), with a reason of rank 1's matching the regex `match`. Returns it."""
+    import re
     import time
 
     import reshard as rs
 
-    if err is None:
+    t0 = time.perf_counter()
+    try:
+        attempt()
+    except Exception as exc:  # noqa: BLE001 - any other outcome is the failure reported below
+        err = exc
+    else:
         raise AssertionError(f"{tag}: rank {rank}: the transfer ran")
     if not isinstance(err, rs.PreflightError):
         raise AssertionError(f"{tag}: rank {rank} raised {type(err).__name__}: {err}") from err
     took = time.perf_counter() - t0
     assert took < FAULT_TIMEOUT_S / 4, f"{tag}: rank {rank} took {took:.1f} s"
     assert sorted(err.failures) == [1], (tag, err.failures)
+    assert any(re.search(match, r) for r in err.failures[1]), (tag, str(err))
+    return err
