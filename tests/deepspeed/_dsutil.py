@@ -57,7 +57,65 @@ def make_model(kind, seed):
                 return self.head(self.layer(x))
 
         return Block()
+    if kind in ("moe", "moe-only"):
+        return _moe_model(kind)
     raise ValueError(kind)
+
+
+def _moe_model(kind):
+    """A mixture-of-experts block (a router and 4 experts, top-1) that ZeRO-3 is told to treat
+    as a leaf module (`set_z3_leaf_modules`: its params fetched and released as a unit, its
+    gradients reduced by one module backward hook instead of per-param hooks).
+    "moe": a Linear before it and a head after it, which keep per-param gradient hooks;
+    "moe-only": two MoE blocks, so every trainable param sits in a leaf module."""
+    import torch
+
+    class Expert(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(8, 12)
+            self.down = torch.nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    class MoE(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = torch.nn.Linear(8, 4, bias=False)
+            self.experts = torch.nn.ModuleList(Expert() for _ in range(4))
+
+        def forward(self, x):
+            w = torch.softmax(self.router(x).float(), -1).to(x.dtype)
+            top = w.argmax(-1)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                routed = top == i
+                if bool(routed.any()):
+                    out[routed] = out[routed] + expert(x[routed]) * w[routed][:, i : i + 1]
+            return out
+
+    class Net(torch.nn.Module):
+        z3_leaf_classes = (MoE,)
+
+        def __init__(self):
+            super().__init__()
+            if kind == "moe":
+                self.inp = torch.nn.Linear(6, 8)
+                self.moe = MoE()
+                self.head = torch.nn.Linear(8, 5)
+            else:
+                self.moe = MoE()
+                self.moe2 = MoE()
+
+        def forward(self, x):
+            if kind == "moe":
+                h = self.inp(x)
+                return self.head(h + self.moe(h))
+            h = x + self.moe(x)
+            return h + self.moe2(h)
+
+    return Net()
 
 
 def param_groups(model):
@@ -88,6 +146,11 @@ def make_engine(
     import torch
 
     net = make_model(model, seed)
+    leaf = getattr(net, "z3_leaf_classes", None)
+    if leaf:
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(net, list(leaf))
     if optimizer == "adamw":
         opt = torch.optim.AdamW(param_groups(net), lr=1e-2, betas=(0.9, 0.99))
     elif optimizer == "sgd":
@@ -121,9 +184,12 @@ def batch(engine, model, seed):
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    shape = (2, 13) if model == "mlp" else (2, 5, 12)
+    shape = {"mlp": (2, 13), "block": (2, 5, 12), "moe": (2, 5, 6), "moe-only": (2, 5, 8)}[model]
     dtype = next(p for p in engine.module.parameters()).dtype
-    return torch.randn(shape, generator=g).to(device=engine.device, dtype=dtype)
+    x = torch.randn(shape, generator=g).to(device=engine.device, dtype=dtype)
+    # a leaf module whose input needs no grad fails DeepSpeed 0.19.8's own backward ("The size
+    # of tensor a (0) must match the size of tensor b (12)"): "moe-only" starts with one
+    return x.requires_grad_() if model == "moe-only" else x
 
 
 def train(engine, model, steps, seed, rank, first=0):

@@ -131,8 +131,15 @@ def _hook_live(handle) -> bool:
 
 def is_destroyed(engine) -> bool:
     """engine.destroy() leaves no flag: it removes the optimizer's gradient hooks (and ZeRO-1/2
-    unlinks every param's fp32 fragment), so a destroyed engine has hooks, none of them live."""
-    hooks = getattr(engine.optimizer, "_grad_acc_hooks", None) or []
+    unlinks every param's fp32 fragment), so a destroyed engine has hooks, none of them live.
+    ZeRO-3 leaf modules (`set_z3_leaf_modules`, MoE blocks) get one module backward hook each
+    instead of their params' gradient hooks: an engine whose trainable params all sit in leaf
+    modules has only those."""
+    opt = engine.optimizer
+    hooks = [
+        *(getattr(opt, "_grad_acc_hooks", None) or []),
+        *(getattr(opt, "_leaf_module_hooks", None) or []),
+    ]
     if hooks:
         return not any(_hook_live(h) for h in hooks)
     groups = getattr(engine.optimizer, "bit16_groups", None)
