@@ -40,19 +40,48 @@ def refresh_params(engine) -> None:
 
     DeepSpeed casts masters to params only inside step(), so a write to masters leaves the
     params stale until this is called. Collective over the data-parallel group: call it on every
-    rank. ZeRO-1/2: `optimizer.update_lp_params()` (cast this rank's chunk, all-gather the flat).
-    ZeRO-3: cast each sub-group's master shard into its param shard (what step() does), then
-    re-gather the persistent params, whose full copies forward reads instead of the shards.
-    What fails on any rank before DeepSpeed communicates fails on every rank alike.
+    rank. ZeRO-1/2: what `optimizer.update_lp_params()` does (cast this rank's chunk, all-gather
+    the flat). ZeRO-3: cast each sub-group's master shard into its param shard (what step()
+    does), then re-gather the persistent params, whose full copies forward reads instead of the
+    shards. What fails on any rank before DeepSpeed communicates fails on every rank alike.
     """
-    stage = _agreed(engine, "refresh_params(engine)")
+    what = "refresh_params(engine)"
+    stage = _agreed(engine, what)
     opt = engine.optimizer
     if stage <= 2:
-        opt.update_lp_params()
+        _local_part_agreed(
+            engine,
+            what,
+            lambda: _cast_zero12(opt),
+            "the ranks that got that far cast their chunk of the masters into their bf16/fp16 "
+            "partition; nothing was gathered, so forward reads a mix of old and new chunks: "
+            "call it again on every rank once the cause is fixed",
+        )
+        from deepspeed.runtime.zero import stage_1_and_2
+
+        # update_lp_params()'s gather, with the same arguments
+        stage_1_and_2.all_gather_dp_groups(
+            groups_flat=opt.bit16_groups_flat,
+            partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+            dp_process_group=opt.real_dp_process_group,
+            start_alignment_factor=opt.nccl_start_alignment_factor,
+            allgather_bucket_size=opt.allgather_bucket_size,
+        )
         return
-    for j in range(len(opt.fp16_groups)):
-        opt._reassign_or_swap_out_partitioned_parameters(j)
-    _refresh_persistent(opt)
+
+    def cast_and_release():
+        for j in range(len(opt.fp16_groups)):
+            opt._reassign_or_swap_out_partitioned_parameters(j)
+        _release_gathered(opt)
+
+    _local_part_agreed(
+        engine,
+        what,
+        cast_and_release,
+        "the ranks that got that far cast their master shards into their param shards and "
+        f"released the gathered params; nothing was gathered. {_RETRY_ZERO3}",
+    )
+    _gather_persistent(opt)
 
 
 @torch.no_grad()
@@ -63,28 +92,63 @@ def refresh_persistent(engine) -> None:
     it is re-gathered only after step(). Params a forward under no_grad gathered and left
     gathered are released, so the next forward fetches them from the new shards. Collective
     over the data-parallel group. Nothing to do for ZeRO-1/2, whose "param" storage is the full
-    flat buffer forward reads (the ranks still agree that their engines are fit). What fails on any rank before DeepSpeed communicates fails on every
-    rank alike.
+    flat buffer forward reads (the ranks still agree that their engines are fit). What fails on
+    any rank before DeepSpeed communicates fails on every rank alike.
     """
-    if _agreed(engine, "refresh_persistent(engine)") == 3:
-        _refresh_persistent(engine.optimizer)
+    what = "refresh_persistent(engine)"
+    if _agreed(engine, what) != 3:
+        return
+    opt = engine.optimizer
+    _local_part_agreed(
+        engine,
+        what,
+        lambda: _release_gathered(opt),
+        f"the ranks that got that far released the gathered params; nothing was gathered. "
+        f"{_RETRY_ZERO3}",
+    )
+    _gather_persistent(opt)
 
 
-def _refresh_persistent(opt) -> None:
-    persistent = list(getattr(opt, "persistent_parameters", []) or [])
+_RETRY_ZERO3 = (
+    "The ranks may now differ in which params are gathered, and the next forward's gathers "
+    "need them alike: call it again on every rank once the cause is fixed"
+)
+
+
+def _cast_zero12(opt) -> None:
+    # update_lp_params()'s local part: this rank's chunk of the masters into its bf16/fp16
+    # partition of the flat
+    for i, (parts, master) in enumerate(
+        zip(opt.parallel_partitioned_bit16_groups, opt.single_partition_of_fp32_groups, strict=True)
+    ):
+        parts[dist.get_rank(group=opt.real_dp_process_group[i])].data.copy_(master.data)
+
+
+def _release_gathered(opt) -> None:
     # partition() keeps the existing (just written) shard and frees the stale full copy;
-    # all_gather() rebuilds it from the shards, as step()'s epilogue does. A forward under
-    # no_grad leaves the params it gathered gathered, and the next forward would read those
-    # stale copies: every param is partitioned first, persistent or not.
+    # _gather_persistent() rebuilds it from the shards, as step()'s epilogue does. A forward
+    # under no_grad leaves the params it gathered gathered, and the next forward would read
+    # those stale copies: every param is partitioned first, persistent or not. Secondary
+    # (ZeRO++) shards, stale after a write, are dropped here too: local work, so before the
+    # agreement that precedes the gather.
     offload = getattr(opt, "parameter_offload", None)
+    persistent = _persistent(opt)
     if offload is not None:
         offload.empty_partition_cache()
     elif persistent:
         persistent[0].partition(persistent)
-    if persistent:
-        persistent[0].all_gather(persistent)
     if hasattr(opt, "invalidate_secondary_tensor"):
         opt.invalidate_secondary_tensor()
+
+
+def _persistent(opt) -> list:
+    return list(getattr(opt, "persistent_parameters", []) or [])
+
+
+def _gather_persistent(opt) -> None:
+    persistent = _persistent(opt)
+    if persistent:
+        persistent[0].all_gather(persistent)
 
 
 def _agreed(engine, what) -> int:
@@ -103,11 +167,31 @@ def _agreed(engine, what) -> int:
         failed = None
     except Exception as exc:  # noqa: BLE001 - raised below, on every rank
         stage, failed = None, exc
+    _agree(engine, failed, what, "before communicating; nothing was changed")
+    return stage
+
+
+def _local_part_agreed(engine, what, local, changed) -> None:
+    """Run the local part of a refresh (DeepSpeed's code that reads and writes this rank's
+    partitions, no communication), then agree before its gather: an exception there on one
+    rank makes every rank raise the same error naming it, instead of its peers waiting in the
+    gather for the group's timeout. `changed` says what the local part leaves behind."""
+    try:
+        local()
+        failed = None
+    except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+        failed = exc
+    _agree(engine, failed, what, f"in DeepSpeed's local refresh, before its gather; {changed}")
+
+
+def _agree(engine, failed, what, when) -> None:
+    """One flag all-reduce over the engine's data-parallel group; when any rank's `failed` is
+    set, every rank raises the same error naming each failing rank and its exception."""
     group = getattr(getattr(engine, "optimizer", None), "dp_process_group", None)
     if not (dist.is_available() and dist.is_initialized()):
         if failed is not None:
             raise failed
-        return stage
+        return
     device = "cpu"
     if dist.get_backend(group) == "nccl":
         from deepspeed.accelerator import get_accelerator
@@ -116,7 +200,7 @@ def _agreed(engine, what) -> int:
     flag = torch.tensor([0 if failed is None else 1], dtype=torch.int64, device=device)
     dist.all_reduce(flag, group=group)
     if not int(flag.item()):
-        return stage
+        return
     mine = None if failed is None else (type(failed).__name__, str(failed))
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
@@ -128,5 +212,5 @@ def _agreed(engine, what) -> int:
     lines = "".join(f"\n  rank {r}: {name}: {msg}" for r, (name, msg) in bad)
     raise cls(
         f"{what} failed on {len(bad)} of {len(every)} data-parallel ranks "
-        f"({', '.join(str(r) for r, _ in bad)}) before communicating; nothing was changed:" + lines
+        f"({', '.join(str(r) for r, _ in bad)}) {when}:" + lines
     )
