@@ -453,3 +453,17 @@ def test_buffers_names_every_mismatch():
         tgt.buffers(dict(params, **{"model.norm.weight": np.zeros(4)}), 0)
     with pytest.raises(ValueError, match="named_params must be"):
         tgt.buffers(None, 0)
+
+
+def test_buffers_refuses_a_name_given_twice():
+    """Two TP ranks' named parameters concatenated (or a name repeated): dict() kept the last
+    tensor of each name silently, so one rank's shards went into the other's parameters."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    ranks = [
+        [(n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in tgt.shapes.items()] for _ in range(2)
+    ]
+    with pytest.raises(ValueError, match="model.norm.weight: given 2 times, as different"):
+        tgt.buffers(ranks[0] + ranks[1], 0)
+    # the same tensor twice is one parameter; a repeated name the layout does not know is ignored
+    extra = [ranks[0][-1], ("model.rotary_emb.inv_freq", torch.ones(2))] * 2
+    assert len(tgt.buffers(ranks[0] + extra, 0)) == len(tgt.shapes)

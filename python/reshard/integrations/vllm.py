@@ -138,14 +138,7 @@ class TPLayout:
         does not know are left alone.
         """
         tp_rank = _check_tp_rank(tp_rank, self.tp_size)
-        try:
-            pairs = named_params.items() if isinstance(named_params, Mapping) else named_params
-            params = dict(pairs)
-        except (TypeError, ValueError):
-            raise ValueError(
-                "named_params must be model.named_parameters() (pairs of name and tensor) or a "
-                f"mapping, got {type(named_params).__name__}"
-            ) from None
+        params, twice = _named(named_params)
         out, problems, views = {}, [], []
         for name, shape in self.shapes.items():
             t = params.get(name)
@@ -169,12 +162,39 @@ class TPLayout:
                 out[self.locations[(name, tp_rank)]] = t.view(-1)
                 views.append((name, t))
         problems += _shared_memory(views)
+        problems += [
+            f"{name}: given {n} times, as different tensors (one TP rank's parameters, once "
+            "each: named_parameters() of one engine)"
+            for name, n in twice.items()
+            if name in self.shapes
+        ]
         if problems:
             raise ValueError(
                 f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
                 f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
             )
         return out
+
+
+def _named(named_params):
+    """({name: tensor}, {name: count} of the names given more than once with different
+    tensors) of `named_params`: pairs of (name, tensor) or a mapping. A name given twice is
+    not resolved by order (dict() would keep the last silently): two engines' parameters
+    concatenated would write one rank's shards into the other's."""
+    if isinstance(named_params, Mapping):
+        return dict(named_params.items()), {}
+    params, seen = {}, {}
+    try:
+        for name, t in named_params:
+            if name in params and params[name] is not t:
+                seen[name] = seen.get(name, 1) + 1
+            params[name] = t
+    except (TypeError, ValueError):
+        raise ValueError(
+            "named_params must be model.named_parameters() (pairs of name and tensor) or a "
+            f"mapping, got {type(named_params).__name__}"
+        ) from None
+    return params, seen
 
 
 def _shared_memory(views) -> list[str]:
