@@ -75,10 +75,11 @@ def _fsdp_groups(module):
     """Every FSDPParamGroup of `module` or its submodules, in module order."""
     from torch.distributed.fsdp import FSDPModule
 
-    out, seen = [], set()
+    out, seen, sharded = [], set(), False
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
+        sharded = True
         try:
             state = m._get_fsdp_state()
             if hasattr(state, "_fsdp_param_groups"):  # newer torch: a list per module
@@ -94,10 +95,17 @@ def _fsdp_groups(module):
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
                 seen.add(id(group))
                 out.append(group)
-    if not any(g.fsdp_params for g in out):
+    if not sharded:
         raise UnsupportedError(
             f"describe() needs a module with fully_shard() applied, got {type(module).__name__} "
             "without FSDP2 parameters"
+        )
+    if not any(g.fsdp_params for g in out) and next(module.parameters(), None) is None:
+        # an empty layout would move nothing and say nothing: most likely the wrong module
+        # (parameters all in ignored_params are named by `_params`)
+        raise UnsupportedError(
+            f"{type(module).__name__} has fully_shard() applied but no parameters: nothing to "
+            "describe (an empty model, or another module than the one meant?)"
         )
     return out
 
