@@ -467,3 +467,15 @@ def test_buffers_refuses_a_name_given_twice():
     # the same tensor twice is one parameter; a repeated name the layout does not know is ignored
     extra = [ranks[0][-1], ("model.rotary_emb.inv_freq", torch.ones(2))] * 2
     assert len(tgt.buffers(ranks[0] + extra, 0)) == len(tgt.shapes)
+
+
+def test_buffers_says_what_the_names_suggest():
+    """The HF model's parameters, or an engine's under another prefix, were reported as a list
+    of every parameter missing or misshapen, without saying why."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    hf = {n: torch.zeros(tl.shape, dtype=torch.bfloat16) for n, tl in tgt.layout.tensors.items()}
+    with pytest.raises(ValueError, match="named_params holds HF names, e.g. 'model.layers.0.mlp"):
+        tgt.buffers(hf, 0)
+    prefixed = {f"model.{n}": torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    with pytest.raises(ValueError, match="given e.g. 'model.model.embed_tokens.weight'.*prefix"):
+        tgt.buffers(prefixed, 0)

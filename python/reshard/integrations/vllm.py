@@ -171,9 +171,31 @@ class TPLayout:
         if problems:
             raise ValueError(
                 f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
-                f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
+                f"tp_layout(tp_size={self.tp_size}): "
+                + "; ".join(problems)
+                + _names_hint(params, self.shapes)
             )
         return out
+
+
+def _names_hint(params, shapes) -> str:
+    """What the names of `params` suggest was passed instead of one engine's parameters:
+    the HF model's (unfused q/k/v, gate/up), or names under another prefix; '' when
+    nothing."""
+    names = [n for n in params if isinstance(n, str)]
+    hf = sorted(n for n in names if _vllm_name(n) != n and _vllm_name(n) in shapes)
+    if hf:
+        return (
+            f" (named_params holds HF names, e.g. {hf[0]!r}: buffers() takes the engine's "
+            "own parameters, vLLM names with q/k/v fused into qkv_proj and gate/up into "
+            "gate_up_proj, each TP rank's shard)"
+        )
+    if names and not any(n in shapes for n in names):
+        return (
+            f" (no name of named_params is the layout's: given e.g. {names[0]!r}, the layout "
+            f"has e.g. {next(iter(shapes))!r}; another prefix?)"
+        )
+    return ""
 
 
 def _named(named_params):
