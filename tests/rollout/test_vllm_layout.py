@@ -479,3 +479,23 @@ def test_buffers_says_what_the_names_suggest():
     prefixed = {f"model.{n}": torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
     with pytest.raises(ValueError, match="given e.g. 'model.model.embed_tokens.weight'.*prefix"):
         tgt.buffers(prefixed, 0)
+
+
+def test_load_into_parameters_that_require_grad_and_from_meta():
+    """An nn.Module's parameters (requires_grad) made load() raise autograd's in-place error;
+    a meta tensor, full or target, loaded nothing without a word."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    full = _full_weights(_llama())
+    want = _vllm_ref.shards(full, _llama(), 2, 1, torch.float32)
+    params = {n: torch.nn.Parameter(torch.full(s, float("nan"))) for n, s in tgt.shapes.items()}
+    for n, t in full.items():
+        tgt.load(n, t, 1, params)
+    for n, w in want.items():
+        assert torch.equal(_bits(params[n].detach()), _bits(w)), n
+    a = "model.norm.weight"
+    plain = {n: torch.zeros(s) for n, s in tgt.shapes.items()}
+    with pytest.raises(ValueError, match="model.norm.weight: full on the meta device"):
+        tgt.load(a, torch.ones(32, device="meta"), 0, plain)
+    meta = dict(plain, **{a: torch.zeros(32, device="meta")})
+    with pytest.raises(ValueError, match="params\\['model.norm.weight'\\] on the meta device"):
+        tgt.load(a, torch.ones(32), 0, meta)
