@@ -1122,3 +1122,91 @@ def test_transfers_of_two_moments_in_crossed_order_are_refused(tmp_path):
             assert c0[0] == c1[0] == "PreflightError" and c0[1] == c1[1], (what, c0, c1)
             assert all(repr(k) in c0[1] for k in kinds), (what, c0[1])
         assert untouched0 and untouched1, f"{what}: a refused call wrote its targets"
+
+
+# ---------------------------------------------------------------- inputs given by mistake
+
+
+def _mistaken_inputs_worker(rank, world):
+    """A mesh that numbers its ranks out of order (torch's data follows the process group's
+    order, the DTensor's coordinates the mesh's): refused, not read with the shards swapped;
+    fully_shard on a module without parameters, or with all of them ignored: named for what
+    it is; a group this rank is not a member of: said so."""
+    import torch
+    import torch.distributed as dist
+    from _dsutil import replicated_targets
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import reshard as rs
+    from reshard.errors import NotReadyError, UnsupportedError
+    from reshard.integrations import dtensor as rsdt
+    from reshard.integrations import fsdp as rsfsdp
+
+    seen = []
+
+    def expect(exc, match, fn, *args, **kw):
+        with pytest.raises(exc, match=match) as err:
+            fn(*args, **kw)
+        seen.append(str(err.value))
+
+    flipped = DeviceMesh("cpu", [1, 0])  # every rank builds it (group creation is collective)
+    dt = distribute_tensor(torch.arange(6.0), flipped, [Shard(0)])
+    assert torch.equal(dt.full_tensor(), torch.arange(6.0))
+    # torch holds the rows by group order, its coordinates say the other rank's
+    assert dt.to_local().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]][rank]
+    assert flipped.get_coordinate() == [(1,), (0,)][rank]
+    order = "device mesh \\[1, 0\\] does not number its ranks in increasing order"
+    live = rsdt.describe({"w": dt})
+    expect(NotReadyError, order, live.check)
+    dst, bufs = replicated_targets(live, [0, 1])
+    expect(rs.PreflightError, order, rs.Transfer(live.layout, dst), live, bufs)
+    assert all(bool(b.isnan().all()) for b in bufs.values())
+    lin = torch.nn.Linear(1, 6, bias=False)
+    fully_shard(lin, mesh=flipped)
+    expect(UnsupportedError, order, rsfsdp.describe, lin, "param")
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    empty = torch.nn.Sequential(torch.nn.ReLU())
+    fully_shard(empty, mesh=mesh)
+    expect(
+        UnsupportedError,
+        "fully_shard\\(\\) applied but no parameters",
+        rsfsdp.describe,
+        empty,
+        "param",
+    )
+    ignoring = torch.nn.Linear(2, 2)
+    fully_shard(ignoring, mesh=mesh, ignored_params=set(ignoring.parameters()))
+    expect(
+        UnsupportedError,
+        "\\['weight', 'bias'\\] are not managed.*ignored_params",
+        rsfsdp.describe,
+        ignoring,
+        "param",
+    )
+
+    only0 = dist.new_group([0])  # collective; rank 1 gets GroupMember.NON_GROUP_MEMBER
+    net = torch.nn.Linear(2, 4)
+    fully_shard(net, mesh=mesh)
+    if rank == 1:
+        expect(
+            ValueError, "global rank 1 is not a member", rsfsdp.describe, net, "param", group=only0
+        )
+        expect(ValueError, "global rank 1 is not a member", rsdt.describe, {}, group=only0)
+    else:
+        expect(
+            ValueError,
+            "mesh rank 1 is not in the transfer group \\[0\\]",
+            rsfsdp.describe,
+            net,
+            "param",
+            group=only0,
+        )
+    return seen
+
+
+def test_mistaken_inputs_are_named(tmp_path):
+    res = run_ranks(_mistaken_inputs_worker, 2, tmp_path, env=ENV, timeout=240)
+    assert res[0][:5] == res[1][:5]  # the same on every rank, where every rank takes part

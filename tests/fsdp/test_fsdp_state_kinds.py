@@ -41,17 +41,17 @@ def _full_state(net, opt):
     return sd["state"]
 
 
-def _hybrid(params):
+def _hybrid(params, vector_key="trace", **defaults):
     """A user optimizer with two kinds of state, as hybrid optimizers keep (one rule for
     matrices, another for the rest). Matrices: "momentum_buffer" (a DTensor placed like the
     parameter) and "row_sq" (factored: one value per row, a DTensor of shape (rows, 1)). The
-    others: "trace" (a plain tensor of the local shard: stepped through the local tensors)
-    and "count" (a Python int)."""
+    others: `vector_key` (a plain tensor of the local shard: stepped through the local
+    tensors) and "count" (a Python int). `defaults`: more hyperparameters (betas)."""
     import torch
 
     class Hybrid(torch.optim.Optimizer):
         def __init__(self, params):
-            super().__init__(params, {"lr": 1e-2})
+            super().__init__(params, {"lr": 1e-2, **defaults})
 
         @torch.no_grad()
         def step(self, closure=None):
@@ -67,7 +67,7 @@ def _hybrid(params):
                         p.add_(buf, alpha=-group["lr"])
                     else:
                         grad = p.grad.to_local()
-                        trace = st.setdefault("trace", torch.zeros_like(grad))
+                        trace = st.setdefault(vector_key, torch.zeros_like(grad))
                         trace.mul_(0.5).add_(grad)
                         st["count"] = st.get("count", 0) + 1
                         p._local_tensor.add_(trace, alpha=-group["lr"])
@@ -238,6 +238,104 @@ def _hybrid_worker(rank, world):
 def test_user_optimizer_state_by_key(tmp_path):
     res = run_ranks(_hybrid_worker, 2, tmp_path, env=ENV, timeout=240)
     assert len(res[0]) == 2 and res[0] == res[1]  # the same message on every rank
+
+
+# ------------------------------------------- a user optimizer's state under Adam's names
+
+
+def _ema(params, **defaults):
+    """A user optimizer that keeps Adam's state names without being Adam: "exp_avg" (an
+    average of the gradients) and "max_exp_avg_sq" (the largest squared gradient seen, with
+    no amsgrad flag), DTensors placed like their parameters. `defaults`: with or without
+    betas."""
+    import torch
+
+    class Ema(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 1e-2, **defaults})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    avg = st.setdefault("exp_avg", torch.zeros_like(p))
+                    avg.mul_(0.9).add_(p.grad, alpha=0.1)
+                    top = st.setdefault("max_exp_avg_sq", torch.zeros_like(p))
+                    torch.maximum(top, p.grad.pow(2), out=top)
+                    p.add_(avg, alpha=-group["lr"])
+
+    return Ema(params)
+
+
+def _user_adam_names_worker(rank, world):
+    """A user optimizer's "exp_avg" / "max_exp_avg_sq", with betas in its defaults or without:
+    described like any other per-parameter key (they were refused as Adam moments of an
+    optimizer without betas, or without amsgrad), moved into a full replica on every rank and
+    back into the live state, both poisoned, bitwise equal to DCP's full optimizer state. A
+    hybrid user optimizer with betas keeping "exp_avg" for vectors only, as a plain tensor of
+    the local shard: the matrices are left out (a note says so), not refused."""
+    import torch
+    from _dsutil import assert_bitwise, check_targets, replicated_targets
+    from _fsdputil import make_fsdp, param_groups, train
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import reshard as rs
+    from reshard.integrations import fsdp as rsfsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    done = []
+    for defaults in ({"beta": 0.9}, {"betas": (0.9, 0.99)}):
+        net, _ = make_fsdp(mesh, seed=7)
+        opt = _ema(param_groups(net), **defaults)
+        train(net, opt, 2, seed=7, rank=rank)
+        want = _full_state(net, opt)
+        for key in ("exp_avg", "max_exp_avg_sq"):
+            tag = f"{sorted(defaults)} {key}"
+            live = rsfsdp.describe(net, key, opt)
+            assert sorted(live.layout.tensors) == sorted(want), tag
+            assert live.reasons() == [] and live.notes == [], (tag, live.reasons(), live.notes)
+            full = {n: want[n][key] for n in want}
+            dst, bufs = replicated_targets(live, [0, 1])
+            rs.Transfer(live.layout, dst, budget_bytes_per_peer=64)(live, bufs)
+            assert check_targets(dst, bufs, full, tag) == len(full), tag
+            with torch.no_grad():
+                for st in opt.state.values():
+                    st[key]._local_tensor.fill_(float("nan"))
+            rs.Transfer(dst, live.layout, budget_bytes_per_peer=64)(bufs, live)
+            back = _full_state(net, opt)
+            for n in want:
+                assert_bitwise(back[n][key], full[n], f"{tag} {n} written back")
+            done.append(tag)
+
+    net, _ = make_fsdp(mesh, seed=8)
+    opt = _hybrid(param_groups(net), vector_key="exp_avg", betas=(0.9, 0.99))
+    train(net, opt, 2, seed=8, rank=rank)
+    params = {n: p for n, p in net.named_parameters() if opt.state.get(p)}
+    vectors = sorted(n for n, p in params.items() if p.ndim < 2)
+    live = rsfsdp.describe(net, "exp_avg", opt)
+    assert sorted(live.layout.tensors) == vectors, sorted(live.layout.tensors)
+    assert live.reasons() == [], live.reasons()
+    assert len(live.notes) == 1 and "of another kind" in live.notes[0], live.notes
+    want = {}
+    for n in vectors:
+        local, p = opt.state[params[n]]["exp_avg"], params[n]
+        assert not isinstance(local, DTensor)
+        dt = DTensor.from_local(local, mesh, p.placements, shape=p.shape, stride=p.stride())
+        want[n] = dt.full_tensor()
+    dst, bufs = replicated_targets(live, [0, 1])
+    rs.Transfer(live.layout, dst, budget_bytes_per_peer=64)(live, bufs)
+    assert check_targets(dst, bufs, want, "hybrid exp_avg") == len(vectors)
+    done.append("hybrid")
+    return done
+
+
+def test_user_optimizer_state_under_adam_names(tmp_path):
+    res = run_ranks(_user_adam_names_worker, 2, tmp_path, env=ENV, timeout=240)
+    assert len(res[0]) == 5 and res[0] == res[1]
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -453,3 +453,49 @@ def test_buffers_names_every_mismatch():
         tgt.buffers(dict(params, **{"model.norm.weight": np.zeros(4)}), 0)
     with pytest.raises(ValueError, match="named_params must be"):
         tgt.buffers(None, 0)
+
+
+def test_buffers_refuses_a_name_given_twice():
+    """Two TP ranks' named parameters concatenated (or a name repeated): dict() kept the last
+    tensor of each name silently, so one rank's shards went into the other's parameters."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    ranks = [
+        [(n, torch.zeros(s, dtype=torch.bfloat16)) for n, s in tgt.shapes.items()] for _ in range(2)
+    ]
+    with pytest.raises(ValueError, match="model.norm.weight: given 2 times, as different"):
+        tgt.buffers(ranks[0] + ranks[1], 0)
+    # the same tensor twice is one parameter; a repeated name the layout does not know is ignored
+    extra = [ranks[0][-1], ("model.rotary_emb.inv_freq", torch.ones(2))] * 2
+    assert len(tgt.buffers(ranks[0] + extra, 0)) == len(tgt.shapes)
+
+
+def test_buffers_says_what_the_names_suggest():
+    """The HF model's parameters, or an engine's under another prefix, were reported as a list
+    of every parameter missing or misshapen, without saying why."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    hf = {n: torch.zeros(tl.shape, dtype=torch.bfloat16) for n, tl in tgt.layout.tensors.items()}
+    with pytest.raises(ValueError, match="named_params holds HF names, e.g. 'model.layers.0.mlp"):
+        tgt.buffers(hf, 0)
+    prefixed = {f"model.{n}": torch.zeros(s, dtype=torch.bfloat16) for n, s in tgt.shapes.items()}
+    with pytest.raises(ValueError, match="given e.g. 'model.model.embed_tokens.weight'.*prefix"):
+        tgt.buffers(prefixed, 0)
+
+
+def test_load_into_parameters_that_require_grad_and_from_meta():
+    """An nn.Module's parameters (requires_grad) made load() raise autograd's in-place error;
+    a meta tensor, full or target, loaded nothing without a word."""
+    tgt = rsvllm.tp_layout(_llama(), 2, [0, 0])
+    full = _full_weights(_llama())
+    want = _vllm_ref.shards(full, _llama(), 2, 1, torch.float32)
+    params = {n: torch.nn.Parameter(torch.full(s, float("nan"))) for n, s in tgt.shapes.items()}
+    for n, t in full.items():
+        tgt.load(n, t, 1, params)
+    for n, w in want.items():
+        assert torch.equal(_bits(params[n].detach()), _bits(w)), n
+    a = "model.norm.weight"
+    plain = {n: torch.zeros(s) for n, s in tgt.shapes.items()}
+    with pytest.raises(ValueError, match="model.norm.weight: full on the meta device"):
+        tgt.load(a, torch.ones(32, device="meta"), 0, plain)
+    meta = dict(plain, **{a: torch.zeros(32, device="meta")})
+    with pytest.raises(ValueError, match="params\\['model.norm.weight'\\] on the meta device"):
+        tgt.load(a, torch.ones(32), 0, meta)

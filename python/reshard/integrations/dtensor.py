@@ -17,6 +17,8 @@ Placements (applied left to right over the mesh dims, as DTensor does):
 - `Partial` and anything else: a `check()` reason naming the placement (the values are not
   materialized anywhere), laid out like `Replicate` with no buffer, so that the peers (which
   may hold it otherwise placed) plan alike and every rank's preflight refuses.
+A mesh whose ranks do not increase along every mesh dim is a `check()` reason too
+(`dtensor_geometry.mesh_problem`: torch's data and its coordinates disagree there).
 
 One storage per (tensor, mesh coordinate) with a non-empty local tensor. A local tensor may be
 split into several pieces (a strided shard); each piece addresses the local tensor row-major.
@@ -35,6 +37,7 @@ from .dtensor_geometry import (
     check_group,
     entry,
     local_shape,
+    mesh_problem,
     placement_problem,
     plain_entry,
     segments,
@@ -216,7 +219,8 @@ def describe(dtensors, group=None, kind=None) -> LiveDTensors:
     so it must contain every rank of every mesh. What may differ between ranks is not raised
     here but by `check()`, which the transfer's preflight runs on every rank, so every rank
     refuses: a local tensor wrong (not contiguous, another shape than its spec places here),
-    a placement that stores no elements (`Partial`), a plain tensor where a DTensor belongs.
+    a placement that stores no elements (`Partial`), a mesh numbering its ranks out of order,
+    a plain tensor where a DTensor belongs.
     A value that is not a tensor at all raises TypeError.
 
     `kind`: which state the tensors are (a name such as "exp_avg"; default None, unnamed), the
@@ -242,8 +246,9 @@ def describe(dtensors, group=None, kind=None) -> LiveDTensors:
         # in the transfer. Laid out as well as this rank can (a plain tensor: its shape on
         # this rank), with no buffer and a reason, so every rank's preflight refuses.
         if isinstance(dt, DTensor):
-            why = placement_problem(name, dt._spec.placements)
             entries.append(entry(name, dt, strict=False))
+            why = placement_problem(name, dt._spec.placements)
+            why = why or mesh_problem(name, entries[-1].mesh_ranks)
         elif isinstance(dt, torch.Tensor):
             why = f"{name!r} is a {type(dt).__name__}, not a DTensor, on this rank"
             entries.append(plain_entry(name, dt))

@@ -24,6 +24,7 @@ __all__ = [
     "check_group",
     "entry",
     "local_shape",
+    "mesh_problem",
     "mesh_ranks",
     "placement_ops",
     "placement_problem",
@@ -161,6 +162,29 @@ def mesh_ranks(mesh):
     return full.cpu().numpy().astype(np.int64)
 
 
+def mesh_problem(name, ranks):
+    """Why DTensors on a mesh with this rank table (`mesh_ranks`) cannot be laid out; None
+    when they can: its ranks must increase along every mesh dim.
+
+    Otherwise torch disagrees with itself about where the elements are: a mesh dim's process
+    group orders its ranks by number, and torch 2.13's data movement (distribute_tensor,
+    FSDP2's sharding, full_tensor) follows that order, while the DTensor spec's mesh
+    coordinates (and torch's own compute_local_shape_and_global_offset) follow the mesh: on
+    DeviceMesh([1, 0]) rank 0 holds the first chunk that its coordinate 1 says is rank 1's.
+    The same on every rank (the mesh is)."""
+    for d in range(1, ranks.ndim):
+        if ranks.shape[d] > 1 and not bool((np.diff(ranks, axis=d) > 0).all()):
+            return (
+                f"{name!r}: device mesh {ranks[0].tolist()} does not number its ranks in "
+                f"increasing order along mesh dim {d - 1}: torch places the shards by the "
+                "order of that dim's process group (by rank number) while the DTensor's "
+                "mesh coordinates say otherwise, so which rank holds which elements is "
+                "ambiguous; build the mesh with ranks increasing along every dim (as "
+                "init_device_mesh does)"
+            )
+    return None
+
+
 @dataclass(frozen=True)
 class Entry:
     """What the layout needs of one distributed tensor: pure data, the same on every rank."""
@@ -211,9 +235,15 @@ def _pieces(location, segs):
 
 
 def check_group(group) -> None:
-    """TypeError unless `group` is None (the world) or a torch.distributed ProcessGroup."""
+    """TypeError unless `group` is None (the world) or a torch.distributed ProcessGroup;
+    ValueError on a rank outside it."""
     import torch.distributed as dist
 
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns to the others
+        raise ValueError(
+            f"global rank {dist.get_rank()} is not a member of the process group it was given: "
+            "only the group's members describe state for a transfer on that group"
+        )
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(
             f"group must be None (the world) or a torch.distributed ProcessGroup, got "
@@ -262,7 +292,8 @@ def build_layout(entries, group):
 
 def entry(name, dt, ops=None, strict=True):
     """`dt`'s `Entry`; `ops` (default: its placements' `placement_ops`) overrides the geometry.
-    strict=False: see `placement_ops`."""
+    strict=False: see `placement_ops`; a mesh with a `mesh_problem` is laid out by its
+    coordinates, for a caller that reports the problem (strict: UnsupportedError)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(dt, DTensor):
@@ -271,7 +302,10 @@ def entry(name, dt, ops=None, strict=True):
     shape = tuple(dt.shape)
     if ops is None:
         ops = placement_ops(name, spec.placements, len(shape), strict)
-    return Entry(name, shape, dt.dtype, mesh_ranks(spec.mesh), tuple(ops))
+    ranks = mesh_ranks(spec.mesh)
+    if strict and (why := mesh_problem(name, ranks)):
+        raise UnsupportedError(why)
+    return Entry(name, shape, dt.dtype, ranks, tuple(ops))
 
 
 def plain_entry(name, t):

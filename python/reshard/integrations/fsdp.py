@@ -9,14 +9,15 @@ as in the DeepSpeed integration, so layouts of both frameworks plan against each
   view into each FSDPParam's padded shard (`_sharded_param_data`). Under a
   `MixedPrecisionPolicy` these stay in the parameter's own dtype (fp32): the `param_dtype` copy
   exists only while unsharded. Under `CPUOffloadPolicy` they live in CPU memory.
-- "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq" (amsgrad): a torch.optim Adam/AdamW moment of
-  every parameter of `module` that the optimizer holds state for, keyed by the sharded
-  parameter; a DTensor with the parameter's placements, in its own dtype.
+- "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq" (amsgrad) of a torch.optim optimizer (Adam,
+  AdamW, and torch's other Adam-family ones): the moment of every parameter of `module` that
+  the optimizer holds state for, keyed by the sharded parameter; a DTensor with the
+  parameter's placements, in its own dtype.
 - any other key of the optimizer's per-parameter state ("momentum_buffer" of SGD, "sum" of
-  Adagrad, "exp_inf" of Adamax, a user optimizer's own): the tensor under that key of every
-  parameter whose state holds it, placed like its parameter (a DTensor with its placements and
-  global shape, or a plain tensor of its local shard's shape). Keys known to hold something
-  else (the "step" counter, NAdam's "mu_product", Adafactor's factored variances) are refused.
+  Adagrad, "exp_inf" of Adamax, a user optimizer's own, Adam's names included): the tensor
+  under that key of every parameter whose state holds it, placed like its parameter (a
+  DTensor with its placements and global shape, or a plain tensor of its local shard's
+  shape). Keys known to hold something else (the "step" counter, NAdam's "mu_product", Adafactor's factored variances) are refused.
 
 The geometry is the parameters' DTensor placements (reshard.integrations.dtensor_geometry): FSDP shards
 dim 0 (or `shard_placement_fn`'s dim) with torch.chunk sizes, so the last ranks hold fewer rows
@@ -74,10 +75,11 @@ def _fsdp_groups(module):
     """Every FSDPParamGroup of `module` or its submodules, in module order."""
     from torch.distributed.fsdp import FSDPModule
 
-    out, seen = [], set()
+    out, seen, sharded = [], set(), False
     for m in module.modules():
         if not isinstance(m, FSDPModule):
             continue
+        sharded = True
         try:
             state = m._get_fsdp_state()
             if hasattr(state, "_fsdp_param_groups"):  # newer torch: a list per module
@@ -93,10 +95,17 @@ def _fsdp_groups(module):
             if id(group) not in seen:  # fully_shard([a, b]) shares one group
                 seen.add(id(group))
                 out.append(group)
-    if not any(g.fsdp_params for g in out):
+    if not sharded:
         raise UnsupportedError(
             f"describe() needs a module with fully_shard() applied, got {type(module).__name__} "
             "without FSDP2 parameters"
+        )
+    if not any(g.fsdp_params for g in out) and next(module.parameters(), None) is None:
+        # an empty layout would move nothing and say nothing: most likely the wrong module
+        # (parameters all in ignored_params are named by `_params`)
+        raise UnsupportedError(
+            f"{type(module).__name__} has fully_shard() applied but no parameters: nothing to "
+            "describe (an empty model, or another module than the one meant?)"
         )
     return out
 
@@ -281,15 +290,30 @@ def _state_problem(name, p, state, kind):
     )
 
 
-def _moment_problem(name, p, state, kind, opt_name):
+def _adam_moment(kind, optimizer) -> bool:
+    """Whether `kind` of `optimizer` follows Adam's rules (every parameter with state has it,
+    a DTensor; max_exp_avg_sq only in amsgrad groups): an Adam moment name of one of
+    torch.optim's own optimizers, whose state torch defines. A user optimizer's state under
+    these names is a key like any other: it may keep it for some parameters only (a hybrid
+    optimizer), as a plain local tensor, or without amsgrad."""
+    return kind in _MOMENTS and _torch_optimizer(optimizer)
+
+
+def _torch_optimizer(optimizer) -> bool:
+    """An optimizer of torch.optim's own classes (not a user's, even one subclassing them)."""
+    module = type(optimizer).__module__
+    return module == "torch.optim" or module.startswith("torch.optim.")
+
+
+def _moment_problem(name, p, state, kind, opt_name, adam):
     """Why this rank's `kind` moment of parameter `p` (which has state) cannot be described;
-    None when it can. Only this rank sees its optimizer's state: a reason for `check()`, never
-    a raise."""
+    None when it can. adam: `_adam_moment(kind, optimizer)`. Only this rank sees its
+    optimizer's state: a reason for `check()`, never a raise."""
     from torch.distributed.tensor import DTensor
 
     if kind not in state:
         return f"{name!r}: {opt_name} keeps no {kind!r} state for it (keys {sorted(state)})"
-    if kind not in _MOMENTS:
+    if not adam:
         return _state_problem(name, p, state, kind)
     m = state[kind]
     if not isinstance(m, DTensor) or m._spec.placements != p._spec.placements:
@@ -336,7 +360,8 @@ def describe(module, kind: str, optimizer=None, group=None):
     torch.optim Adam/AdamW moment, the last under amsgrad=True; pass `optimizer`): the
     moments of every parameter of `module` that the optimizer holds state for; or any other
     key of the optimizer's per-parameter state (SGD's "momentum_buffer", Adagrad's "sum",
-    Adamax's "exp_inf", a user optimizer's): the tensors under it, placed like their
+    Adamax's "exp_inf", a user optimizer's, Adam's names of a user optimizer included): the
+    tensors under it, placed like their
     parameters, of every parameter whose state holds it (a parameter whose state is of another
     kind is left out, `notes` says so). Keys torch.optim keeps in another shape ("step",
     NAdam's "mu_product", Adafactor's "row_var"/"col_var", ASGD's "eta"/"mu") raise
@@ -364,39 +389,40 @@ def describe(module, kind: str, optimizer=None, group=None):
     else:
         import torch
 
-        chosen, missing = _optimized(params, optimizer, kind)
+        adam = _adam_moment(kind, optimizer)
+        chosen, missing = _optimized(params, optimizer, kind, adam)
         opt_name = type(optimizer).__name__
         others = []  # names of parameters whose state is of another kind, without `kind`
-        if kind not in _MOMENTS and not missing:
+        if not adam and not missing:
             chosen, others, missing = _holding(chosen, optimizer, kind)
         moments, problems, entries = [], [missing] if missing else [], []
         for n, fp in chosen:
             p = fp.sharded_param
             st = optimizer.state.get(p) or {}
-            why = None if missing else _moment_problem(n, p, st, kind, opt_name)
+            why = None if missing else _moment_problem(n, p, st, kind, opt_name, adam)
             if why:
                 problems.append(why)
             moments.append(None if missing or why else st[kind])
             # the moment's own dtype: state need not be kept in the parameter's; a moment this
             # rank lacks is laid out in the parameter's (what init_adam_state makes)
             # (max_exp_avg_sq missing as amsgrad is off here: in exp_avg_sq's, as torch keeps it)
-            m = st.get(kind, st.get("exp_avg_sq") if kind == "max_exp_avg_sq" else None)
+            m = st.get(kind, st.get("exp_avg_sq") if adam and kind == "max_exp_avg_sq" else None)
             dtype = m.dtype if isinstance(m, torch.Tensor) else p.dtype
             entries.append(replace(entry(n, p, _ops(n, p)), dtype=dtype))
         state = _MomentState(module, chosen, moments, problems, optimizer, kind)
-        notes = _moment_notes(params, chosen, entries, optimizer, kind, others)
+        notes = _moment_notes(params, chosen, entries, optimizer, kind, adam, others)
         return describe_entries(f"FSDP2 {kind}", entries, state, group, notes, kind)
     return describe_entries(f"FSDP2 {kind}", entries, state, group, kind=kind)
 
 
-def _moment_notes(params, chosen, entries, optimizer, kind, others=()):
+def _moment_notes(params, chosen, entries, optimizer, kind, adam, others=()):
     """What this rank's own optimizer state chose of its moments' layout, where that need not
     be its peers' choice: trainable parameters it holds without state (left out), parameters
     whose state is of another kind without `kind` (`others`, left out), moments in another
     dtype than their parameters. Not faults (every rank may agree), but when the ranks'
     layouts differ these say how, by name (`LiveDTensors.notes`)."""
     groups = optimizer.param_groups
-    if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
+    if adam and kind == "max_exp_avg_sq":  # only amsgrad groups keep it
         groups = [g for g in groups if g.get("amsgrad")] or groups
     held = {id(q) for g in groups for q in g["params"]}
     described = {n for n, _ in chosen}.union(others)
@@ -430,7 +456,7 @@ def _moment_notes(params, chosen, entries, optimizer, kind, others=()):
     return notes
 
 
-def _optimized(params, optimizer, kind):
+def _optimized(params, optimizer, kind, adam):
     """([(name, FSDPParam)] whose `kind` moments are described, why this rank has none or
     None).
 
@@ -440,16 +466,17 @@ def _optimized(params, optimizer, kind):
     too (a submodule described under the whole model's optimizer). An optimizer with no state
     yet on this rank is not raised here (the peers may have stepped): its parameters are those
     its first step would give state to (as `init_adam_state`), and the reason goes to
-    `check()`."""
+    `check()`. adam: `_adam_moment(kind, optimizer)`."""
     opt_name = type(optimizer).__name__
-    if kind in _MOMENTS and "betas" not in optimizer.defaults:
-        # by the optimizer's kind, not by its state: the state is this rank's alone
+    if kind in _MOMENTS and _torch_optimizer(optimizer) and "betas" not in optimizer.defaults:
+        # by the optimizer's class, not by its state (the state is this rank's alone): torch's
+        # optimizers without betas (SGD, Adagrad, ...) keep no Adam moment
         raise UnsupportedError(
             f"{opt_name} keeps no {kind!r} state: Adam moments come from an Adam-family "
             "optimizer (Adam, AdamW)"
         )
     groups = optimizer.param_groups
-    if kind == "max_exp_avg_sq":  # only amsgrad groups keep it
+    if adam and kind == "max_exp_avg_sq":  # only amsgrad groups keep it
         amsgrad = [g for g in groups if g.get("amsgrad")]
         if not amsgrad:
             # hyperparameters are this rank's too (optimizer.load_state_dict replaces them):
@@ -465,9 +492,10 @@ def _optimized(params, optimizer, kind):
         # e.g. load_state_dict(assign=True) on this rank alone replaced the parameters: laid
         # out as the module's trainable parameters, refused by check()
         first = [(n, fp) for n, fp in params if fp.sharded_param.requires_grad] or params
+        where = " in an amsgrad group" if adam and kind == "max_exp_avg_sq" else ""
         return first, (
             f"the optimizer holds none of this module's FSDP2 sharded parameters on this rank"
-            f"{' in an amsgrad group' if kind == 'max_exp_avg_sq' else ''} (built before "
+            f"{where} (built before "
             "fully_shard(), for another module, or the parameters were replaced since, e.g. "
             "load_state_dict(assign=True)?)"
         )
@@ -479,7 +507,7 @@ def _optimized(params, optimizer, kind):
     made = (
         "Adam moments exist after the first optimizer.step() that saw a gradient, or after "
         "rsfsdp.init_adam_state()"
-        if kind in _MOMENTS
+        if adam
         else "its per-parameter state exists after the first optimizer.step() that saw a "
         "gradient (or the state torch's first step makes, given by hand)"
     )

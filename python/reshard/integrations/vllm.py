@@ -82,32 +82,34 @@ class TPLayout:
         kv_rows, rep = (s.kv_heads // tp * hd, 1) if tp < s.kv_heads else (hd, tp // s.kv_heads)
         inter = s.intermediate // tp
         full = full.detach()
+        # detached, as vLLM's loaders write param.data: a parameter that requires grad (an
+        # nn.Module's) is written in place, not refused by autograd
+        dst = params[_vllm_name(name)].detach()
         fused = (
-            ("q_proj", "qkv_proj", 0, q_rows, tp_rank),
-            ("k_proj", "qkv_proj", q_rows, kv_rows, tp_rank // rep),
-            ("v_proj", "qkv_proj", q_rows + kv_rows, kv_rows, tp_rank // rep),
-            ("gate_proj", "gate_up_proj", 0, inter, tp_rank),
-            ("up_proj", "gate_up_proj", inter, inter, tp_rank),
+            ("q_proj", 0, q_rows, tp_rank),
+            ("k_proj", q_rows, kv_rows, tp_rank // rep),
+            ("v_proj", q_rows + kv_rows, kv_rows, tp_rank // rep),
+            ("gate_proj", 0, inter, tp_rank),
+            ("up_proj", inter, inter, tp_rank),
         )
-        for hf, vllm, first, size, shard_rank in fused:
+        for hf, first, size, shard_rank in fused:
             if f".{hf}." in name:
-                part = full.narrow(0, shard_rank * size, size)
-                params[name.replace(f".{hf}.", f".{vllm}.")].narrow(0, first, size).copy_(part)
+                dst.narrow(0, first, size).copy_(full.narrow(0, shard_rank * size, size))
                 return
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             cols = full.shape[1] // tp
-            params[name].copy_(full.narrow(1, tp_rank * cols, cols))
+            dst.copy_(full.narrow(1, tp_rank * cols, cols))
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             per = _padded_vocab(s.vocab) // tp
             lo, hi = min(tp_rank * per, s.vocab), min((tp_rank + 1) * per, s.vocab)
-            params[name][: hi - lo].copy_(full[lo:hi])
+            dst[: hi - lo].copy_(full[lo:hi])
         else:  # norms and row-parallel biases: replicated
-            params[name].copy_(full)
+            dst.copy_(full)
 
     def _check_load(self, name, full, tp_rank, params) -> int:
         """What vLLM's loader asserts (shapes), so that `copy_` never broadcasts a wrong-sized
-        tensor into a parameter, and a rank outside the TP group never silently copies nothing.
-        Returns tp_rank as an int."""
+        tensor into a parameter, and a rank outside the TP group or a meta tensor never
+        silently copies nothing. Returns tp_rank as an int."""
         tp_rank = _check_tp_rank(tp_rank, self.tp_size)
         tl = self.layout.tensors.get(name) if isinstance(name, str) else None
         if tl is None:
@@ -126,6 +128,11 @@ class TPLayout:
                 f"params[{vname!r}] must be TP rank {tp_rank}'s parameter of shape "
                 f"{self.shapes[vname]}, got {got}"
             )
+        # copy_ from or into a meta tensor (a model not materialized) is no error in torch:
+        # nothing would be loaded, silently
+        meta = [w for w, x in (("full", full), (f"params[{vname!r}]", t)) if x.is_meta]
+        if meta:
+            raise ValueError(f"{name}: {' and '.join(meta)} on the meta device holds no data")
         return tp_rank
 
     def buffers(self, named_params, tp_rank: int) -> dict:
@@ -138,14 +145,7 @@ class TPLayout:
         does not know are left alone.
         """
         tp_rank = _check_tp_rank(tp_rank, self.tp_size)
-        try:
-            pairs = named_params.items() if isinstance(named_params, Mapping) else named_params
-            params = dict(pairs)
-        except (TypeError, ValueError):
-            raise ValueError(
-                "named_params must be model.named_parameters() (pairs of name and tensor) or a "
-                f"mapping, got {type(named_params).__name__}"
-            ) from None
+        params, twice = _named(named_params)
         out, problems, views = {}, [], []
         for name, shape in self.shapes.items():
             t = params.get(name)
@@ -169,12 +169,61 @@ class TPLayout:
                 out[self.locations[(name, tp_rank)]] = t.view(-1)
                 views.append((name, t))
         problems += _shared_memory(views)
+        problems += [
+            f"{name}: given {n} times, as different tensors (one TP rank's parameters, once "
+            "each: named_parameters() of one engine)"
+            for name, n in twice.items()
+            if name in self.shapes
+        ]
         if problems:
             raise ValueError(
                 f"TP rank {tp_rank}: {len(problems)} engine parameter(s) do not match "
-                f"tp_layout(tp_size={self.tp_size}): " + "; ".join(problems)
+                f"tp_layout(tp_size={self.tp_size}): "
+                + "; ".join(problems)
+                + _names_hint(params, self.shapes)
             )
         return out
+
+
+def _names_hint(params, shapes) -> str:
+    """What the names of `params` suggest was passed instead of one engine's parameters:
+    the HF model's (unfused q/k/v, gate/up), or names under another prefix; '' when
+    nothing."""
+    names = [n for n in params if isinstance(n, str)]
+    hf = sorted(n for n in names if _vllm_name(n) != n and _vllm_name(n) in shapes)
+    if hf:
+        return (
+            f" (named_params holds HF names, e.g. {hf[0]!r}: buffers() takes the engine's "
+            "own parameters, vLLM names with q/k/v fused into qkv_proj and gate/up into "
+            "gate_up_proj, each TP rank's shard)"
+        )
+    if names and not any(n in shapes for n in names):
+        return (
+            f" (no name of named_params is the layout's: given e.g. {names[0]!r}, the layout "
+            f"has e.g. {next(iter(shapes))!r}; another prefix?)"
+        )
+    return ""
+
+
+def _named(named_params):
+    """({name: tensor}, {name: count} of the names given more than once with different
+    tensors) of `named_params`: pairs of (name, tensor) or a mapping. A name given twice is
+    not resolved by order (dict() would keep the last silently): two engines' parameters
+    concatenated would write one rank's shards into the other's."""
+    if isinstance(named_params, Mapping):
+        return dict(named_params.items()), {}
+    params, seen = {}, {}
+    try:
+        for name, t in named_params:
+            if name in params and params[name] is not t:
+                seen[name] = seen.get(name, 1) + 1
+            params[name] = t
+    except (TypeError, ValueError):
+        raise ValueError(
+            "named_params must be model.named_parameters() (pairs of name and tensor) or a "
+            f"mapping, got {type(named_params).__name__}"
+        ) from None
+    return params, seen
 
 
 def _shared_memory(views) -> list[str]:
