@@ -610,3 +610,37 @@ def w_crossed_kinds(rank, world):
         errs += consume(streams[k], src, want, rank == 0, f"rank {rank} {k} after the refusals")
     dist.barrier()
     return errs, msgs
+
+
+def w_device_misfit(rank, world):
+    """Rank 1 asks for a CUDA device its process does not have (a receiver, then a rank that
+    only sends): every rank's first call raises the same PreflightError naming rank 1 and the
+    device, promptly, nothing yielded; then a Stream on a device that fits is complete."""
+    values = full_values(seed=8)
+    layout, bufs = zero3_source(world, values, rank)
+    errs, msgs = [], []
+    for receivers in ([0, 1], [0]):
+        device = "cuda:1" if rank == 1 else "cpu"
+        got, msg = [], None
+        t0 = time.perf_counter()
+        try:
+            s = rs.Stream(layout, receivers, 1024, dtype=torch.bfloat16, device=device, timeout=30)
+            for name, _ in s(bufs):
+                got.append(name)
+        except Exception as exc:  # noqa: BLE001 - a ValueError on rank 1 alone is the bug
+            msg = f"{type(exc).__name__}: {exc}"
+        secs = time.perf_counter() - t0
+        tag = f"rank {rank} receivers {receivers}"
+        want = "PreflightError: preflight failed on 1 of 2 ranks (1)"
+        if msg is None or not msg.startswith(want) or "rank 1: device cuda:1" not in msg:
+            errs.append(f"{tag}: expected a PreflightError naming rank 1's device, got {msg!r}")
+        if got:
+            errs.append(f"{tag}: yielded {got} before the error")
+        if secs > 20:
+            errs.append(f"{tag}: the refusal took {secs:.0f} s")
+        msgs.append(msg)
+    s = rs.Stream(layout, [0, 1], 1024, dtype=torch.bfloat16, device="cpu")
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs += consume(s, bufs, want, True, f"rank {rank} after the refusals")
+    dist.barrier()
+    return errs, msgs

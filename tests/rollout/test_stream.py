@@ -629,8 +629,10 @@ def test_constructor_refuses_what_the_first_call_would():
     with pytest.raises(ValueError, match="16-byte elements"):
         rs.Stream(wide)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
-            rs.Stream(layout, device="cuda")
+        # whether a device fits is the rank's own: refused in the first bucket's preflight
+        s = rs.Stream(layout, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(rs.PreflightError, match="rank 0: device cuda: CUDA is not available"):
+            next(iter(s(bufs)))
     # receivers' tensors live on the CPU or a CUDA device this process has, nothing else
     for device in ("meta", "mps", torch.device("meta")):
         with pytest.raises(ValueError, match="device .*cpu or a CUDA device"):
@@ -874,6 +876,16 @@ def test_stream_gloo_two_states_in_crossed_order_do_not_pair_up(tmp_path):
     """Streams of one plan moving differently named states (a source object's `.kind`) are
     refused alike on every rank when the ranks iterate them in another order."""
     out = run_ranks(W.w_crossed_kinds, 2, tmp_path, env=ENV, timeout=180)
+    for errs, _ in out:
+        assert errs == []
+    assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
+
+
+def test_stream_gloo_a_device_one_rank_lacks_refuses_on_every_rank(tmp_path):
+    """`device=` may differ between ranks (cuda:{local_rank}); one that does not fit its rank's
+    process (here: CUDA on a CPU-only rank) was a ValueError at construction on that rank
+    alone, its peers waiting out their timeout in the first call."""
+    out = run_ranks(W.w_device_misfit, 2, tmp_path, env=ENV, timeout=180)
     for errs, _ in out:
         assert errs == []
     assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
