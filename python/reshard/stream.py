@@ -19,9 +19,11 @@ the source checks, the merged Report).
 Memory (receivers): one buffer of `buffer_bytes`, allocated on the first call and kept: the
 largest bucket, or `2 * bucket_bytes` (at most everything streamed) when that is more. Every
 rank also holds one staging pool shared by its buckets (arenas of the largest bucket's rounds,
-plus the pinned ring when CPU buffers meet CUDA ones), kept across calls. `staging_bytes(rank)`
-states the whole bound; each call's `report` says what was held. A consumer that takes tensors
-whole needs the largest one whole, so that tensor is the floor of any by-name path.
+plus the pinned ring when CPU buffers meet CUDA ones), kept across calls, and each bucket's
+Transfer keeps its descriptor tables (48 B per copy run; under NCCL their device copies too).
+`staging_bytes(rank)` states the whole bound; each call's `report` says what the pool and
+buffer held. A consumer that takes tensors whole needs the largest one whole, so that tensor
+is the floor of any by-name path.
 
 Errors: names, dtype, receivers, sizes, the timeout and a `device` value that names no CPU or
 CUDA device are checked in the constructor (the same ValueError on every rank, since every rank
@@ -68,9 +70,10 @@ from .layout.values import row_major
 from .planning.helpers import check_nbytes, check_rank
 from .planning.planner import MAX_BUDGET, _integral
 from .preflight import timeout_error
+from .report import STAGING_KINDS
 from .staging_bound import TRANSPORTS
 from .stream_iter import Call, check_sources
-from .stream_mover import BucketMover, StagingPool
+from .stream_mover import PROGRESS_WORD_BYTES, BucketMover, StagingPool, table_bytes
 
 __all__ = ["Stream"]
 
@@ -173,6 +176,7 @@ class Stream:
         )
         self.used_locations = sorted({loc for b in self.buckets for loc in b.src_locations})
         self._first_locations = set(self.buckets[0].src_locations)
+        self._table_bounds = {}  # (rank, world size, transport) -> the buckets' table_bytes
         self._clear_runtime()
         self._bind(bound)
 
@@ -250,7 +254,9 @@ class Stream:
         (`{"device", "host_pinned", "host"}`): the receivers' buffer plus the staging pool
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
-        ones)."""
+        ones), plus what each bucket's Transfer keeps besides (`stream_mover.table_bytes`:
+        its descriptor tables, about 48 B per copy run, and under NCCL their device copies)
+        and a CUDA receiver's progress word per bucket."""
         rank = self.rank if rank is None else check_rank(rank)
         host_ring_bytes = check_nbytes(host_ring_bytes, "host_ring_bytes")
         if transport is None:
@@ -258,9 +264,25 @@ class Stream:
         elif transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
         out = StagingPool(self.plans, rank).bound(transport, host_ring_bytes)
+        for kind, n in self._table_bytes(rank, transport).items():
+            out[kind] += n
         if rank in self.receivers:
             out["device" if self.device.type == "cuda" else "host"] += self.buffer_bytes
+            if self.device.type == "cuda":
+                out["host"] += PROGRESS_WORD_BYTES * len(self.buckets)
         return out
+
+    def _table_bytes(self, rank, transport) -> dict:
+        """`table_bytes` summed over the buckets, once per (rank, world size, transport)."""
+        key = (rank, self.world_size, transport)
+        got = self._table_bounds.get(key)
+        if got is None:
+            got, own = dict.fromkeys(STAGING_KINDS, 0), rank == self.rank
+            for b in self.buckets:
+                for kind, n in table_bytes(b.plan, rank, self.world_size, transport, own).items():
+                    got[kind] += n
+            self._table_bounds[key] = got
+        return got
 
     def describe(self) -> str:
         lines = [

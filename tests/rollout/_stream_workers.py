@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -168,9 +169,9 @@ def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
 def held_storages(stream, bufs) -> int:
     """Bytes of every storage reachable from `stream` through containers and reshard's own
     objects (found with the garbage collector's referents, not the Stream's own accounting),
-    other than the sources in `bufs` and the executor's int64 descriptor tables (metadata, a
-    few words per copy run): what the stated bound `staging_bytes` must cover. Modules,
-    functions and threads are not followed (they reach the whole interpreter)."""
+    other than the sources in `bufs`, the executor's int64 descriptor tables included: what
+    the stated bound `staging_bytes` must cover. Modules, functions and threads are not
+    followed (they reach the whole interpreter)."""
     sources = {t.untyped_storage().data_ptr() for t in bufs.values()}
     held, seen, todo = {}, set(), [stream]
     while todo:
@@ -180,13 +181,35 @@ def held_storages(stream, bufs) -> int:
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
-            if st.data_ptr() not in sources and o.dtype != torch.int64:
+            if st.data_ptr() not in sources:
                 held[st.data_ptr()] = st.nbytes()
         elif isinstance(o, (dict, list, tuple, set, frozenset, deque, Future)) or (
             type(o).__module__.startswith("reshard.") and not isinstance(o, type)
         ):
             todo.extend(gc.get_referents(o))
     return sum(held.values())
+
+
+def short_runs_source(numel, seed, device="cpu"):
+    """(layout, buffers, full fp32 tensor "w"): one flat tensor cut into runs of random lengths
+    (1-31 elements) that alternate between two storages of rank 0, so no run pattern repeats
+    and every run is a descriptor row of its own: the executor's tables are as large as the
+    planner makes them (48 B per run, about numel / 16 runs)."""
+    g = np.random.default_rng(seed)
+    cuts = np.concatenate([[0], np.cumsum(g.integers(1, 32, size=numel // 8))])
+    cuts = np.append(cuts[cuts < numel], numel)
+    runs, idx, offs = [], ([], []), [0, 0]
+    for k, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)):
+        loc = k % 2
+        runs.append((loc, a, b, offs[loc]))
+        idx[loc].append(np.arange(a, b))
+        offs[loc] += b - a
+    layout = rs.Layout(
+        {"w": rs.flat((numel,), runs)}, {i: rs.Storage(0, torch.float32, offs[i]) for i in (0, 1)}
+    )
+    full = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    bufs = {i: full[torch.from_numpy(np.concatenate(idx[i]))].to(device) for i in (0, 1)}
+    return layout, bufs, full
 
 
 def _held_within_bound(stream, bufs, tag) -> list[str]:
