@@ -190,7 +190,7 @@ def held_storages(stream, bufs) -> int:
     return sum(held.values())
 
 
-def short_runs_source(numel, seed, device="cpu"):
+def short_runs_source(numel, seed):
     """(layout, buffers, full fp32 tensor "w"): one flat tensor cut into runs of random lengths
     (1-31 elements) that alternate between two storages of rank 0, so no run pattern repeats
     and every run is a descriptor row of its own: the executor's tables are as large as the
@@ -208,7 +208,7 @@ def short_runs_source(numel, seed, device="cpu"):
         {"w": rs.flat((numel,), runs)}, {i: rs.Storage(0, torch.float32, offs[i]) for i in (0, 1)}
     )
     full = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
-    bufs = {i: full[torch.from_numpy(np.concatenate(idx[i]))].to(device) for i in (0, 1)}
+    bufs = {i: full[torch.from_numpy(np.concatenate(idx[i]))] for i in (0, 1)}
     return layout, bufs, full
 
 
