@@ -28,7 +28,8 @@ fails on one rank raises LayoutError there: `Transfer.refusing` lets that rank j
 peers' preflight instead); when the ranks reached the
 agreement far apart, a commit step follows, so a rank whose peers gave up on it never writes
 (docs/executor.md states the windows left). Any failure after the agreement is a
-`TransferError`: targets may be partially written. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
+`TransferError`: targets may be partially written; an interrupt there (or one that leaves this
+rank out of its exchange) marks the group out of step. Waits are bounded by `timeout` (gloo) or the group's own timeout (NCCL watchdog):
 never a hang. Calls on one Transfer, and on one process group, run one at a time.
 """
 
@@ -39,6 +40,7 @@ import contextlib
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from . import _ops, staging
 from . import preflight as pf
-from .errors import TransferError
+from .errors import PreflightError, TransferError
 from .h2d import HostToDevice, LocalSpans, contiguous_spans, current_progress
 from .report import STAGING_KINDS, Report
 from .rounds import RECV, SEND, build_rounds, local_tables, wire_parts
@@ -521,31 +523,58 @@ def _bump_versions(engine, dst_ok) -> None:
         torch.autograd.graph.increment_version(written)
 
 
+def _in_step(exc, outer) -> bool:
+    """Whether `exc`, raised by a call's preflight, leaves the ranks in step: a PreflightError
+    (every rank raised it, or this rank's failed exchange marked the group itself), or the
+    interrupt of a hook that the preflight raises again once every rank raised its
+    PreflightError (the interrupt's context). An interrupt anywhere else (as the preflight
+    returns: its peers go on to the rounds) leaves them out of step. `outer`: what the caller
+    was handling when it called, the context of an interrupt that arrives outside that
+    PreflightError."""
+    if isinstance(exc, PreflightError):
+        return True
+    return isinstance(exc.__context__, PreflightError) and exc.__context__ is not outer
+
+
 def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
     """One call on `engine`: (its Report, what preflight cleared)."""
     t_start = time.perf_counter()
-    cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
-    src_ok, dst_ok = cleared.src, cleared.dst
-    report = Report(
-        rank=engine.rank,
-        world_size=engine.world_size,
-        transport=engine.transport,
-        rounds=engine.num_rounds,
-        fingerprint=cleared.fingerprint,
-        bytes_sent=dict(engine.bytes_sent),
-        bytes_received=dict(engine.bytes_received),
-    )
-    report.seconds["plan"] = plan_seconds
-    report.seconds.update(cleared.seconds)
-    report.staging_bound = engine.bound()
-    verified = getattr(engine, "verified_buffers", None)
-    key = verified[0] if verified is not None else None
+    outer = sys.exc_info()[1]  # what the caller is handling: no refusal of this call
+    cleared = None
+    # One try from the preflight to the end of the rounds: once the ranks agreed, a rank that
+    # stops anywhere (an interrupt as the preflight returns, an error building the Report)
+    # leaves its peers in the rounds, so its group is out of step like after a stop mid-rounds
     try:
+        cleared = pf.run(engine, src_buffers, dst_buffers, checks, timeout)
+        report = Report(
+            rank=engine.rank,
+            world_size=engine.world_size,
+            transport=engine.transport,
+            rounds=engine.num_rounds,
+            fingerprint=cleared.fingerprint,
+            bytes_sent=dict(engine.bytes_sent),
+            bytes_received=dict(engine.bytes_received),
+        )
+        report.seconds["plan"] = plan_seconds
+        report.seconds.update(cleared.seconds)
+        report.staging_bound = engine.bound()
+        verified = getattr(engine, "verified_buffers", None)
+        key = verified[0] if verified is not None else None
         # a transfer moves values, never gradients: sources that require grad (a model's
         # parameters) must not give the targets an autograd history
         with torch.no_grad():
-            _RoundLoop(engine, src_ok, dst_ok, report.seconds, cleared.timeout_s, key).run()
+            _RoundLoop(
+                engine, cleared.src, cleared.dst, report.seconds, cleared.timeout_s, key
+            ).run()
     except BaseException as exc:  # KeyboardInterrupt too: arenas may still be written
+        if cleared is None:  # raised by the preflight, or as it returned
+            if engine.world_size > 1 and not _in_step(exc, outer):
+                pf.mark_out_of_step(
+                    engine.group,
+                    f"a transfer stopped around its preflight exchange on rank {engine.rank} "
+                    f"({exc!r})",
+                )
+            raise
         _retire(engine)
         if engine.world_size > 1:  # rounds abandoned part-way, posted to peers
             pf.mark_out_of_step(
@@ -559,7 +588,8 @@ def _run(engine, src_buffers, dst_buffers, checks, timeout, plan_seconds):
             f"({type(exc).__name__}: {exc}); targets may be partially written{hint}"
         ) from exc
     finally:
-        _bump_versions(engine, dst_ok)
+        if cleared is not None:
+            _bump_versions(engine, cleared.dst)
     report.peak_staging_bytes = engine.staging.held()
     report.zero_copy_bytes = engine.rounds.zero_copy_bytes if engine.rounds else 0
     report.local_bytes = engine.local_bytes

@@ -19,12 +19,17 @@ the source checks, the merged Report).
 Memory (receivers): one buffer of `buffer_bytes`, allocated on the first call and kept: the
 largest bucket, or `2 * bucket_bytes` (at most everything streamed) when that is more. Every
 rank also holds one staging pool shared by its buckets (arenas of the largest bucket's rounds,
-plus the pinned ring when CPU buffers meet CUDA ones), kept across calls. `staging_bytes(rank)`
-states the whole bound; each call's `report` says what was held. A consumer that takes tensors
-whole needs the largest one whole, so that tensor is the floor of any by-name path.
+plus the pinned ring when CPU buffers meet CUDA ones), kept across calls, and each bucket's
+Transfer keeps its descriptor tables (48 B per copy run; under NCCL their device copies too).
+`staging_bytes(rank)` states the whole bound; each call's `report` says what the pool and
+buffer held. A consumer that takes tensors whole needs the largest one whole, so that tensor
+is the floor of any by-name path.
 
-Errors: names, dtype, receivers, sizes and the timeout are checked in the constructor (the
-same ValueError on every rank, since every rank builds the same Stream). The first bucket's
+Errors: names, dtype, receivers, sizes, the timeout and a `device` value that names no CPU or
+CUDA device are checked in the constructor (the same ValueError on every rank, since every rank
+builds the same Stream). Whether a device fits the rank's process (CUDA present, enough GPUs)
+and the group's transport is the rank's own (`device=` may differ between ranks): a misfit is
+refused in bucket 0's preflight, the same PreflightError on every rank. The first bucket's
 collective preflight agrees on the whole stream's fingerprint and checks every source buffer the
 whole stream reads (and runs the buffer set's readiness hook), so Streams that differ between
 ranks, or a bad or missing buffer anywhere, raise the same PreflightError on every rank before
@@ -65,9 +70,10 @@ from .layout.values import row_major
 from .planning.helpers import check_nbytes, check_rank
 from .planning.planner import MAX_BUDGET, _integral
 from .preflight import timeout_error
+from .report import STAGING_KINDS
 from .staging_bound import TRANSPORTS
 from .stream_iter import Call, check_sources
-from .stream_mover import BucketMover, StagingPool
+from .stream_mover import PROGRESS_WORD_BYTES, BucketMover, StagingPool, table_bytes
 
 __all__ = ["Stream"]
 
@@ -87,7 +93,8 @@ class Stream:
     group: the process group (default: the default group as it is at each call; no process
         group: in-process, rank 0).
     device: where receivers' tensors live (default: the current CUDA device under NCCL, else
-        the CPU).
+        the CPU). One this rank's process lacks (or a CUDA device under gloo) fails the first
+        call on every rank (a PreflightError naming this rank), not the constructor here.
     staging_bytes_per_rank: cap on one bucket transfer's arenas on any rank (default
         `min(bucket_bytes // 4, 64 MiB)`, at least 64 KiB).
     timeout: seconds any single wait may take (gloo), the caller's wait for one bucket's move
@@ -146,7 +153,7 @@ class Stream:
         self.names = sb.check_names(names, src_layout)
         self.bucket_bytes, self.staging_bytes_per_rank = bucket_bytes, staging_bytes_per_rank
         self._device_arg = device  # None: the group's default, resolved with the group
-        self.device = _resolve_device(device, bound[3])
+        _resolve_device(device, bound[3])  # a value that is no device raises here, before planning
         self.register_host_sources = register_host_sources
         self.src_layout = src_layout
         out_dtypes = {n: sb.out_dtype(n, src_layout, dtype) for n in self.names}
@@ -169,6 +176,7 @@ class Stream:
         )
         self.used_locations = sorted({loc for b in self.buckets for loc in b.src_locations})
         self._first_locations = set(self.buckets[0].src_locations)
+        self._table_bounds = {}  # (rank, world size, transport) -> the buckets' table_bytes
         self._clear_runtime()
         self._bind(bound)
 
@@ -195,11 +203,12 @@ class Stream:
 
     def _bind(self, bound) -> None:
         """Make the mover (and drop the buffer) for `bound`, the resolved group; raises the
-        constructor's ValueError when the receivers or the device do not fit it."""
+        constructor's ValueError when the receivers do not fit it. A device that does not fit
+        this process or the group is kept as `device_problem`: the next call refuses it."""
         group, rank, world, backend = bound
         sb.check_receivers(self.receivers, world)
-        device = _resolve_device(self._device_arg, backend)
-        cuda = device.index if device.type == "cuda" else None
+        device, self.device_problem = _resolve_device(self._device_arg, backend)
+        cuda = device.index if device.type == "cuda" and not self.device_problem else None
         if cuda is None and "nccl" in backend and torch.cuda.is_available():
             cuda = torch.cuda.current_device()
         if self.mover is not None:
@@ -245,7 +254,9 @@ class Stream:
         (`{"device", "host_pinned", "host"}`): the receivers' buffer plus the staging pool
         (per direction, double-buffered arenas of the largest bucket's rounds on the
         transport's device; `host_ring_bytes`: the pinned ring when CPU buffers meet CUDA
-        ones)."""
+        ones), plus what each bucket's Transfer keeps besides (`stream_mover.table_bytes`:
+        its descriptor tables, about 48 B per copy run, and under NCCL their device copies)
+        and a CUDA receiver's progress word per bucket."""
         rank = self.rank if rank is None else check_rank(rank)
         host_ring_bytes = check_nbytes(host_ring_bytes, "host_ring_bytes")
         if transport is None:
@@ -253,9 +264,25 @@ class Stream:
         elif transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'nccl' or 'gloo', got {transport!r}")
         out = StagingPool(self.plans, rank).bound(transport, host_ring_bytes)
+        for kind, n in self._table_bytes(rank, transport).items():
+            out[kind] += n
         if rank in self.receivers:
             out["device" if self.device.type == "cuda" else "host"] += self.buffer_bytes
+            if self.device.type == "cuda":
+                out["host"] += PROGRESS_WORD_BYTES * len(self.buckets)
         return out
+
+    def _table_bytes(self, rank, transport) -> dict:
+        """`table_bytes` summed over the buckets, once per (rank, world size, transport)."""
+        key = (rank, self.world_size, transport)
+        got = self._table_bounds.get(key)
+        if got is None:
+            got, own = dict.fromkeys(STAGING_KINDS, 0), rank == self.rank
+            for b in self.buckets:
+                for kind, n in table_bytes(b.plan, rank, self.world_size, transport, own).items():
+                    got[kind] += n
+            self._table_bounds[key] = got
+        return got
 
     def describe(self) -> str:
         lines = [
@@ -318,6 +345,8 @@ class Stream:
                 or bound[1:] != self._bound[1:]
             ):
                 self._bind(bound)
+            if self.device_problem is not None:
+                self._refuse_device(bound[0])
             lock = _hold_group(bound[0], self.timeout)
         except BaseException:
             self._active = None
@@ -335,6 +364,14 @@ class Stream:
             self._active = None
             if lock is not None:
                 lock.__exit__(None, None, None)
+
+    def _refuse_device(self, group) -> None:
+        """This rank's side of bucket 0's preflight when its `device` does not fit its process
+        or group: its peers' first bucket raises the same PreflightError, naming this rank and
+        the device, and nothing moves anywhere. Always raises."""
+        from .executor import refuse  # needs the built ops; planning does not
+
+        refuse(self.buckets[0].plan, [self.device_problem], group, timeout=self.timeout)
 
     def check_sources(self, bufs, stopped=None) -> None:
         """bucket 0's preflight check: every source buffer the whole stream reads on this
@@ -485,35 +522,39 @@ def _positive_int(what, value) -> int:
     return value
 
 
-def _resolve_device(device, backend) -> torch.device:
-    if device is not None:
-        try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device {device!r} is not a device ({exc})") from None
-        if device.type not in ("cpu", "cuda"):
-            # the executor's copies run on the CPU or CUDA only (a meta buffer would yield
-            # tensors without values)
-            raise ValueError(
-                f"device {device}: receivers' tensors live on the cpu or a CUDA device"
-            )
-        if backend == "gloo" and device.type != "cpu":
-            raise ValueError(
-                f"device {device}: the gloo transport delivers into CPU memory; use "
-                "device='cpu' or an NCCL group"
-            )
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device}: CUDA is not available in this process")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {device}: this process has {torch.cuda.device_count()} CUDA device(s)"
-            )
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _resolve_device(device, backend) -> tuple[torch.device, str | None]:
+    """(the receivers' device, why it does not fit this process or the group's transport, or
+    None). A value that names no CPU or CUDA device raises ValueError: the same for the same
+    value on every rank. Whether a device fits depends on the rank (its host's GPUs, and
+    `device=` may differ between ranks, as `f"cuda:{local_rank}"` does), so a misfit is
+    returned instead: the call's first bucket refuses it on every rank at once."""
+    if device is None:
+        if "nccl" in backend and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device()), None
+        return torch.device("cpu"), None
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a device ({exc})") from None
+    if device.type not in ("cpu", "cuda"):
+        # the executor's copies run on the CPU or CUDA only (a meta buffer would yield
+        # tensors without values)
+        raise ValueError(f"device {device}: receivers' tensors live on the cpu or a CUDA device")
+    problem = None
+    if device.type == "cpu":
+        pass
+    elif not torch.cuda.is_available():
+        problem = f"device {device}: CUDA is not available in this process"
+    elif (device.index or 0) >= torch.cuda.device_count():
+        problem = f"device {device}: this process has {torch.cuda.device_count()} CUDA device(s)"
+    elif backend == "gloo":
+        problem = (
+            f"device {device}: the gloo transport delivers into CPU memory; use device='cpu' "
+            "or an NCCL group"
+        )
+    elif device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device, problem
 
 
 def _buffers_and_hooks(src_buffers, layout, seen):

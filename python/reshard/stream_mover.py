@@ -29,14 +29,18 @@ import os
 import torch
 
 from . import staging
-from .h2d import Progress, publishing
+from .h2d import MAX_DESCS, Progress, publishing
 from .hostreg import HostRegistry
+from .planning.rank_schedule import schedule
+from .preflight import ROW
 from .report import STAGING_KINDS
 from .rounds import RECV, SEND
+from .staging_bound import DESC_ROW_BYTES, cuda_block, device_table_bytes
 
 # Final values of a bucket's progress word: its transfer returned (every copy queued), or failed.
 DONE = 1 << 62
 FAILED = -1
+PROGRESS_WORD_BYTES = 32  # int64 [4], CPU
 
 
 class StagingPool:
@@ -107,6 +111,46 @@ class StagingPool:
             out["host_pinned"] += host_ring_bytes
             out["device"] += ring_device_bytes(host_ring_bytes)
         return out
+
+
+def table_bytes(plan, rank: int, world_size: int, transport: str, own: bool) -> dict:
+    """The most memory one bucket Transfer's executor state holds on `rank` besides its staging
+    (kept across calls), by kind: the descriptor tables, one int64 row per copy run (the
+    schedule's, of its local copies and its messages' segments; the round tables fused from
+    the segments it packs, every segment's rows at most once more), the preflight's
+    all-gather rows (world > 1: kept on the CPU, made per call on the device under NCCL), and
+    under NCCL, where CUDA ops read the tables, the device copies the ops' table cache keeps
+    of each one, plus the one-row tables of its local copies' batched CPU -> CUDA path (for
+    staged pieces and device casts: at most `h2d.MAX_DESCS` per Transfer). `own`: `rank` is this
+    process's, whose schedule the plan keeps (its Transfer builds it anyway); another rank's
+    is built and dropped."""
+    sched = plan.schedule(rank) if own else schedule(plan, rank)
+    src = plan.src.storages
+    cuda = transport == "nccl"
+    out = dict.fromkeys(STAGING_KINDS, 0)
+    rows = 0
+    for lc in sched.local:
+        rows += len(lc.desc)
+        if cuda:
+            read = int((lc.desc[:, 4] * lc.desc[:, 5]).sum()) * src[lc.src_location].dtype.itemsize
+            out["device"] += device_table_bytes(len(lc.desc), read)
+    for side, msgs in ((SEND, sched.sends), (RECV, sched.recvs)):
+        for seg in (seg for rm in msgs for m in rm for seg in m.segments):
+            rows += 2 * len(seg.desc)  # the schedule's, and the round table's copy
+            if cuda:
+                dt = src[seg.src_location].dtype if side == SEND else seg.wire_dtype
+                out["device"] += device_table_bytes(len(seg.desc), seg.numel * dt.itemsize)
+    out["host"] += DESC_ROW_BYTES * rows
+    if world_size > 1:  # this rank's row and everyone's, int64 (preflight.GatherRows)
+        if cuda:  # made per call (_all_gather_rows): a row per rank, and their stack
+            stacked = cuda_block(8 * ROW * world_size)
+            out["device"] += (world_size + 1) * cuda_block(8 * ROW) + stacked
+        else:
+            out["host"] += 8 * ROW * (world_size + 1)
+    if cuda and sched.local:
+        out["host"] += MAX_DESCS * DESC_ROW_BYTES
+        out["device"] += MAX_DESCS * device_table_bytes(1, 1 << 62)
+    return out
 
 
 def ring_device_bytes(ring_nbytes: int) -> int:
@@ -183,7 +227,7 @@ class BucketMover:
         submitting the bucket with `progress_origin`."""
         w = self._words.get(index)
         if w is None:
-            t = torch.zeros(4, dtype=torch.int64)
+            t = torch.zeros(PROGRESS_WORD_BYTES // 8, dtype=torch.int64)
             w = self._words[index] = (t, t.numpy())
         else:
             w[1][:] = 0  # nothing waits on or publishes to it between calls

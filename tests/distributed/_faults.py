@@ -148,3 +148,32 @@ def assert_late_rank_wrote_nothing(results):
         assert "nothing was written" in outcome[1], (rank, outcome)
         assert not touched, (rank, touched[:5])
         assert not (after and after[0]), (rank, after)
+
+
+def interrupt_after_agreement(raiser, where):
+    """From now on this rank's next transfer call raises `raiser` (an exception class) once its
+    preflight has agreed with its peers, before its rounds start: as a signal's handler would,
+    at `where` ("preflight": as the preflight returns; "report": as the executor begins the
+    call's Report)."""
+    import reshard.executor as ex
+    from reshard import preflight as pf
+
+    if where == "preflight":
+        real = pf.run
+
+        def agreed_then_interrupted(*args, **kwargs):
+            real(*args, **kwargs)
+            pf.run = real
+            raise raiser(f"interrupted after the agreement ({where})")
+
+        pf.run = agreed_then_interrupted
+    elif where == "report":
+        real_report = ex.Report
+
+        def interrupted_report(*args, **kwargs):
+            ex.Report = real_report
+            raise raiser(f"interrupted after the agreement ({where})")
+
+        ex.Report = interrupted_report
+    else:
+        raise KeyError(f"unknown point {where!r}")

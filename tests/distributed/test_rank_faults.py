@@ -9,23 +9,27 @@ waiting out the timeout), nothing is written, and the group stays usable where i
   refuses at once instead of waiting out its timeout for a commit that cannot come;
 - a KeyboardInterrupt / SystemExit in one rank's readiness hook or `checks=`: a reason like any
   other (raised again on that rank after the exchange); the next call is correct;
-- an interrupt in the middle of the exchange: that rank's group is marked out of step, so its
-  next call refuses at once instead of pairing with a stale collective;
+- an interrupt in the middle of the exchange, or after the agreement before the rounds: that
+  rank's group is marked out of step, so its next call refuses at once instead of pairing
+  with a stale collective;
 - a Transfer on one rank against rs.execute of another plan, a Stream, or a refusing Transfer;
 - the same tensors passed as sources and targets.
 """
 
 from __future__ import annotations
 
+import builtins
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _faults as F  # noqa: E402
 import _workers_ranks as W  # noqa: E402
 import pytest  # noqa: E402
 
+import reshard as rs  # noqa: E402
 from tests._spawn import run_ranks  # noqa: E402
 
 PROMPT_S = 20.0  # a refusal reaches every rank well within this (the transfers wait 120 s)
@@ -86,6 +90,46 @@ def test_an_interrupt_in_the_exchange_marks_that_ranks_group(tmp_path):
         assert again[0] == "PreflightError" and "cannot be used again" in again[1], again
         assert again[2] < 1.0, again
     assert not any(o[3] for o in (first0, again0, first1, again1)), res
+
+
+def _interrupted_after_agreement(rank, world, raiser, where, timeout):
+    """Rank 1 is interrupted after the call's agreement, before its rounds; then each rank
+    calls again. [(outcome, message, seconds, whether a target byte changed)] per call."""
+    src, dst, values = W._sides(world)
+    sync = rs.Transfer(src.layout(), dst.layout(), 64, timeout=timeout)
+    sb = W.S.source_buffers(src, values, rank)
+    if rank == 1:
+        F.interrupt_after_agreement(getattr(builtins, raiser), where.split(",")[0])
+    out = []
+    for _ in range(2):
+        db = dst.empty(rank)
+        if where.endswith("in a handler"):  # the caller handles an earlier call's refusal
+            try:
+                raise rs.PreflightError("an earlier call was refused", {})
+            except rs.PreflightError:
+                out.append(W._outcome(lambda db=db: sync(sb, db), db))
+        else:
+            out.append(W._outcome(lambda db=db: sync(sb, db), db))
+    return out
+
+
+@pytest.mark.parametrize("where", ["preflight", "report", "preflight, in a handler"])
+@pytest.mark.parametrize("raiser", ["KeyboardInterrupt", "SystemExit"])
+def test_an_interrupt_after_the_agreement_marks_that_ranks_group(tmp_path, raiser, where):
+    """Its peers go on to the rounds and fail within their timeout (TransferError); the
+    interrupted rank's next call refuses at once (it was a call into the exchange that no
+    peer joins: a wait of the whole timeout, then an exchange failure)."""
+    timeout = 3.0
+    args = (raiser, where, timeout)
+    res = run_ranks(_interrupted_after_agreement, 2, tmp_path, args=args, timeout=180)
+    (first0, again0), (first1, again1) = res
+    assert first1[0] == raiser and "after the agreement" in first1[1], first1
+    assert first0[0] == "TransferError" and first0[2] < timeout * 4, first0
+    for again in (again0, again1):  # refused at once, without touching the group
+        assert again[0] == "PreflightError" and "cannot be used again" in again[1], again
+        assert again[2] < 1.0, again
+    assert "rank 1" in again1[1] and raiser in again1[1], again1
+    assert not any(o[3] for o in (first1, again0, again1)), res
 
 
 def test_ranks_calling_different_things_on_one_group(tmp_path):

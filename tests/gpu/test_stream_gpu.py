@@ -228,3 +228,55 @@ def test_stopping_while_a_bucket_moves_leaves_the_stream_usable():
     for name, c in got.items():
         assert torch.equal(c.view(torch.int16), want[name].view(torch.int16)), name
     stream.close()
+
+
+# The caching allocator splits a cached or fresh block for a large request only when more
+# than 1 MiB would be left over, so a large allocation may hold up to 1 MiB more than it asked
+# for; a call holds at most two large ones at once (the buffer, one op's device staging).
+ALLOCATOR_SLACK = 2 << 20
+
+
+@pytest.mark.parametrize(
+    "source", ["pageable", "pinned", "registered", "one-pipeline", "short-runs"]
+)
+def test_a_call_allocates_no_more_device_memory_than_the_stream_states(source):
+    """The growth of torch.cuda.max_memory_allocated over a call (the first, which allocates
+    the buffer, builds the descriptor tables and uploads them, and a later one) stays within
+    the device bound the Stream states for it (`report.staging_bound["device"]`: the buffer,
+    the stage ops' device slots, the tables' device copies). The loop body allocates nothing;
+    an earlier call (and test) of the process may have left tables cached, never more.
+    "short-runs": a tensor of 131k irregular runs, whose table (uploaded whole by stage_h2d:
+    7 MiB of device copies) the bound left out."""
+    import reshard as rs
+
+    if source == "one-pipeline":
+        layout, src, _ = _flat_masters(3)
+        bufs = {0: src}
+    elif source == "short-runs":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "rollout"))
+        from _stream_workers import short_runs_source
+
+        layout, bufs, _ = short_runs_source(1 << 21, seed=6)
+    else:
+        _, layout, bufs = _masters(source == "pinned")
+    stream = rs.Stream(
+        layout,
+        [0],
+        32 << 20,
+        dtype=torch.bfloat16,
+        device="cuda",
+        register_host_sources=source == "registered",
+    )
+    for call in range(2):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        names = [name for name, _ in stream(bufs)]
+        torch.cuda.synchronize()
+        grew = torch.cuda.max_memory_allocated() - base
+        bound = stream.report.staging_bound["device"] + ALLOCATOR_SLACK
+        assert names == list(layout.tensors), call
+        assert grew <= bound, (call, grew, bound, stream.report.summary())
+        if call == 0:  # the measure sees the call's allocations: the buffer at least
+            assert grew >= stream.buffer_bytes, (grew, stream.buffer_bytes)
+    stream.close()

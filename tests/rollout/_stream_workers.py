@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -168,9 +169,9 @@ def consume(stream, bufs, want, receiving, tag, hold_check=True, linger=0.0):
 def held_storages(stream, bufs) -> int:
     """Bytes of every storage reachable from `stream` through containers and reshard's own
     objects (found with the garbage collector's referents, not the Stream's own accounting),
-    other than the sources in `bufs` and the executor's int64 descriptor tables (metadata, a
-    few words per copy run): what the stated bound `staging_bytes` must cover. Modules,
-    functions and threads are not followed (they reach the whole interpreter)."""
+    other than the sources in `bufs`, the executor's int64 descriptor tables included: what
+    the stated bound `staging_bytes` must cover. Modules, functions and threads are not
+    followed (they reach the whole interpreter)."""
     sources = {t.untyped_storage().data_ptr() for t in bufs.values()}
     held, seen, todo = {}, set(), [stream]
     while todo:
@@ -180,13 +181,35 @@ def held_storages(stream, bufs) -> int:
         seen.add(id(o))
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
-            if st.data_ptr() not in sources and o.dtype != torch.int64:
+            if st.data_ptr() not in sources:
                 held[st.data_ptr()] = st.nbytes()
         elif isinstance(o, (dict, list, tuple, set, frozenset, deque, Future)) or (
             type(o).__module__.startswith("reshard.") and not isinstance(o, type)
         ):
             todo.extend(gc.get_referents(o))
     return sum(held.values())
+
+
+def short_runs_source(numel, seed):
+    """(layout, buffers, full fp32 tensor "w"): one flat tensor cut into runs of random lengths
+    (1-31 elements) that alternate between two storages of rank 0, so no run pattern repeats
+    and every run is a descriptor row of its own: the executor's tables are as large as the
+    planner makes them (48 B per run, about numel / 16 runs)."""
+    g = np.random.default_rng(seed)
+    cuts = np.concatenate([[0], np.cumsum(g.integers(1, 32, size=numel // 8))])
+    cuts = np.append(cuts[cuts < numel], numel)
+    runs, idx, offs = [], ([], []), [0, 0]
+    for k, (a, b) in enumerate(zip(cuts[:-1].tolist(), cuts[1:].tolist(), strict=True)):
+        loc = k % 2
+        runs.append((loc, a, b, offs[loc]))
+        idx[loc].append(np.arange(a, b))
+        offs[loc] += b - a
+    layout = rs.Layout(
+        {"w": rs.flat((numel,), runs)}, {i: rs.Storage(0, torch.float32, offs[i]) for i in (0, 1)}
+    )
+    full = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    bufs = {i: full[torch.from_numpy(np.concatenate(idx[i]))] for i in (0, 1)}
+    return layout, bufs, full
 
 
 def _held_within_bound(stream, bufs, tag) -> list[str]:
@@ -608,5 +631,39 @@ def w_crossed_kinds(rank, world):
         want = {n: v.to(torch.bfloat16) for n, v in values[k].items()}
         src = _Live(sources[k][1], kind=k)
         errs += consume(streams[k], src, want, rank == 0, f"rank {rank} {k} after the refusals")
+    dist.barrier()
+    return errs, msgs
+
+
+def w_device_misfit(rank, world):
+    """Rank 1 asks for a CUDA device its process does not have (a receiver, then a rank that
+    only sends): every rank's first call raises the same PreflightError naming rank 1 and the
+    device, promptly, nothing yielded; then a Stream on a device that fits is complete."""
+    values = full_values(seed=8)
+    layout, bufs = zero3_source(world, values, rank)
+    errs, msgs = [], []
+    for receivers in ([0, 1], [0]):
+        device = "cuda:1" if rank == 1 else "cpu"
+        got, msg = [], None
+        t0 = time.perf_counter()
+        try:
+            s = rs.Stream(layout, receivers, 1024, dtype=torch.bfloat16, device=device, timeout=30)
+            for name, _ in s(bufs):
+                got.append(name)
+        except Exception as exc:  # noqa: BLE001 - a ValueError on rank 1 alone is the bug
+            msg = f"{type(exc).__name__}: {exc}"
+        secs = time.perf_counter() - t0
+        tag = f"rank {rank} receivers {receivers}"
+        want = "PreflightError: preflight failed on 1 of 2 ranks (1)"
+        if msg is None or not msg.startswith(want) or "rank 1: device cuda:1" not in msg:
+            errs.append(f"{tag}: expected a PreflightError naming rank 1's device, got {msg!r}")
+        if got:
+            errs.append(f"{tag}: yielded {got} before the error")
+        if secs > 20:
+            errs.append(f"{tag}: the refusal took {secs:.0f} s")
+        msgs.append(msg)
+    s = rs.Stream(layout, [0, 1], 1024, dtype=torch.bfloat16, device="cpu")
+    want = {n: v.to(torch.bfloat16) for n, v in values.items()}
+    errs += consume(s, bufs, want, True, f"rank {rank} after the refusals")
     dist.barrier()
     return errs, msgs

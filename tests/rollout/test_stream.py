@@ -629,8 +629,10 @@ def test_constructor_refuses_what_the_first_call_would():
     with pytest.raises(ValueError, match="16-byte elements"):
         rs.Stream(wide)
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
-            rs.Stream(layout, device="cuda")
+        # whether a device fits is the rank's own: refused in the first bucket's preflight
+        s = rs.Stream(layout, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(rs.PreflightError, match="rank 0: device cuda: CUDA is not available"):
+            next(iter(s(bufs)))
     # receivers' tensors live on the CPU or a CUDA device this process has, nothing else
     for device in ("meta", "mps", torch.device("meta")):
         with pytest.raises(ValueError, match="device .*cpu or a CUDA device"):
@@ -663,6 +665,23 @@ def test_preflight_errors_before_anything_is_yielded():
             for name, _ in s(bad):
                 got.append(name)
         assert got == []
+
+
+def test_the_stated_bound_covers_the_descriptor_tables():
+    """A tensor of irregular short runs (every run a descriptor row): every storage the Stream
+    holds after a call, its int64 tables included (found through the garbage collector), is
+    within the bound it states; the tables are most of it. They were left out of the bound."""
+    layout, bufs, full = W.short_runs_source(1 << 17, seed=5)
+    s = rs.Stream(layout, [0], 1 << 20, dtype=torch.bfloat16)
+    for _ in range(2):
+        got = {n: t.clone() for n, t in s(bufs)}
+        assert torch.equal(got["w"].view(torch.int16), full.to(torch.bfloat16).view(torch.int16))
+        held = W.held_storages(s, bufs)
+        assert held <= sum(s.staging_bytes().values()) == sum(s.report.staging_bound.values())
+        # besides the buffer (no arenas in process), exactly the tables: 48 B per copy run
+        engines = [t._engine for t in s.mover.transfers.values()]
+        rows = sum(len(t.desc) for e in engines for t in e.local)
+        assert held - s.buffer_bytes == 48 * rows > s.buffer_bytes
 
 
 @pytest.mark.parametrize(
@@ -874,6 +893,16 @@ def test_stream_gloo_two_states_in_crossed_order_do_not_pair_up(tmp_path):
     """Streams of one plan moving differently named states (a source object's `.kind`) are
     refused alike on every rank when the ranks iterate them in another order."""
     out = run_ranks(W.w_crossed_kinds, 2, tmp_path, env=ENV, timeout=180)
+    for errs, _ in out:
+        assert errs == []
+    assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
+
+
+def test_stream_gloo_a_device_one_rank_lacks_refuses_on_every_rank(tmp_path):
+    """`device=` may differ between ranks (cuda:{local_rank}); one that does not fit its rank's
+    process (here: CUDA on a CPU-only rank) was a ValueError at construction on that rank
+    alone, its peers waiting out their timeout in the first call."""
+    out = run_ranks(W.w_device_misfit, 2, tmp_path, env=ENV, timeout=180)
     for errs, _ in out:
         assert errs == []
     assert out[0][1] == out[1][1], "every rank raises the same PreflightErrors"
