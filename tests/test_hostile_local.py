@@ -10,11 +10,15 @@ require grad, concurrent and reentrant calls.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
+import mmap
 import os
 import re
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -269,6 +273,125 @@ def test_leaving_inference_mode_is_seen_on_a_repeated_call():
     with torch.no_grad(), pytest.raises(rs.PreflightError, match="is an inference tensor"):
         sync(sb, db)
     assert bool((target == S.POISON).all())
+
+
+# ------------------------------------------------------------------ read-only memory
+
+
+def _mapped(path, mode, n=6, value=S.POISON):
+    """A float32 tensor over a numpy memmap of `path` (made with `value`s first if absent)
+    opened with `mode`: 'r' maps it read-only, 'c' copy-on-write, 'r+' shared writable."""
+    if not path.exists():
+        np.memmap(path, np.float32, "w+", shape=(n,))[:] = value
+    with warnings.catch_warnings():  # torch warns that it cannot protect a read-only array
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.memmap(path, np.float32, mode, shape=(n,)))
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+needs_memory_map = pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="no memory map to look writability up in"
+)
+
+
+@needs_memory_map
+def test_a_target_in_read_only_memory_is_refused_before_any_write(tmp_path):
+    """A target over a memmap opened read-only: the copy would write a PROT_READ page and
+    kill the process (torch's own copy_ too); preflight names the location and the file."""
+    src, dst = _one_rank()
+    target = _mapped(tmp_path / "t.bin", "r")
+    with pytest.raises(rs.PreflightError, match=r"target location 10: byte 0 of it is not "):
+        rs.Transfer(src, dst)({0: torch.arange(6.0)}, {10: target})
+    with pytest.raises(rs.PreflightError, match=r"read-only memory: mapped r--s from .*t\.bin"):
+        rs.execute(rs.plan(src, dst), {0: torch.arange(6.0)}, {10: target})
+    assert bool((target == S.POISON).all())
+
+
+def test_copy_on_write_targets_and_read_only_sources_are_written_and_read(tmp_path):
+    """A private writable mapping (memmap mode 'c') is written, its file not; a read-only
+    source is only read."""
+    src, dst = _one_rank()
+    source = _mapped(tmp_path / "s.bin", "r", value=3.0)
+    target = _mapped(tmp_path / "t.bin", "c")
+    rs.Transfer(src, dst)({0: source}, {10: target})
+    assert torch.equal(target, source)
+    assert bool((_mapped(tmp_path / "t.bin", "r") == S.POISON).all())
+
+
+@needs_memory_map
+def test_a_target_partly_in_read_only_memory_names_its_first_unwritable_byte():
+    """Every page of a target's bytes must be writable: the second of two pages is made
+    read-only (mprotect) under one buffer."""
+    page = mmap.PAGESIZE
+    n = 2 * page // 4
+    src, dst = _one_rank(n=n)
+    sync = rs.Transfer(src, dst)
+    mem = mmap.mmap(-1, 2 * page)
+    target = torch.frombuffer(mem, dtype=torch.float32)
+    target.fill_(S.POISON)
+    assert _libc().mprotect(target.data_ptr() + page, page, mmap.PROT_READ) == 0
+    with pytest.raises(rs.PreflightError, match=f"byte {page} of it is not writable"):
+        sync({0: torch.arange(float(n))}, {10: target})
+    assert bool((target == S.POISON).all())
+
+
+@needs_memory_map
+def test_a_read_only_mapping_at_a_verified_targets_address_is_seen_on_a_repeated_call(tmp_path):
+    """A target over a writable memmap passes; it is freed, and a read-only mapping of the
+    same bytes takes its address: the same address, storage and size, so the repeated call's
+    key equals the passing call's. The freed storage makes the call look again."""
+    n = 4 * mmap.PAGESIZE
+    path = tmp_path / "t.bin"
+    sync, sb, db = _passed_once(n, _mapped(path, "r+", n))
+    at = db.pop(10).data_ptr()
+    gc.collect()  # the memmap, and with it the mapping, goes with its last tensor
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = libc.mmap(at, 4 * n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert got not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+        if got != at:
+            pytest.skip("the kernel did not map the file at the freed target's address")
+        db[10] = torch.frombuffer((ctypes.c_char * (4 * n)).from_address(at), dtype=torch.float32)
+        with pytest.raises(rs.PreflightError, match="byte 0 of it is not writable"):
+            sync(sb, db)
+        assert bool((db.pop(10) == S.POISON).all())
+    finally:
+        libc.munmap(got, 4 * n)
+
+
+def test_the_memory_map_is_read_once_per_storage_not_per_call(tmp_path, monkeypatch):
+    """Storages of torch's allocator are writable without a look; a storage from elsewhere is
+    looked up once while it lives, not on every call; without a map nothing is checked."""
+    reads, real = [], pf.memory_map
+    monkeypatch.setattr(pf, "memory_map", lambda: reads.append(1) or real())
+    src, dst = _one_rank()
+    sync = rs.Transfer(src, dst)
+    sb = {0: torch.arange(6.0)}
+    for _ in range(3):
+        sync(sb, {10: torch.empty(6)})
+    assert not reads
+    db = {10: _mapped(tmp_path / "t.bin", "r+")}
+    for grad in (True, True, False, True):  # another grad mode: the full checks run again
+        with torch.set_grad_enabled(grad):
+            sync(sb, db)
+    assert len(reads) == 1
+    assert torch.equal(db[10], sb[0])
+    monkeypatch.setattr(pf, "MEMORY_MAP", str(tmp_path / "absent"))
+    assert real() is None
+    sync(sb, {10: _mapped(tmp_path / "u.bin", "r+")})  # looked up: no map, nothing refused
+    assert len(reads) == 2
 
 
 # ------------------------------------------------------------------ tensor kinds

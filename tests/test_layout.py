@@ -4,7 +4,9 @@ pickling and equality."""
 from __future__ import annotations
 
 import copy
+import copyreg
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -222,6 +224,237 @@ def test_storage_dtype_normalization():
         S(0, -1)
     with pytest.raises(rs.LayoutError, match="rank must be >= 0"):
         S(-1, 1)
+
+
+# -- unpickling -----------------------------------------------------------------------------------
+
+
+class _Pickled:
+    """Pickles as an object of `cls` made by `cls.__new__(cls, *args)` and given `state`: the
+    bytes pickle writes for one, with whatever fields a tampered or stale pickle holds."""
+
+    def __init__(self, cls, state=None, args=()):
+        self.cls, self.state, self.args = cls, state, args
+
+    @property
+    def __class__(self):  # what pickle checks a __newobj__ object's class against
+        return self.cls
+
+    def __reduce__(self):
+        return copyreg.__newobj__, (self.cls, *self.args), self.state
+
+
+def _storage(numel=4, dtype=torch.float32, rank=0):
+    """A pickled Storage with these fields, whatever they are."""
+    return _Pickled(rs.Storage, {"rank": rank, "dtype": dtype, "numel": numel})
+
+
+def _halves():
+    """The state of a TensorLayout of shape (8,) in two pieces of 4, on locations 0 and 1."""
+    return rs.split((8,), 0, [4, 4], [0, 1]).__getstate__()
+
+
+# what a tampered Layout pickle says, and the error it gets
+TAMPERED = {
+    "gap": r"tensor of shape \(8,\): gap: element \(4,\) is in no piece",
+    "negative offset": r"piece 1 Piece\(location=1, offset=-4.*: negative storage offset",
+    "outside": r"piece 1 .*: outside the tensor \(start\+shape exceeds \(8,\)\)",
+    "float offsets": r"PieceTable offset must be integers, got dtype float64",
+    "negative dim": r"TensorLayout.shape has a negative dim",
+    "storage too small": r"piece 1 .*: storage out of range: touches element 3 of location 1",
+    "unknown location": r"piece 1 .*: unknown location 1",
+    "negative numel": r"Storage numel must be >= 0, got -4",
+    "unknown dtype": r"unknown dtype 'float33'",
+}
+
+
+def _tampered(what) -> dict:
+    """The state of a pickled Layout (tensor 'w': `_halves()`) whose bytes say `what`."""
+    shape, cols, name = _halves()
+    cols = [np.array(a) for a in cols]
+    storages = {0: _storage(), 1: _storage()}
+    if what == "gap":
+        cols = [a[:1] for a in cols]
+    elif what == "negative offset":
+        cols[1][1] = -4
+    elif what == "outside":
+        cols[2][1] = 6
+    elif what == "float offsets":
+        cols[1] = cols[1] + 0.5
+    elif what == "negative dim":
+        shape = (-8,)
+    elif what == "storage too small":
+        storages[1] = _storage(numel=3)
+    elif what == "unknown location":
+        del storages[1]
+    elif what == "negative numel":
+        storages[1] = _storage(numel=-4)
+    elif what == "unknown dtype":
+        storages[1] = _storage(dtype="float33")
+    return {"tensors": {"w": (shape, tuple(cols), name)}, "storages": storages}
+
+
+@pytest.mark.parametrize("tensor_as", ["state", "object"])
+@pytest.mark.parametrize("what", list(TAMPERED))
+def test_an_unpickled_layout_runs_the_constructors_checks(what, tensor_as):
+    """Unpickling restored whatever the bytes said: a gap, a negative offset, a piece outside
+    its tensor or its storage, a storage of -4 elements were all accepted (a gap in a source
+    layout was planned, and the transfer left target elements unwritten and reported
+    success). Now every check of the constructors runs. The tensor as this version pickles
+    it (its state) and as older versions did (a TensorLayout)."""
+    state = _tampered(what)
+    if tensor_as == "object":
+        state["tensors"] = {"w": _Pickled(rs.TensorLayout, state["tensors"]["w"])}
+    blob = pickle.dumps(_Pickled(rs.Layout, state))
+    with pytest.raises(rs.LayoutError, match=TAMPERED[what]) as err:
+        pickle.loads(blob)
+    if what == "gap" and tensor_as == "state":  # the layout names the unnamed tensor
+        assert str(err.value).startswith("layout tensor 'w': ")
+
+
+def test_unpickled_parts_of_a_layout_run_their_checks():
+    shape, cols, name = _halves()
+    bad = [np.array(a) for a in cols]
+    bad[2][1] = -1
+    cases = [
+        (_Pickled(rs.TensorLayout, (shape, tuple(bad), name)), "piece 1 .*: negative start"),
+        (_Pickled(rs.TensorLayout, (shape, tuple(bad[:4]), name)), "4 piece arrays, expected 5"),
+        (_Pickled(rs.TensorLayout, [shape, cols, name]), "expected the state \\(shape, the 5"),
+        (
+            _Pickled(rs.layout.PieceTable, args=[a.astype(float) for a in cols]),
+            "location must be integers",
+        ),
+        (
+            _Pickled(rs.layout.PieceTable, args=cols[:2] + (cols[2][:, 0],) + cols[3:]),
+            "start must be a \\[pieces, dims\\] array",
+        ),
+        (
+            _Pickled(
+                rs.Piece,
+                {"location": 0, "offset": 0, "start": (0, 0), "shape": (4,), "strides": (1,)},
+            ),
+            "start \\(0, 0\\) and shape \\(4,\\) have different lengths",
+        ),
+        (_storage(rank=-1), "rank must be >= 0"),
+        (
+            _Pickled(rs.Storage, {"rank": 0, "numel": 4}),
+            "expected the fields \\['rank', 'dtype', 'numel'\\]",
+        ),
+        (_Pickled(rs.Layout, [{}, {}]), "unpickled Layout: expected the state"),
+    ]
+    for obj, match in cases:
+        with pytest.raises(rs.LayoutError, match=match):
+            pickle.loads(pickle.dumps(obj))
+    table = pickle.loads(pickle.dumps(rs.split((4, 6), 1, [2, 4], [0, 1]).table))
+    assert all(a.dtype == np.int64 and not a.flags.writeable for a in table)
+
+
+def test_pickle_round_trips_keep_layouts_equal():
+    lay = rs.Layout(
+        {
+            "w": rs.flat((6, 5), [(0, 0, 13, 0), (1, 13, 30, 0)]),
+            "c": rs.split((4, 6), 1, [2, 4], [[0, 1], 1], offsets=[[13, 0], 17]),
+            "r": rs.replicated((3,), [0, 1]),
+            "e": rs.TensorLayout((0, 3), []),
+            "s": rs.TensorLayout((), [rs.Piece(1, 41, (), ())]),
+        },
+        {0: S(0, 21), 1: S(1, 42)},
+    )
+    for again in (pickle.loads(pickle.dumps(lay)), copy.deepcopy(lay)):
+        assert again == lay and list(again.tensors) == list(lay.tensors)
+        assert all(not a.flags.writeable for tl in again.tensors.values() for a in tl.table)
+
+
+def _random_table(rng, shape) -> list:
+    """Piece columns for `shape`: a flat builder's ranges, a grid of blocks (pieces that are
+    no row-major runs), or boxes at random; then maybe spoiled: a piece dropped, doubled or
+    shifted, a footprint near 2**53."""
+    d, numel = len(shape), int(np.prod(shape))
+    kind = int(rng.integers(0, 3))
+    if kind == 0 and numel:
+        cuts = np.sort(rng.integers(0, numel + 1, size=int(rng.integers(0, 4))))
+        bounds = [0, *cuts.tolist(), numel]
+        runs = [(0, a, b, 0) for a, b in zip(bounds, bounds[1:])]
+        cols = [np.array(a) for a in rs.flat(shape, runs).table]
+    elif kind == 1 and d:
+        axes = [np.unique([0, n, *rng.integers(0, n + 1, size=2)]) for n in shape]
+        lo = np.array(np.meshgrid(*[a[:-1] for a in axes], indexing="ij")).reshape(d, -1).T
+        box = np.array(np.meshgrid(*[a[1:] for a in axes], indexing="ij")).reshape(d, -1).T - lo
+        n = len(lo)
+        cols = [np.zeros(n, int), np.zeros(n, int), lo, box, np.ones((n, d), int)]
+    else:
+        n = int(rng.integers(0, 6))
+        lo = rng.integers(-1 if rng.random() < 0.1 else 0, np.array(shape) + 1, size=(n, d))
+        box = rng.integers(0, np.array(shape) + 2 - np.maximum(lo, 0), size=(n, d))
+        if rng.random() < 0.3 and n:  # a whole replica
+            lo[0], box[0] = 0, shape
+        off = rng.integers(-1 if rng.random() < 0.1 else 0, 3, size=n)
+        cols = [np.zeros(n, int), off, lo, box, np.ones((n, d), int)]
+    if len(cols[0]) and rng.random() < 0.3:
+        cols = [np.delete(a, int(rng.integers(0, len(cols[0]))), axis=0) for a in cols]
+    if len(cols[0]) and rng.random() < 0.2:
+        cols = [np.concatenate([a, a[int(rng.integers(0, len(a))) :][:1]]) for a in cols]
+    if len(cols[0]) and d and rng.random() < 0.2:
+        cols[2][0, int(rng.integers(0, d))] += int(rng.integers(-1, 2))
+    if len(cols[0]) and rng.random() < 0.15:  # a negative field the cover would not show
+        field = int(rng.integers(0, 4 if d else 2))
+        if field < 2:
+            cols[field][0] = -1
+        else:
+            cols[2 if field == 2 else 4][0, 0] = -1
+            cols[3][0, 0] += field == 2
+    if len(cols[0]) and d and rng.random() < 0.1:
+        cols[4][0, 0], cols[1][0] = 2**51, rng.choice([0, 2**53 - 2**51 * (cols[3][0, 0] - 1)])
+    return cols
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_batched_piece_checks_match_the_checks_of_each_tensor(seed):
+    """check_tensors (a Layout's unpickling) raises what check_pieces raises for the first
+    tensor it refuses, and nothing when it refuses none: random tables of 0 to 3 dims
+    (`_random_table`), several per call."""
+    from reshard.layout.pieces import TensorLayout, check_pieces, check_tensors
+
+    rng = np.random.default_rng(seed)
+    tls = []
+    for _ in range(int(rng.integers(1, 12))):
+        d = int(rng.integers(0, 4))
+        shape = tuple(int(x) for x in rng.integers(0 if rng.random() < 0.1 else 1, 5, size=d))
+        cols = _random_table(rng, shape)
+        tls.append(TensorLayout._restored((shape, tuple(cols), None)))
+    want = None
+    for tl in tls:
+        try:
+            check_pieces(tl, check_cover=True)
+        except rs.LayoutError as exc:
+            want = str(exc)
+            break
+    try:
+        check_tensors(tls)
+        got = None
+    except rs.LayoutError as exc:
+        got = str(exc)
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "shape, starts, boxes, gap",
+    [
+        ((2, 2), [[0, 0], [1, 0]], [[2, 1], [1, 2]], (0, 1)),
+        ((2, 2, 2), [[0, 0, 0], [1, 0, 0]], [[2, 2, 1], [1, 2, 2]], (0, 0, 1)),
+    ],
+)
+def test_batched_piece_checks_take_no_block_for_a_run(shape, starts, boxes, gap):
+    """Column 0 of a 2 x 2 tensor holds as many elements as its first two in row-major order,
+    and its last row the last two, yet element (0, 1) is in neither (in 3-D: the blocks
+    [:, :, :1] and [1]): only runs of the row-major order are compared as ranges."""
+    from reshard.layout.pieces import TensorLayout, check_tensors
+
+    n, d = len(starts), len(shape)
+    cols = (np.zeros(n, int), np.arange(n) * 4, np.array(starts), np.array(boxes))
+    tl = TensorLayout._restored((shape, (*cols, np.ones((n, d), int)), "w"))
+    with pytest.raises(rs.LayoutError, match=re.escape(f"tensor 'w': gap: element {gap}")):
+        check_tensors([tl])
 
 
 # -- every LayoutError ---------------------------------------------------------------------------

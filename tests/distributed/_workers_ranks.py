@@ -1,16 +1,20 @@
 """Workers of test_rank_faults.py: faults only one rank sees (a plan that fails there, an
-interrupt in its readiness hook or in its exchange) and ranks that call different things on
-one group. Each returns plain data (never asserts); the parent compares ranks.
+interrupt in its readiness hook or in its exchange, a read-only target: test_hostile_ranks.py)
+and ranks that call different things on one group. Each returns plain data (never asserts);
+the parent compares ranks.
 
 Module level and light imports: spawned ranks re-import this module.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import _faults as F
 import _scenarios as S
+import numpy as np
 import torch
 
 import reshard as rs
@@ -189,6 +193,25 @@ def w_source_as_target(rank, world):
         kind, msg, _, _ = _outcome(lambda sync=sync, sb=sb, db=db: sync(sb, db), db)
         out.append((kind, msg, S.mismatches(sb, before)))
     return out
+
+
+def w_read_only_target(rank, world, tmp_dir):
+    """Rank 1's first target location is a numpy memmap opened read-only (a write there kills
+    the process). Per rank: (outcome, message, whether a target byte changed, that location,
+    what a clean call on the group gets wrong after)."""
+    src, dst, values = _sides(world)
+    db = dst.empty(rank)
+    loc = dst.locations(1)[0]
+    if rank == 1:
+        path = os.path.join(tmp_dir, "rank1_target.bin")
+        np.memmap(path, np.float32, "w+", shape=tuple(db[loc].shape))[:] = S.POISON
+        with warnings.catch_warnings():  # torch warns that it cannot protect the array
+            warnings.simplefilter("ignore", UserWarning)
+            db[loc] = torch.from_numpy(np.memmap(path, np.float32, "r"))
+    sync = rs.Transfer(src.layout(), dst.layout(), 64, timeout=TIMEOUT)
+    sb = S.source_buffers(src, values, rank)
+    kind, msg, _, touched = _outcome(lambda: sync(sb, db), db)
+    return kind, msg, touched, loc, _good_call(rank, world)
 
 
 def w_fsdp_state_lost(rank, world):

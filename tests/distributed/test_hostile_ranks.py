@@ -5,7 +5,8 @@ Concurrent calls from two threads per rank, the autograd view of the writes (ver
 targets that require grad), non-collective failures (a Python type error, a schedule that
 cannot be built, a bad timeout), storages smaller than their views, targets that alias each
 other, a descriptor row that overflows int64, a rank that arrives after its peers gave up,
-and a multi-segment message landing in a padded target.
+a target in read-only memory on one rank, and a multi-segment message landing in a padded
+target.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _faults as F  # noqa: E402
 import _scenarios as S  # noqa: E402
 import _workers as W  # noqa: E402
+import _workers_ranks as R  # noqa: E402
 
 from tests._spawn import run_ranks  # noqa: E402
 
@@ -72,6 +74,18 @@ def test_non_collective_failures_become_collective(tmp_path):
     assert "fewer than the" in m["shrunk"] and "source location" in m["shrunk"]
     assert "alias: both would write the same bytes" in m["target_alias"]
     assert "overflows int64 or reaches outside" in m["desc_overflow"]
+
+
+def test_a_read_only_target_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """Rank 1's target is a memmap opened read-only: rank 1 would die of a segfault mid-copy
+    (and rank 0 wait on it); both raise the same PreflightError naming rank 1 and the
+    location, nothing is written, and the group stays usable."""
+    res = run_ranks(R.w_read_only_target, 2, tmp_path, args=(str(tmp_path),), timeout=240)
+    kind, msg, _, loc, _ = res[0]
+    assert [r[:3] for r in res] == [("PreflightError", msg, False)] * 2, res
+    assert "preflight failed on 1 of 2 ranks (1)" in msg, msg
+    assert f"rank 1: target location {loc}: byte 0 of it is not writable (read-only" in msg, msg
+    assert [r[4] for r in res] == [[], []]
 
 
 def test_a_rank_arriving_after_its_peers_gave_up_writes_nothing(tmp_path):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import LayoutError
+from .intervals import segmented_cummax
 from .values import (
     I64,
     MAX_ELEMENTS,
@@ -16,6 +17,7 @@ from .values import (
     as_list,
     as_shape,
     num_elements,
+    restore_fields,
     row_major,
     tensor_label,
 )
@@ -55,6 +57,9 @@ class Piece:
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "strides", strides)
 
+    def __setstate__(self, state):
+        restore_fields(self, state)
+
 
 class PieceTable(NamedTuple):
     """A tensor's pieces as read-only int64 arrays, one row per piece: `location [n]`,
@@ -86,7 +91,7 @@ class PieceTable(NamedTuple):
                     f"{n * d ** (len(shp) - 1)}"
                 )
             cols.append(a.reshape(shp))
-        return cls(*(_read_only(a) for a in cols))
+        return tuple.__new__(cls, [_read_only(a) for a in cols])
 
     @classmethod
     def empty(cls, d) -> PieceTable:
@@ -110,10 +115,25 @@ class PieceTable(NamedTuple):
         return cls.of(d, *(np.concatenate([t[k] for t in tables]) for k in range(5)))
 
     def footprint_hi(self) -> np.ndarray:
-        """Largest storage offset each piece touches (-1 for empty pieces)."""
-        nonempty = (self.shape > 0).all(axis=1)
-        hi = self.offset + (self.strides * (self.shape - 1)).sum(axis=1)
+        """Largest storage offset each piece touches (-1 for empty pieces). Column by column:
+        numpy reduces along rows of a few dims slowly."""
+        hi, nonempty = self.offset.copy(), np.ones(len(self.offset), bool)
+        for box, stride in zip(self.shape.T, self.strides.T):
+            hi += stride * (box - 1)
+            nonempty &= box > 0
         return np.where(nonempty, hi, -1)
+
+
+def _checked_table(cls, location, offset, start, shape, strides) -> PieceTable:
+    """`PieceTable(...)`, which unpickling calls with the stored arrays: `PieceTable.of`'s
+    checks, the tensor's ndim read from `start` (the bytes may be tampered with or stale)."""
+    ndim = np.ndim(start)
+    if ndim != 2:
+        raise LayoutError(f"PieceTable start must be a [pieces, dims] array, got {ndim} dims")
+    return cls.of(np.shape(start)[1], location, offset, start, shape, strides)
+
+
+PieceTable.__new__ = _checked_table  # a NamedTuple's body may not define __new__
 
 
 def _int64_column(field, values) -> np.ndarray:
@@ -251,7 +271,32 @@ class TensorLayout:
         return (self._shape, tuple(self._table), self._name)
 
     def __setstate__(self, state):
+        # unpickled (or copied): every check of the constructor, gaps included, since the
+        # bytes may be tampered with or stale
+        self._restore(state)
+        check_pieces(self, check_cover=True)
+
+    @classmethod
+    def _restored(cls, state) -> TensorLayout:
+        """A TensorLayout from its pickled state with the shape's and the table's checks; the
+        pieces' checks are the caller's (`check_tensors`, over many at once)."""
+        self = object.__new__(cls)
+        self._restore(state)
+        return self
+
+    def _restore(self, state) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[1], tuple)):
+            raise LayoutError(
+                "unpickled TensorLayout: expected the state (shape, the 5 piece arrays, name), "
+                f"got {type(state).__name__}"
+            )
         shape, arrays, name = state
+        shape = as_shape(shape, "TensorLayout.shape", name)
+        if len(arrays) != len(PieceTable._fields):
+            raise LayoutError(
+                f"unpickled {tensor_label(name, shape)}: {len(arrays)} piece arrays, expected "
+                f"{len(PieceTable._fields)} ({', '.join(PieceTable._fields)})"
+            )
         self._set(shape, PieceTable.of(len(shape), *arrays), name)
 
     def __repr__(self):
@@ -271,33 +316,25 @@ def check_pieces(tl: TensorLayout, check_cover: bool):
     shape = np.array(tl.shape, I64)
     # `box > shape - start`, not `start + box > shape`: the sum could wrap around int64
     outside = t.shape > shape - t.start
-    if (
-        not check_cover
-        and len(tl)
-        and min(
-            int(t.location.min()),
-            int(t.offset.min()),
-            int(t.start.min(initial=0)),
-            int(t.shape.min(initial=0)),
-            int(t.strides.min(initial=0)),
-        )
-        >= 0
-        and not outside.any()
-    ):
-        check_footprints(tl)
-        return  # fast path for builders (one pass per check; the slow path names the piece)
-    for arr, what in (
-        (t.location[:, None], "negative location"),
-        (t.offset[:, None], "negative storage offset"),
-        (t.start, "negative start"),
-        (t.shape, "negative shape"),
-        (t.strides, "negative stride (flip the piece's start instead)"),
-    ):
-        bad = np.nonzero((arr < 0).any(axis=1))[0]
-        if len(bad):
-            raise LayoutError(f"{tl.piece_label(int(bad[0]))}: {what}")
-    bad = np.nonzero(outside.any(axis=1))[0]
-    if len(bad):
+    fields_min = min(
+        int(t.location.min(initial=0)),
+        int(t.offset.min(initial=0)),
+        int(t.start.min(initial=0)),
+        int(t.shape.min(initial=0)),
+        int(t.strides.min(initial=0)),
+    )
+    if fields_min < 0 or outside.any():  # one pass screens every piece; this names the first
+        for arr, what in (
+            (t.location[:, None], "negative location"),
+            (t.offset[:, None], "negative storage offset"),
+            (t.start, "negative start"),
+            (t.shape, "negative shape"),
+            (t.strides, "negative stride (flip the piece's start instead)"),
+        ):
+            bad = np.nonzero((arr < 0).any(axis=1))[0]
+            if len(bad):
+                raise LayoutError(f"{tl.piece_label(int(bad[0]))}: {what}")
+        bad = np.nonzero(outside.any(axis=1))[0]
         raise LayoutError(
             f"{tl.piece_label(int(bad[0]))}: outside the tensor (start+shape exceeds {tl.shape})"
         )
@@ -309,6 +346,108 @@ def check_pieces(tl: TensorLayout, check_cover: bool):
                 f"{tensor_label(tl.name, tl.shape)}: gap: element {gap} is in no piece "
                 f"({len(tl)} pieces)"
             )
+
+
+# Tables of at most this many pieces are stacked (`stacked_tables`); a larger one makes a stack
+# of its own: copying it costs more than the passes over it save.
+STACK_PIECES = 1024
+
+
+def stacked_tables(tls: list) -> list:
+    """The pieces of the TensorLayouts `tls`, small tables stacked per ndim, so that checks of
+    many small tensors make a few numpy passes in all rather than a few per tensor: per
+    stack, (the indexes in `tls` of its tensors, each piece's position among those, one
+    PieceTable)."""
+    groups: dict = {}
+    for i, tl in enumerate(tls):
+        groups.setdefault(len(tl.shape) if len(tl) <= STACK_PIECES else ~i, []).append(i)
+    out = []
+    for idx in groups.values():
+        tables = [tls[i].table for i in idx]
+        if len(tables) == 1:
+            out.append((idx, np.zeros(len(tables[0].location), I64), tables[0]))
+            continue
+        which = np.repeat(np.arange(len(idx)), [len(t.location) for t in tables])
+        cols = (np.concatenate([t[k] for t in tables]) for k in range(len(PieceTable._fields)))
+        out.append((idx, which, PieceTable.of(tables[0].start.shape[1], *cols)))
+    return out
+
+
+def check_tensors(tls: list, names=None) -> None:
+    """`check_pieces(tl, check_cover=True)` of every TensorLayout of `tls`, with its errors, in
+    a few numpy passes over all their pieces at once (`stacked_tables`): unpickling a Layout
+    of thousands of small tensors costs about its pieces, not a dozen passes per tensor. The
+    passes screen fields and footprints and, where every piece is a run of the row-major
+    order (ZeRO ranges, row blocks, replicas), decide the cover; a tensor they flag or cannot
+    decide gets `check_pieces` of its own, in order, which names the piece (and `names[i]`,
+    the tensor's name in its Layout, `named_error`)."""
+    own = set()
+    for idx, which, t in stacked_tables(tls):
+        shapes = np.array([tls[i].shape for i in idx], I64).reshape(len(idx), -1)
+        unsettled = _unsettled(shapes, which, t) if shapes.shape[1] else range(len(idx))
+        own.update(idx[k] for k in unsettled)
+    for i in sorted(own):
+        try:
+            check_pieces(tls[i], check_cover=True)
+        except LayoutError as exc:
+            raise exc if names is None else named_error(names[i], tls[i], exc) from None
+
+
+def named_error(name, tl, exc: LayoutError) -> LayoutError:
+    """`exc` of the tensor `name` of a Layout: said in the message, unless `tl` (None: not
+    built yet) already bears that name."""
+    if tl is not None and tl.name == name:
+        return exc
+    return LayoutError(f"layout tensor {name!r}: {exc}")
+
+
+def _unsettled(shapes: np.ndarray, which: np.ndarray, t: PieceTable) -> list:
+    """The tensors (rows of `shapes`, ndim >= 1) whose pieces (`t`, piece i of tensor
+    `which[i]`) the passes of `check_tensors` do not clear. Column by column: numpy reduces
+    along rows of a few dims slowly."""
+    n, cols = len(shapes), range(shapes.shape[1])
+    full = shapes[which]
+    # check_pieces' screen and check_footprints' float screen, per piece
+    flagged = (t.location < 0) | (t.offset < 0)
+    far = t.offset.astype(np.float64)
+    nonempty = np.ones(len(which), bool)
+    for j in cols:
+        start, box, stride = t.start[:, j], t.shape[:, j], t.strides[:, j]
+        flagged |= (start < 0) | (box < 0) | (stride < 0) | (box > full[:, j] - start)
+        far += stride * np.maximum(box - 1, 0).astype(np.float64)
+        nonempty &= box > 0
+    flagged |= far >= MAX_ELEMENTS / 2
+    # a piece is a run of the row-major order, [first, first + size), when its dims before
+    # some dim k are 1 and its dims after k whole
+    is_run, ones_before, whole_after = np.zeros(len(which), bool), True, [True] * len(cols)
+    for j in cols[:0:-1]:
+        whole_after[j - 1] = whole_after[j] & (t.shape[:, j] == full[:, j])
+    for j in cols:
+        is_run |= ones_before & whole_after[j]
+        ones_before = ones_before & (t.shape[:, j] == 1)
+    first, size, step = np.zeros(len(which), I64), np.ones(len(which), I64), np.ones(n, I64)
+    for j in cols[::-1]:
+        first += t.start[:, j] * step[which]
+        size *= t.shape[:, j]
+        step = step * shapes[:, j]
+    numel = shapes.prod(1)
+    unsure = np.zeros(n, bool)
+    unsure[which[flagged | (nonempty & ~is_run)]] = True
+    # the runs of every other tensor with elements, sorted: the first starts at 0, none
+    # starts past the reach of those before it, and the last reach is the tensor's numel
+    laid = ~unsure & (numel > 0)
+    keep = nonempty & laid[which]
+    k, lo, hi = which[keep], first[keep], first[keep] + size[keep]
+    if not ((k[1:] > k[:-1]) | (lo[1:] >= lo[:-1])).all():  # the builders' come in order
+        order = np.lexsort((lo, k))
+        k, lo, hi = k[order], lo[order], hi[order]
+    reach = segmented_cummax(hi, k)
+    head = np.ones(len(k), bool)
+    head[1:] = k[1:] != k[:-1]
+    gap = np.where(head, lo > 0, lo > np.roll(reach, 1))
+    unsure[k[gap | (np.roll(head, -1) & (reach < numel[k]))]] = True
+    unsure[laid & (np.bincount(k, minlength=n) == 0)] = True
+    return np.flatnonzero(unsure).tolist()
 
 
 def check_footprints(tl: TensorLayout):

@@ -11,8 +11,8 @@ import torch
 
 from ..errors import LayoutError
 from .aliasing import check_target_aliasing
-from .pieces import TensorLayout
-from .values import I64, MAX_ELEMENTS, as_dtype, as_int
+from .pieces import TensorLayout, check_tensors, named_error, stacked_tables
+from .values import I64, MAX_ELEMENTS, as_dtype, as_int, restore_fields
 
 QUANTIZED_DTYPES = frozenset(
     getattr(torch, n)
@@ -49,6 +49,9 @@ class Storage:
                 "describe the int_repr() values instead"
             )
         object.__setattr__(self, "dtype", dtype)
+
+    def __setstate__(self, state):
+        restore_fields(self, state)
 
 
 class Layout:
@@ -124,39 +127,85 @@ class Layout:
     __hash__ = None
 
     def __getstate__(self):
-        return {"tensors": dict(self.tensors), "storages": dict(self.storages)}
+        # the tensors' own states: unpickling checks all their pieces in one batch
+        # (`check_tensors`), not tensor by tensor
+        tensors = {name: tl.__getstate__() for name, tl in self.tensors.items()}
+        return {"tensors": tensors, "storages": dict(self.storages)}
 
     def __setstate__(self, state):
-        self._set(dict(state["tensors"]), dict(state["storages"]))
+        # unpickled (or copied): every check of the constructor, since the bytes may be
+        # tampered with or stale. Tensors come as their states (`__getstate__`) and are checked
+        # in one batch; TensorLayout objects (pickled by older versions) checked themselves.
+        if not isinstance(state, dict) or sorted(state) != ["storages", "tensors"]:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise LayoutError(
+                f"unpickled Layout: expected the state {{tensors, storages}}, got {got}"
+            )
+        tensors = state["tensors"]
+        if not isinstance(tensors, Mapping):
+            raise LayoutError(
+                f"unpickled Layout: tensors must be a dict, got {type(tensors).__name__}"
+            )
+        restored, names = {}, []
+        for name, tl in tensors.items():
+            if not isinstance(tl, TensorLayout):
+                try:
+                    tl = TensorLayout._restored(tl)
+                except LayoutError as exc:
+                    raise named_error(name, None, exc) from None
+                names.append(name)
+            restored[name] = tl
+        check_tensors([restored[name] for name in names], names)
+        self.__init__(restored, state["storages"])
 
     def __repr__(self):
         return f"Layout({len(self.tensors)} tensors, {len(self.storages)} storages)"
 
 
 def _check_locations(tensors, storages):
-    """Every piece names a known storage and lies inside it."""
+    """Every piece names a known storage and lies inside it: one pass over every tensor's
+    pieces (`stacked_tables`), then the first tensor with a bad piece names it."""
     locs = np.array(sorted(storages), I64)
     numels = np.array([storages[int(x)].numel for x in locs], I64)
-    for name, tl in tensors.items():
-        t = tl.table
-        if not len(tl):
-            continue
-        pos = np.searchsorted(locs, t.location)
-        pos_c = np.minimum(pos, max(len(locs) - 1, 0))
-        known = (pos < len(locs)) & (locs[pos_c] == t.location) if len(locs) else pos < 0
-        bad = np.nonzero(~known)[0]
+    names = list(tensors)
+    tls = [tensors[name] for name in names]
+    bad_tensors = []
+    for idx, which, t in stacked_tables(tls):
+        unknown, outside = _bad_pieces(t, locs, numels)
+        bad = np.flatnonzero(unknown | outside)
         if len(bad):
-            i = int(bad[0])
-            raise LayoutError(
-                f"tensor {name!r}: piece {i} {tl.piece(i)}: unknown location "
-                f"{int(t.location[i])} (storages: {sorted(storages)[:16]})"
-            )
-        hi = t.footprint_hi()
-        bad = np.nonzero(hi >= numels[pos_c])[0]
-        if len(bad):
-            i = int(bad[0])
-            loc = int(t.location[i])
-            raise LayoutError(
-                f"tensor {name!r}: piece {i} {tl.piece(i)}: storage out of range: touches "
-                f"element {int(hi[i])} of location {loc}, which has {storages[loc].numel}"
-            )
+            bad_tensors.append(idx[int(which[bad[0]])])
+    if bad_tensors:
+        i = min(bad_tensors)
+        _check_tensor_locations(names[i], tls[i], locs, numels, storages)
+
+
+def _bad_pieces(t, locs, numels) -> tuple:
+    """(pieces of table `t` whose location is not in `locs`, pieces of known locations that
+    reach past their storage's numel), as masks."""
+    if not len(locs):
+        return np.ones(len(t.location), bool), np.zeros(len(t.location), bool)
+    pos = np.minimum(np.searchsorted(locs, t.location), len(locs) - 1)
+    unknown = locs[pos] != t.location
+    return unknown, ~unknown & (t.footprint_hi() >= numels[pos])
+
+
+def _check_tensor_locations(name, tl, locs, numels, storages):
+    """Raise the LayoutError of tensor `name`'s first piece with an unknown location, else of
+    its first piece outside its storage."""
+    t = tl.table
+    unknown, outside = _bad_pieces(t, locs, numels)
+    if unknown.any():
+        i = int(np.flatnonzero(unknown)[0])
+        raise LayoutError(
+            f"tensor {name!r}: piece {i} {tl.piece(i)}: unknown location "
+            f"{int(t.location[i])} (storages: {sorted(storages)[:16]})"
+        )
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        loc = int(t.location[i])
+        raise LayoutError(
+            f"tensor {name!r}: piece {i} {tl.piece(i)}: storage out of range: touches "
+            f"element {int(t.footprint_hi()[i])} of location {loc}, which has "
+            f"{storages[loc].numel}"
+        )

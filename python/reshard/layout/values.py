@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import KeysView, Mapping
 from collections.abc import Set as AbstractSet
@@ -141,3 +142,17 @@ def num_elements(shape) -> int:
 def tensor_label(name, shape) -> str:
     """How errors name a tensor: by name when it has one, else by shape."""
     return f"tensor {name!r}" if name is not None else f"tensor of shape {tuple(shape)}"
+
+
+def restore_fields(obj, state) -> None:
+    """Unpickling (or copying) the frozen dataclass `obj`: its fields from `state`, then its
+    `__post_init__`'s checks, as its constructor runs them (the bytes may be tampered with or
+    stale). A LayoutError names what is wrong."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    what = type(obj).__name__
+    if not isinstance(state, dict) or sorted(state) != sorted(names):
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise LayoutError(f"unpickled {what}: expected the fields {names}, got {got}")
+    for name in names:
+        object.__setattr__(obj, name, state[name])
+    obj.__post_init__()
