@@ -29,7 +29,7 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c  # a failing fuzzer is not hidden by `| tail`
 
 BIN := tests/c/bin
-CORE := csrc/copy_runs.c csrc/progress.c
+CORE := csrc/copy_runs.c csrc/progress.c csrc/writable.c
 CORE_HEADERS := csrc/reshard.h csrc/casts.h
 SAN_FLAGS := -std=c11 -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
 	-fno-sanitize-recover=all -Wall -Wextra -Werror -Icsrc

@@ -19,11 +19,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -158,6 +161,68 @@ void check_storage(const char* op, const char* name, const at::Tensor& t) {
               have == 0 ? " (it was freed: storage().resize_(0))" : " (it was shrunk)");
 }
 
+// Storages not from torch's allocator (from_numpy, frombuffer, from_dlpack...) whose memory a
+// lookup found writable, by their StorageImpl, held weakly: a live storage keeps its memory
+// mapped, so one lookup (reading the whole memory map: ~20 us in a torch process) serves every
+// later call with it. A weak reference keeps the StorageImpl's own block allocated, so no new
+// storage takes a remembered address; freed storages' entries go when the table is full.
+struct WritableStorage {
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak{c10::intrusive_ptr<c10::StorageImpl>()};
+  const void* data = nullptr;
+  size_t nbytes = 0;
+};
+constexpr size_t kWritableStorages = 4096;
+std::mutex g_writable_mutex;
+// Never destroyed: weak references must not be released during static destruction.
+auto& g_writable = *new std::unordered_map<const c10::StorageImpl*, WritableStorage>();
+
+bool known_writable(const c10::Storage& st) {
+  std::lock_guard<std::mutex> lock(g_writable_mutex);
+  const auto it = g_writable.find(st.unsafeGetStorageImpl());
+  // the same memory still: a storage's data can be swapped (set_data_ptr)
+  return it != g_writable.end() && it->second.data == st.data() &&
+         it->second.nbytes == st.nbytes() && !it->second.weak.expired();
+}
+
+void remember_writable(const c10::Storage& st) {
+  WritableStorage e;
+  e.weak = st.getWeakStorageImpl();
+  e.data = st.data();
+  e.nbytes = st.nbytes();
+  std::lock_guard<std::mutex> lock(g_writable_mutex);
+  if (g_writable.size() >= kWritableStorages) {
+    for (auto it = g_writable.begin(); it != g_writable.end();)
+      it = it->second.weak.expired() ? g_writable.erase(it) : std::next(it);
+    if (g_writable.size() >= kWritableStorages) g_writable.clear();
+  }
+  g_writable[st.unsafeGetStorageImpl()] = std::move(e);
+}
+
+// A CPU tensor the op writes lies in writable memory: writing read-only memory (a numpy memmap
+// opened with mode 'r') kills the process. A resizable storage holds memory of torch's
+// allocator, which is writable: no lookup (the check preflight makes, reshard/preflight.py).
+// Any other storage is looked up in the process's memory map (Linux; elsewhere unchecked)
+// once while it lives. Call after check_storage (the tensor's bytes lie inside its storage).
+void check_writable(const char* op, const char* name, const at::Tensor& t) {
+  if (!t.is_cpu() || t.numel() == 0) return;
+  const c10::Storage& st = t.storage();
+  if (st.resizable() || known_writable(st)) return;
+  uint64_t offset = 0;
+  char what[256];
+  const int whole = rs_unwritable_byte(RS_MEMORY_MAP, reinterpret_cast<uintptr_t>(st.data()),
+                                       st.nbytes(), &offset, what, sizeof what);
+  if (whole == 0) remember_writable(st);
+  if (whole != 1) return;  // writable, or no map to look in (not Linux, or out of files)
+  // a view may avoid the storage's unwritable part: only its own bytes decide
+  const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const bool ok =
+      rs_unwritable_byte(RS_MEMORY_MAP, lo, t.nbytes(), &offset, what, sizeof what) != 1;
+  TORCH_CHECK(ok, op, ": ", name, ": byte ", std::to_string(offset), " of it is not writable (",
+              what,
+              "): writing it would kill the process; pass writable memory (a numpy memmap "
+              "opened with mode 'r+' or 'c', or a copy)");
+}
+
 // Names the argument on the wrong device.
 void check_device(const char* op, const char* name, const at::Tensor& t, bool ok,
                   const char* want) {
@@ -228,6 +293,7 @@ void copy_runs_cpu(const at::Tensor& src, const at::Tensor& desc_in, const at::T
   check_device(op, "desc", desc_in, desc_in.is_cpu(), "a CPU tensor");
   check_device(op, "dst", dst, dst.is_cpu(), "a CPU tensor (src is on the CPU)");
   at::Tensor desc = check_common(op, src, desc_in, dst);
+  check_writable(op, "dst", dst);
   check_no_alias(op, src, dst);
   check_no_alias(op, desc, dst, "desc");  // rows are read while dst is written
 
@@ -294,6 +360,7 @@ void copy_pieces_cpu(at::TensorList srcs, const at::Tensor& pieces_in, const at:
   }
   check_storage(op, "pieces", pieces_in);
   check_storage(op, "dst", dst);
+  check_writable(op, "dst", dst);
   const rs_dtype sdt =
       srcs.empty() ? ddt : check_dtype_pair(op, srcs[0].scalar_type(), dst.scalar_type());
   const at::Tensor pieces = pieces_in.contiguous();
@@ -413,7 +480,10 @@ int64_t progress_wait(const at::Tensor& progress, int64_t at_least, int64_t time
 }
 
 void progress_set(const at::Tensor& progress, int64_t value) {
-  rs_progress_set(progress_words("reshard::progress_set", progress), value);
+  constexpr const char* op = "reshard::progress_set";
+  int64_t* p = progress_words(op, progress);
+  check_writable(op, "progress", progress);
+  rs_progress_set(p, value);
 }
 
 at::Tensor tensor_facts(at::TensorList tensors) {
@@ -748,6 +818,8 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   at::Tensor desc = check_common(op, src, desc_in, dst);
   check_storage(op, "ring", ring);
   check_ring(op, ring, host);
+  check_writable(op, "ring", ring);
+  if (dir == RS_D2H) check_writable(op, "dst", dst);
   const c10::cuda::CUDAGuard guard(dev.device());
   auto entry = lookup(op, desc, src.numel(), dst.numel(), dev.get_device());
   // Direct copies need a pinned (or registered) host buffer and no cast.
@@ -792,6 +864,7 @@ at::Tensor stage_cuda(rs_direction dir, const at::Tensor& src, const at::Tensor&
   buf.progress = nullptr;
   if (progress.has_value()) {
     buf.progress = progress_words(op, *progress);
+    check_writable(op, "progress", *progress);
     // the op writes the word while it reads src and fills the ring
     for (const at::Tensor* other : {&src, &ring}) {
       const auto a = reinterpret_cast<uintptr_t>(progress->const_data_ptr());

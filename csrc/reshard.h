@@ -175,6 +175,19 @@ void rs_progress_set(int64_t *p, int64_t value);
  * spin_ns (>= 0) the waiter polls instead of sleeping: a short wait then costs no wake-up. */
 int64_t rs_progress_wait(int64_t *p, int64_t at_least, int64_t timeout_ns, int64_t spin_ns);
 
+/* ---- writable host memory: a write to read-only memory (a numpy memmap opened with mode 'r')
+ * kills the process, and nothing but the process's memory map says where that memory is. */
+#define RS_MEMORY_MAP "/proc/self/maps" /* Linux; elsewhere there is none */
+
+/* Reads a memory map in the format of Linux's /proc/<pid>/maps (lines in address order) from
+ * map_path and looks for the first byte of [addr, addr + nbytes) that no writable mapping holds.
+ * Returns 1 when there is one: *offset is its distance from addr, and `what` (what_len bytes,
+ * truncated to fit) says what is there ("read-only memory: mapped r--s from /path" or "no
+ * memory is mapped there"); 0 when every byte is writable (always for nbytes 0); -1 when the
+ * map cannot be opened (no /proc: not Linux), so nothing was checked. */
+int rs_unwritable_byte(const char *map_path, uintptr_t addr, uint64_t nbytes, uint64_t *offset,
+                       char *what, size_t what_len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,7 +1,18 @@
 """Inputs the ops refuse before any write, each error naming the argument: a mix of devices an
 op does not support, an element type the C core does not copy, a tensor whose storage is smaller
-than its sizes say (freed as FSDP frees parameters, or shrunk). The CUDA side of the device rules
+than its sizes say (freed as FSDP frees parameters, or shrunk), a destination in read-only
+memory (a numpy memmap opened with mode 'r'). The CUDA side of the device rules
 is in tests/gpu/test_copy_runs_cuda.py and tests/gpu/test_stage_cuda.py."""
+
+import ctypes
+import gc
+import mmap
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -269,3 +280,210 @@ def test_tables_and_sources_given_as_iterators_are_read_once():
     for srcs, match in [({0: src}, "srcs must be a list of tensors, got dict"), ([None], "srcs")]:
         with pytest.raises(TypeError, match=match):
             _ops.copy_pieces(srcs, [[0, 0, 0, 4]], dst4())
+
+
+# ------------------------------------------------------------------ read-only memory
+# A write to read-only memory kills the process, so the calls that write it on the old code run
+# in a fresh interpreter (`in_child`): a crash fails one test instead of ending the session.
+
+needs_memory_map = pytest.mark.skipif(
+    not os.path.exists("/proc/self/maps"), reason="no memory map to look writability up in"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def mapped(path, mode, n=4, dtype=np.float32, value=POISON):
+    """A tensor over a numpy memmap of `path` (made with `value`s first if absent) opened with
+    `mode`: 'r' maps it read-only, 'c' copy-on-write, 'r+' shared writable."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        np.memmap(path, dtype, "w+", shape=(n,))[:] = value
+    with warnings.catch_warnings():  # torch warns that it cannot protect a read-only array
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.memmap(path, dtype, mode, shape=(n,)))
+
+
+def in_child(case, *args):
+    """Runs case(*args), a function of this module, in a fresh interpreter; returns its stdout."""
+    code = f"import {__name__.rsplit('.', 1)[-1]} as m; m.{case.__name__}(*{args!r})"
+    path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *sys.path])
+    child = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    died = f" (signal {signal.Signals(-child.returncode).name})" if child.returncode < 0 else ""
+    assert child.returncode == 0, (
+        f"{case.__name__}{args} exited with {child.returncode}{died}:\n{child.stderr[-4000:]}"
+    )
+    return child.stdout
+
+
+# Each writing op called with `arg` over a read-only memmap: op -> (arg, dtype, call(view)).
+def _writing_calls():
+    src = torch.arange(4.0)
+    return {
+        "copy_runs": ("dst", np.float32, lambda t: torch.ops.reshard.copy_runs(src, DESC, t)),
+        "copy_pieces": (
+            "dst",
+            np.float32,
+            lambda t: torch.ops.reshard.copy_pieces([src], torch.tensor([[0, 0, 0, 4]]), t),
+        ),
+        "progress_set": ("progress", np.int64, lambda t: torch.ops.reshard.progress_set(t, 5)),
+        "stage_d2h": (
+            "dst",
+            np.float32,
+            lambda t: torch.ops.reshard.stage_d2h(
+                src.cuda(), DESC, torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True), t
+            ),
+        ),
+        "stage_h2d": (
+            "progress",
+            np.int64,
+            lambda t: torch.ops.reshard.stage_h2d(
+                src,
+                DESC,
+                torch.empty(1 << 16, dtype=torch.uint8, pin_memory=True),
+                torch.zeros(4, device="cuda"),
+                t,
+            ),
+        ),
+    }
+
+
+def refuses_read_only(op, path):
+    arg, dtype, call = _writing_calls()[op]
+    target = mapped(path, "r", dtype=dtype, value=7)
+    refused(
+        lambda: call(target),
+        f"reshard::{op}: {arg}: byte 0 of it is not writable (read-only memory: mapped r--s "
+        f"from {path})",
+        "pass writable memory",
+        written=[target],
+    )
+
+
+def accepts_copy_on_write(op, path):
+    """A private writable mapping (memmap mode 'c') is written, its file not."""
+    arg, dtype, call = _writing_calls()[op]
+    target = mapped(path, "c", dtype=dtype, value=7)
+    call(target)
+    if op == "stage_h2d":  # published: the sequence number a waiter sleeps on moved on
+        assert target[1] != 7 and target[2:].tolist() == [7, 7], target
+    else:  # progress_set: the value, and the sequence number bumped
+        want = [5, 8, 7, 7] if arg == "progress" else [0, 1, 2, 3]
+        assert target.tolist() == want, target
+    assert mapped(path, "r", dtype=dtype).tolist() == [7, 7, 7, 7]
+
+
+@needs_memory_map
+@pytest.mark.parametrize(
+    "op",
+    [
+        "copy_runs",
+        "copy_pieces",
+        "progress_set",
+        pytest.param("stage_d2h", marks=needs_cuda),
+        pytest.param("stage_h2d", marks=needs_cuda),
+    ],
+)
+def test_a_destination_in_read_only_memory_is_refused_before_any_write(op, tmp_path):
+    in_child(refuses_read_only, op, str(tmp_path / "t.bin"))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "copy_runs",
+        "copy_pieces",
+        "progress_set",
+        pytest.param("stage_d2h", marks=needs_cuda),
+        pytest.param("stage_h2d", marks=needs_cuda),
+    ],
+)
+def test_a_copy_on_write_destination_is_written(op, tmp_path):
+    accepts_copy_on_write(op, str(tmp_path / "t.bin"))
+
+
+def test_read_only_sources_are_read(tmp_path):
+    source = mapped(tmp_path / "s.bin", "r", value=3.0)
+    dst = dst4()
+    torch.ops.reshard.copy_runs(source, DESC, dst)
+    assert dst.tolist() == [3.0] * 4
+    dst = dst4()
+    torch.ops.reshard.copy_pieces([source, torch.arange(4.0)], torch.tensor([[0, 1, 0, 2]]), dst)
+    assert dst.tolist() == [3.0, 3.0, POISON, POISON]
+
+
+def _two_pages_second_read_only():
+    """A float32 tensor over two anonymous pages, poisoned; the second made read-only."""
+    page = mmap.PAGESIZE
+    mem = mmap.mmap(-1, 2 * page)
+    t = torch.frombuffer(mem, dtype=torch.float32)
+    t.fill_(POISON)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(t.data_ptr() + page, page, mmap.PROT_READ) == 0, ctypes.get_errno()
+    return t, mem
+
+
+def refuses_partly_read_only():
+    """Only the second page of dst is read-only: the error names its first byte; a view of
+    the first page alone is written."""
+    t, _mem = _two_pages_second_read_only()
+    n, page = t.numel(), mmap.PAGESIZE
+    desc = torch.tensor([[0, 1, 0, 1, n, 1]])
+    refused(
+        lambda: torch.ops.reshard.copy_runs(torch.arange(float(n)), desc, t),
+        f"reshard::copy_runs: dst: byte {page} of it is not writable",
+        "(read-only memory: mapped r--",
+        written=[t],
+    )
+    torch.ops.reshard.copy_runs(torch.arange(4.0), DESC, t[:4])
+    assert t[:5].tolist() == [0.0, 1.0, 2.0, 3.0, POISON]
+
+
+@needs_memory_map
+def test_a_destination_partly_in_read_only_memory_names_its_first_unwritable_byte():
+    in_child(refuses_partly_read_only)
+
+
+def refuses_read_only_at_a_verified_address(path):
+    """A destination over a writable memmap is written; it is freed, and a read-only mapping
+    of the file takes its address: same address and size (and maybe the same storage object's
+    memory), but a new storage, so it is looked up again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    n = mmap.PAGESIZE
+    dst = mapped(path, "r+", n=n)
+    desc = torch.tensor([[0, 1, 0, 1, n, 1]])
+    torch.ops.reshard.copy_runs(torch.zeros(n), desc, dst)
+    at = dst.data_ptr()
+    del dst
+    gc.collect()  # the memmap, and with it the mapping, goes with its last tensor
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = libc.mmap(at, 4 * n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    assert got not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    if got != at:
+        print("skip: the kernel did not map the file at the freed destination's address")
+        return
+    dst = torch.frombuffer((ctypes.c_char * (4 * n)).from_address(at), dtype=torch.float32)
+    refused(
+        lambda: torch.ops.reshard.copy_runs(torch.ones(n), desc, dst),
+        "dst: byte 0 of it is not writable",
+        written=[dst],
+    )
+
+
+@needs_memory_map
+def test_a_read_only_mapping_at_a_verified_destinations_address_is_refused(tmp_path):
+    out = in_child(refuses_read_only_at_a_verified_address, str(tmp_path / "t.bin"))
+    if out.startswith("skip: "):
+        pytest.skip(out[len("skip: ") :].strip())

@@ -3,11 +3,21 @@
  * independent element-by-element reference on poisoned destinations; the overlap check
  * against a brute-force write-count map; the casts against the compiler's _Float16 and
  * against exact arithmetic. */
+#if defined(__linux__)
+#define _GNU_SOURCE /* mkstemp, mmap with MAP_ANONYMOUS: the writability tests */
+#else
+#define _POSIX_C_SOURCE 200809L /* mkstemp */
+#endif
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "reshard.h"
 
@@ -592,6 +602,92 @@ static void test_copy_errors_write_nothing(void) {
   CHECK(rs_dtype_size((rs_dtype)99) == 0 && strcmp(rs_dtype_name((rs_dtype)99), "?") == 0, "dtype");
 }
 
+/* ------------------------------------------------------------------ writable memory */
+
+/* rs_unwritable_byte over [addr, addr + nbytes) of `map`: its result, offset and message. */
+static int unwritable_in(const char *map, uint64_t addr, uint64_t nbytes, uint64_t *offset,
+                         char *what, size_t what_len) {
+  char path[] = "/tmp/reshard_maps_XXXXXX";
+  const int fd = mkstemp(path);
+  FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+  if (!f) {
+    CHECK(0, "cannot write a map to %s", path);
+    return -2;
+  }
+  fputs(map, f);
+  fclose(f);
+  const int r = rs_unwritable_byte(path, (uintptr_t)addr, nbytes, offset, what, what_len);
+  remove(path);
+  return r;
+}
+
+static void test_unwritable_byte_map(void) {
+  static char map[4096];
+  char longpath[2000];
+  memset(longpath, 'x', sizeof longpath - 1);
+  longpath[sizeof longpath - 1] = '\0';
+  /* address order, a gap at [0x4000, 0x5000), a malformed line, a path longer than a line */
+  snprintf(map, sizeof map,
+           "1000-2000 rw-p 00000000 00:00 0 \n"
+           "2000-3000 r--s 00000000 08:01 42                         /data/x y.bin (deleted)\n"
+           "3000-4000 rw-p 00000000 00:00 0          /%s\n"
+           "not a mapping\n"
+           "5000-6000 rw-p 00000000 00:00 0          [heap]\n"
+           "6000-7000 ---p 00000000 00:00 0 \n",
+           longpath);
+  uint64_t off = 99;
+  char what[256];
+  CHECK(unwritable_in(map, 0x1000, 0x1000, &off, what, sizeof what) == 0, "writable");
+  CHECK(unwritable_in(map, 0x1234, 0, &off, what, sizeof what) == 0, "nothing to write");
+  CHECK(unwritable_in(map, 0x1800, 0x1000, &off, what, sizeof what) == 1 && off == 0x800,
+        "read-only at 0x2000: %" PRIu64, off);
+  CHECK(strcmp(what, "read-only memory: mapped r--s from /data/x y.bin (deleted)") == 0, "%s",
+        what);
+  CHECK(unwritable_in(map, 0x3000, 0x1800, &off, what, sizeof what) == 1 && off == 0x1000,
+        "gap at 0x4000: %" PRIu64, off);
+  CHECK(strcmp(what, "no memory is mapped there") == 0, "%s", what);
+  CHECK(unwritable_in(map, 0x800, 0x1000, &off, what, sizeof what) == 1 && off == 0, "before");
+  CHECK(unwritable_in(map, 0x5000, 0x1001, &off, what, sizeof what) == 1 && off == 0x1000 &&
+            strcmp(what, "read-only memory: mapped ---p") == 0,
+        "no permissions at 0x6000: %s", what);
+  CHECK(unwritable_in(map, 0x9000, 1, &off, what, sizeof what) == 1 && off == 0, "past the map");
+  CHECK(unwritable_in(map, 0x5000, UINT64_MAX, &off, what, sizeof what) == 1 && off == 0x1000,
+        "a range past the address space: %" PRIu64, off);
+  CHECK(unwritable_in(map, 0x2000, 1, &off, what, 9) == 1 && strcmp(what, "read-onl") == 0,
+        "truncated message: %s", what);
+  CHECK(rs_unwritable_byte("/nonexistent/maps", 0x1000, 1, &off, what, sizeof what) == -1,
+        "no map");
+}
+
+/* The process's own map: a page made read-only, and memory malloc gave. */
+static void test_unwritable_byte_self(void) {
+#if defined(__linux__)
+  const long page = sysconf(_SC_PAGESIZE);
+  unsigned char *m =
+      mmap(NULL, (size_t)(2 * page), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(m != MAP_FAILED, "mmap");
+  if (m == MAP_FAILED) return;
+  uint64_t off = 0;
+  char what[256];
+  CHECK(rs_unwritable_byte(RS_MEMORY_MAP, (uintptr_t)m, (uint64_t)(2 * page), &off, what,
+                           sizeof what) == 0,
+        "read-write pages");
+  CHECK(mprotect(m + page, (size_t)page, PROT_READ) == 0, "mprotect");
+  CHECK(rs_unwritable_byte(RS_MEMORY_MAP, (uintptr_t)(m + 8), (uint64_t)(2 * page - 8), &off, what,
+                           sizeof what) == 1 &&
+            off == (uint64_t)(page - 8) && strncmp(what, "read-only memory: mapped r--p", 29) == 0,
+        "second page read-only: %" PRIu64 " %s", off, what);
+  munmap(m, (size_t)(2 * page));
+  CHECK(rs_unwritable_byte(RS_MEMORY_MAP, (uintptr_t)m, 1, &off, what, sizeof what) == 1 &&
+            strcmp(what, "no memory is mapped there") == 0,
+        "unmapped: %s", what);
+  void *heap = malloc(1 << 20);
+  CHECK(rs_unwritable_byte(RS_MEMORY_MAP, (uintptr_t)heap, 1 << 20, &off, what, sizeof what) == 0,
+        "malloc'd memory: %s", what);
+  free(heap);
+#endif
+}
+
 int main(void) {
   test_validate_errors();
   test_overlap_random();
@@ -602,6 +698,8 @@ int main(void) {
   test_copy_long_runs();
   test_cast_long_runs();
   test_copy_errors_write_nothing();
+  test_unwritable_byte_map();
+  test_unwritable_byte_self();
   printf("test_core: %d checks, %d failures (C core %s)\n", checks, failures, RS_VERSION_STRING);
   return failures != 0;
 }
