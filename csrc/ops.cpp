@@ -198,29 +198,33 @@ void remember_writable(const c10::Storage& st) {
   g_writable[st.unsafeGetStorageImpl()] = std::move(e);
 }
 
-// A CPU tensor the op writes lies in writable memory: writing read-only memory (a numpy memmap
-// opened with mode 'r') kills the process. A resizable storage holds memory of torch's
-// allocator, which is writable: no lookup (the check preflight makes, reshard/preflight.py).
-// Any other storage is looked up in the process's memory map (Linux; elsewhere unchecked)
-// once while it lives. Call after check_storage (the tensor's bytes lie inside its storage).
-void check_writable(const char* op, const char* name, const at::Tensor& t) {
-  if (!t.is_cpu() || t.numel() == 0) return;
+// Why a write to CPU tensor `t` would fault, "" when none would: writing read-only memory (a
+// numpy memmap opened with mode 'r') kills the process. A resizable storage holds memory of
+// torch's allocator, which is writable: no lookup. Any other storage is looked up in the
+// process's memory map (Linux; elsewhere unchecked) once while it lives. The preflight asks
+// this of every target (reshard::unwritable_reason); the ops ask it of what they write. Call
+// after check_storage (the tensor's bytes lie inside its storage).
+std::string unwritable_reason(const at::Tensor& t) {
+  if (!t.is_cpu() || t.numel() == 0) return "";
   const c10::Storage& st = t.storage();
-  if (st.resizable() || known_writable(st)) return;
+  if (st.resizable() || known_writable(st)) return "";
   uint64_t offset = 0;
   char what[256];
   const int whole = rs_unwritable_byte(RS_MEMORY_MAP, reinterpret_cast<uintptr_t>(st.data()),
                                        st.nbytes(), &offset, what, sizeof what);
   if (whole == 0) remember_writable(st);
-  if (whole != 1) return;  // writable, or no map to look in (not Linux, or out of files)
+  if (whole != 1) return "";  // writable, or no map to look in (not Linux, or out of files)
   // a view may avoid the storage's unwritable part: only its own bytes decide
   const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-  const bool ok =
-      rs_unwritable_byte(RS_MEMORY_MAP, lo, t.nbytes(), &offset, what, sizeof what) != 1;
-  TORCH_CHECK(ok, op, ": ", name, ": byte ", std::to_string(offset), " of it is not writable (",
-              what,
-              "): writing it would kill the process; pass writable memory (a numpy memmap "
-              "opened with mode 'r+' or 'c', or a copy)");
+  if (rs_unwritable_byte(RS_MEMORY_MAP, lo, t.nbytes(), &offset, what, sizeof what) != 1) return "";
+  return "byte " + std::to_string(offset) + " of it is not writable (" + what +
+         "): writing it would kill the process; pass writable memory (a numpy memmap opened "
+         "with mode 'r+' or 'c', or a copy)";
+}
+
+void check_writable(const char* op, const char* name, const at::Tensor& t) {
+  const std::string why = unwritable_reason(t);
+  TORCH_CHECK(why.empty(), op, ": ", name, ": ", why);
 }
 
 // Names the argument on the wrong device.
@@ -972,6 +976,7 @@ TORCH_LIBRARY(reshard, m) {
   m.def("progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
         &progress_wait);
   m.def("progress_set(Tensor(a!) progress, int value) -> ()");
+  m.def("unwritable_reason(Tensor t) -> str", &unwritable_reason);
 }
 
 // The stage ops move CPU<->CUDA: called with CPU tensors only, their device checks name the

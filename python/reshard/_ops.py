@@ -55,6 +55,7 @@ SCHEMAS = (
     "tensor_facts(Tensor[] tensors) -> Tensor",
     "progress_wait(Tensor progress, int at_least, int timeout_us, int spin_us=0) -> int",
     "progress_set(Tensor(a!) progress, int value) -> ()",
+    "unwritable_reason(Tensor t) -> str",
 )
 
 # tensor_facts' columns: per tensor, what these Python reads return (device_index: get_device(),
@@ -294,6 +295,13 @@ def stage_h2d(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) ->
 def stage_d2h(src: torch.Tensor, desc, ring: torch.Tensor, dst: torch.Tensor) -> StageStats:
     """Runs of a CUDA `src` into a CPU `dst` through the pinned host `ring` (CUDA builds)."""
     return StageStats(*torch.ops.reshard.stage_d2h(src, as_desc(desc), ring, dst).tolist())
+
+
+def unwritable_reason(t: torch.Tensor) -> str:
+    """Why writing CPU tensor `t` would kill the process (its first byte in read-only or
+    unmapped memory, and what is mapped there); '' when it would not, or where the OS gives no
+    memory map to look in."""
+    return torch.ops.reshard.unwritable_reason(t)
 
 
 # ------------------------------------------------------------------ fake (meta) impls

@@ -29,7 +29,6 @@ object with a `.buffers` mapping and, optionally, a `.check()` method that raise
 
 from __future__ import annotations
 
-import bisect
 import datetime
 import functools
 import hashlib
@@ -493,71 +492,17 @@ def _write_faults(t) -> list[str]:
     return bad
 
 
-# This process's memory map (Linux); where the OS has none, writability is not checked.
-MEMORY_MAP = "/proc/self/maps"
-
-
-def memory_map() -> tuple[list, list, list] | None:
-    """This process's mappings in address order: (first bytes, ends, lines); None where the OS
-    gives no map (not Linux), so writability is not checked there."""
-    try:
-        with open(MEMORY_MAP, "rb") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    starts, ends = [], []
-    for line in lines:
-        lo, _, hi = line.split(b" ", 1)[0].partition(b"-")
-        starts.append(int(lo, 16))
-        ends.append(int(hi, 16))
-    return starts, ends, lines
-
-
-def unwritable_byte(lo: int, hi: int, maps) -> tuple[int, str] | None:
-    """The first byte of [lo, hi) that no writable mapping of `maps` holds, with what is there
-    (a mapping's permissions and file, or nothing), else None."""
-    starts, ends, lines = maps
-    i = bisect.bisect_right(starts, lo) - 1
-    at = lo
-    while at < hi:
-        if i < 0 or i >= len(starts) or not starts[i] <= at < ends[i]:
-            return at, "no memory is mapped there"
-        if b"w" not in lines[i].split(b" ", 2)[1]:  # permissions: rwxp, r--s...
-            fields = lines[i].decode(errors="replace").split(None, 5)
-            where = f" from {fields[5]}" if len(fields) > 5 else ""
-            return at, f"read-only memory: mapped {fields[1]}{where}"
-        at, i = ends[i], i + 1
-    return None
-
-
-def read_only_reasons(targets: dict, maps) -> list[str]:
-    """The CPU targets of `targets` ({location: tensor}) whose bytes are not all in writable
-    mappings of `maps` (`memory_map()`): a write there would kill the process."""
-    reasons = []
-    for loc, t in targets.items():
-        start = t.data_ptr()
-        hit = unwritable_byte(start, start + t.numel() * t.element_size(), maps)
-        if hit:
-            reasons.append(
-                f"target location {loc}: byte {hit[0] - start} of it is not writable "
-                f"({hit[1]}): writing it would kill the process; pass writable memory (a numpy "
-                "memmap opened with mode 'r+' or 'c', or a copy)"
-            )
-    return reasons
-
-
 class WritableTargets:
-    """Which CPU targets are known to lie in writable memory. Writing read-only memory (a
-    numpy memmap opened with mode 'r', any mapping without write permission) kills the
-    process, and torch does not say which memory is writable; the process's memory map does.
-    A resizable storage holds memory of torch's allocator, which is writable; any other
-    storage (from_numpy, frombuffer, from_dlpack...) is looked up in the map once and then
-    remembered, weakly, while it lives. A call whose buffers read as the last verified call's
-    (its `_call_key` object) looks up nothing, unless one of that call's target storages was
-    freed since: only then can another mapping take its address."""
+    """Whether a call's CPU targets lie in writable memory. Writing read-only memory (a numpy
+    memmap opened with mode 'r', any mapping without write permission) kills the process, and
+    torch does not say which memory is writable; the process's memory map does
+    (`reshard::unwritable_reason`: storages of torch's allocator need no lookup, any other is
+    looked up once while it lives; where the OS gives no map, nothing is checked). A call whose
+    buffers read as the last verified call's (its `_call_key` object) asks nothing, unless one
+    of that call's target storages was freed since: only then can another mapping take its
+    address."""
 
     def __init__(self):
-        self.known = weakref.WeakSet()  # storages not of torch's allocator, found writable
         self.key = None  # the call key whose targets were all found writable
         self.watched: list = []  # weak references to those targets' storages
         self.freed = False  # one of them was freed since
@@ -570,19 +515,16 @@ class WritableTargets:
         `_call_key` object, remembered when all of them can."""
         if key is not None and key is self.key and not self.freed:
             return []
-        storages, unknown = {}, {}
+        storages, reasons = {}, []
         for loc, t in dst.items():
             if t.is_cpu and t.numel():
                 st = t.untyped_storage()
                 storages[id(st)] = st
-                if not st.resizable() and st not in self.known:
-                    unknown[loc] = t
-        if unknown:
-            maps = memory_map()
-            reasons = read_only_reasons(unknown, maps) if maps is not None else []
-            if reasons:
-                return reasons
-            self.known.update(t.untyped_storage() for t in unknown.values())
+                why = "" if st.resizable() else _ops.unwritable_reason(t)
+                if why:
+                    reasons.append(f"target location {loc}: {why}")
+        if reasons:
+            return reasons
         self.key, self.freed = key, False
         self.watched = [weakref.ref(st, self._freed) for st in storages.values()]
         return []

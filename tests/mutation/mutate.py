@@ -441,8 +441,8 @@ MUTANTS = (
     Mutant(
         "read_only_target_unchecked",
         PKG,
-        '        if b"w" not in lines[i].split(b" ", 2)[1]:  # permissions: rwxp, r--s...',
-        "        if False:",
+        '                why = "" if st.resizable() else _ops.unwritable_reason(t)',
+        '                why = ""',
         (f"{LOCAL_HOSTILE}::test_a_target_in_read_only_memory_is_refused_before_any_write",),
         "a target in read-only memory is written (the process dies)",
     ),
