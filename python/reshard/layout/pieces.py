@@ -91,7 +91,7 @@ class PieceTable(NamedTuple):
                     f"{n * d ** (len(shp) - 1)}"
                 )
             cols.append(a.reshape(shp))
-        return tuple.__new__(cls, [_read_only(a) for a in cols])
+        return tuple.__new__(cls, [read_only_view(a) for a in cols])
 
     @classmethod
     def empty(cls, d) -> PieceTable:
@@ -146,7 +146,7 @@ def _int64_column(field, values) -> np.ndarray:
     return np.ascontiguousarray(a, I64)
 
 
-def _read_only(a: np.ndarray) -> np.ndarray:
+def read_only_view(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
@@ -213,6 +213,15 @@ class TensorLayout:
         self = object.__new__(cls)
         self._set(tuple(shape), PieceTable.of(len(shape), *table), name)
         check_pieces(self, check_cover=not covered)
+        return self
+
+    @classmethod
+    def _trusted(cls, shape, columns, name) -> TensorLayout:
+        """A TensorLayout of `shape` (a checked tuple) whose 5 piece arrays `columns` are
+        already int64, contiguous, read-only and shaped (`builders.flat_batch` slices them
+        from arrays it built for many tensors); the caller runs the checks (`check_tensors`)."""
+        self = object.__new__(cls)
+        self._set(shape, tuple.__new__(PieceTable, columns), name)
         return self
 
     def _set(self, shape, table, name):
