@@ -365,7 +365,7 @@ def _batch_boxes(shapes, names, members, d, tix, sel, r, out) -> None:
     pos = np.zeros(len(shapes), I64)
     pos[members] = np.arange(len(members))
     shp = np.array([shapes[i] for i in members.tolist()], I64).reshape(len(members), d)
-    P = np.array([row_major(shapes[i]) for i in members.tolist()], I64).reshape(-1, d)
+    P = np.array([row_major(shapes[i]) for i in members.tolist()], I64).reshape(len(members), d)
     loc, fs, fe, off = r[sel].T
     t = tix[sel]
     if d == 0:
