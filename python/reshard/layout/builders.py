@@ -199,7 +199,7 @@ def flat(shape, runs, *, name=None) -> TensorLayout:
     if d == 0:
         bl, bo, bs, bb = loc, off, np.zeros((n, 0), I64), np.zeros((n, 0), I64)
     else:
-        shp, P = _rows(shape, n, d), _rows(row_major(shape), n, d)
+        shp, P = np.array(shape, I64), np.array(row_major(shape), I64)
         _, bl, bo, bs, bb = _flat_boxes(shp, P, loc, fs, fe, off)
     strides = _rows(row_major(shape), len(bl), d)
     return _tensor_layout(shape, bl, bo, bs, bb, strides, name, covered=True)
@@ -253,10 +253,11 @@ def _checked_runs(tn, runs) -> np.ndarray:
 
 def _flat_boxes(shp, P, loc, a, b, off):
     """Decompose flat ranges [a, b) into boxes, vectorized over the runs: run i lies in a
-    tensor of shape `shp[i]` (d >= 1 dims) with row-major strides `P[i]` ([n, d] arrays,
-    broadcast views for one tensor). Returns (run, location, offset, start, box) of the boxes,
+    tensor of shape `shp[i]` (d >= 1 dims) with row-major strides `P[i]` ([n, d] arrays;
+    [d] for runs of one tensor). Returns (run, location, offset, start, box) of the boxes,
     by level, then by run within a level."""
-    d = shp.shape[1]
+    d = shp.shape[-1]
+    per_run = shp.ndim == 2
     cur = a.copy()
     out = []
 
@@ -264,18 +265,21 @@ def _flat_boxes(shp, P, loc, a, b, off):
         idx = np.nonzero(mask)[0]
         if not len(idx):
             return
-        xs, ys, steps, bx = x[idx], y[idx], P[idx], shp[idx]
+        xs, ys = x[idx], y[idx]
+        steps = P[idx] if per_run else P
+        bx = np.empty((len(idx), d), I64)
+        bx[:] = shp[idx] if per_run else shp
         st = np.zeros((len(idx), d), I64)
-        st[:, : k + 1] = (xs[:, None] // steps[:, : k + 1]) % bx[:, : k + 1]
+        st[:, : k + 1] = (xs[:, None] // steps[..., : k + 1]) % bx[:, : k + 1]
         bx[:, :k] = 1
-        bx[:, k] = (ys - xs) // steps[:, k]
+        bx[:, k] = (ys - xs) // steps[..., k]
         out.append((idx, loc[idx], off[idx] + (xs - a[idx]), st, bx))
 
     # Head: climb levels while the range reaches the next boundary of the level above.
     k0 = np.zeros(len(a), I64)
     active = np.ones(len(a), bool)
     for k in range(d - 1, 0, -1):
-        B = -(-cur // P[:, k - 1]) * P[:, k - 1]
+        B = -(-cur // P[..., k - 1]) * P[..., k - 1]
         ok = active & (B <= b)
         emit(ok & (B > cur), k, cur, B)
         cur = np.where(ok, B, cur)
@@ -283,7 +287,7 @@ def _flat_boxes(shp, P, loc, a, b, off):
         active &= ok
     # Tail: descend levels, taking as many whole blocks of each level as fit.
     for k in range(d):
-        E = (b // P[:, k]) * P[:, k]
+        E = (b // P[..., k]) * P[..., k]
         m = (k >= k0) & (E > cur)
         emit(m, k, cur, E)
         cur = np.where(m, E, cur)
