@@ -969,3 +969,101 @@ def test_segmented_cummax_against_brute_force(pairs):
         run[k] = max(run.get(k, v), v)
         want.append(run[k])
     assert iv.segmented_cummax(x, key).tolist() == want
+
+
+def _built_or_error(build):
+    """(the TensorLayouts `build()` returns, or the type and message of what it raises)."""
+    try:
+        return build()
+    except Exception as exc:  # noqa: BLE001 - compared, whatever it is
+        return (type(exc), str(exc))
+
+
+def _same_tables(a, b):
+    if isinstance(a, tuple) or isinstance(b, tuple):  # errors
+        assert a == b
+        return
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.shape == y.shape and x.name == y.name
+        for cx, cy in zip(x.table, y.table):
+            assert cx.dtype == cy.dtype and cx.shape == cy.shape and np.array_equal(cx, cy)
+            assert not cx.flags.writeable and cx.flags.c_contiguous
+
+
+def _zero_runs(rng, numel, world, offset):
+    part = -(-numel // world)
+    return [
+        (r, r * part, min(numel, r * part + part), offset) for r in range(world) if r * part < numel
+    ]
+
+
+_BAD_RUNS = [
+    [(0, 0, 5, -1)],  # negative offset
+    [(-1, 0, 5, 0)],  # negative location
+    [(0, 3, 2, 0)],  # start past stop
+    [(0, 0, 10**6, 0)],  # beyond the tensor
+    [(0, 0, 2, 0)],  # a gap
+    [(0, 0, 5, 0), (1, 3, 7, 0)],  # overlap: replicas, no error unless a gap
+    [(True, 0, 5, 0)],  # a bool
+    [(np.int64(0), 0, 5, 0)],  # a numpy int: the checked path
+    [(0.0, 0, 5, 0)],  # a float
+    [(0, 0, 5, 2**64)],  # beyond int64
+    [(0, 0, 5, 2**53 - 2)],  # the footprint past 2**53
+    [(0, 0, 5)],  # a short row
+    [(0, 0, 5, 0, 1)],  # a long row
+    [[0, 0, 5, 0]],  # a list row
+    np.array([[0, 0, 5, 0]]),  # an array
+    [],  # no runs
+    "runs",
+]
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.data())
+def test_flat_batch_is_flat_per_tensor(data):
+    """flat_batch gives flat's TensorLayouts, table for table (dtype, layout, read-only), and
+    flat's first error, for ZeRO runs mixed with every kind of odd or bad entry."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    shapes, runs, names = [], [], []
+    for i in range(data.draw(st.integers(0, 12))):
+        shape = tuple(int(x) for x in rng.integers(0, 5, size=rng.integers(0, 4)))
+        numel = int(np.prod(shape)) if shape else 1
+        kind = rng.integers(0, 4)
+        if kind == 3 and numel >= 5:
+            r = _BAD_RUNS[rng.integers(0, len(_BAD_RUNS))]
+        elif kind == 2:  # shuffled or with empty runs: tiled or not, a gap or not
+            r = _zero_runs(rng, numel, int(rng.integers(1, 6)), int(rng.integers(0, 9)))
+            r = [r[j] for j in rng.permutation(len(r))] + [(7, 0, 0, 3)]
+        else:
+            r = _zero_runs(rng, numel, int(rng.integers(1, 6)), int(rng.integers(0, 9)))
+        shapes.append(shape)
+        runs.append(r)
+        names.append(f"t{i}" if rng.integers(0, 2) else None)
+    want = _built_or_error(lambda: [rs.flat(s, r, name=n) for s, r, n in zip(shapes, runs, names)])
+    got = _built_or_error(lambda: rs.layout.flat_batch(shapes, runs, names=names))
+    _same_tables(got, want)
+
+
+def test_flat_batch_bad_shape_and_lengths():
+    """A bad shape raises flat's error, an earlier tensor's own error first."""
+    with pytest.raises(rs.LayoutError, match="flat shape has a negative dim"):
+        rs.layout.flat_batch([(4,), (-1,)], [[(0, 0, 4, 0)], []])
+    with pytest.raises(rs.LayoutError, match="flat run 0 .*negative storage offset"):
+        rs.layout.flat_batch([(4,), (-1,)], [[(0, 0, 4, -1)], []])
+    with pytest.raises(rs.LayoutError, match="2 shapes, 1 runs and 2 names"):
+        rs.layout.flat_batch([(4,), (4,)], [[(0, 0, 4, 0)]])
+
+
+def test_flat_batch_zero3_tables():
+    """A ZeRO-3 placement of many tensors over 64 ranks, batched, equals flat per tensor."""
+    rng = np.random.default_rng(5)
+    shapes = [
+        tuple(int(x) for x in rng.integers(1, 90, size=rng.integers(1, 4))) for _ in range(300)
+    ]
+    runs, offset = [], 0
+    for s in shapes:
+        numel = int(np.prod(s))
+        runs.append(_zero_runs(rng, numel, 64, offset))
+        offset += -(-numel // 64)
+    _same_tables(rs.layout.flat_batch(shapes, runs), [rs.flat(s, r) for s, r in zip(shapes, runs)])

@@ -25,7 +25,7 @@ from .deepspeed_checks import (
     is_destroyed,
     watch_forwards,
 )
-from .deepspeed_geometry import ZeroGeometry, group_ranks
+from .deepspeed_geometry import ZeroGeometry, flat_layouts, group_ranks
 from .deepspeed_zero3 import Zero3Geometry
 from .deepspeed_zero12 import Zero12Geometry
 
@@ -231,7 +231,7 @@ def describe(engine, kind: str, group=None) -> LiveState:
         geo.cross_check(kind, u, live[geo.location(u, geo.dp_rank)])
     buffers = {loc: _as_flat(t) for loc, t in live.items()}
     storages, runs = geo.placement(kind, owners, {loc: t.dtype for loc, t in buffers.items()})
-    tensors = {name: rs.flat(shape, r) for name, (shape, r) in runs.items()}
+    tensors = flat_layouts(runs)
     return LiveState(
         engine=engine,
         kind=kind,

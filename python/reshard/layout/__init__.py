@@ -10,11 +10,12 @@ Errors are `LayoutError`s naming the tensor, the piece and the reason. A `Tensor
 does not know its tensor's name unless given one (`name=`); the builders accept `name=` too.
 
 Modules: `values` (checked integers, shapes, dtypes, limits), `pieces` (Piece, PieceTable,
-TensorLayout and their checks), `builders` (replicated, split, flat, nest), `state` (Storage,
+TensorLayout and their checks), `builders` (replicated, split, flat, nest;
+`flat_batch`: many `flat` calls at once), `state` (Storage,
 Layout), `aliasing` (the target aliasing check), `intervals` (interval overlap utility).
 """
 
-from .builders import flat, nest, replicated, split
+from .builders import flat, flat_batch, nest, replicated, split
 from .intervals import first_overlap, merge, overlapping_rows
 from .pieces import Piece, PieceTable, TensorLayout
 from .state import Layout, Storage
@@ -30,6 +31,7 @@ __all__ = [
     "as_dtype",
     "first_overlap",
     "flat",
+    "flat_batch",
     "merge",
     "nest",
     "overlapping_rows",
