@@ -18,7 +18,6 @@ import os
 import re
 import sys
 import threading
-import warnings
 
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed"))
 
+import _memmaps as memmaps  # noqa: E402
 import _refplan  # noqa: E402
 import _scenarios as S  # noqa: E402
 import _workers as W  # noqa: E402
@@ -279,27 +279,10 @@ def test_leaving_inference_mode_is_seen_on_a_repeated_call():
 
 
 def _mapped(path, mode, n=6, value=S.POISON):
-    """A float32 tensor over a numpy memmap of `path` (made with `value`s first if absent)
-    opened with `mode`: 'r' maps it read-only, 'c' copy-on-write, 'r+' shared writable."""
-    if not path.exists():
-        np.memmap(path, np.float32, "w+", shape=(n,))[:] = value
-    with warnings.catch_warnings():  # torch warns that it cannot protect a read-only array
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.memmap(path, np.float32, mode, shape=(n,)))
+    return memmaps.mapped(path, mode, n, value)
 
 
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-needs_memory_map = pytest.mark.skipif(
-    not os.path.exists("/proc/self/maps"), reason="no memory map to look writability up in"
-)
+needs_memory_map = memmaps.needs_memory_map
 
 
 @needs_memory_map
@@ -337,7 +320,7 @@ def test_a_target_partly_in_read_only_memory_names_its_first_unwritable_byte():
     mem = mmap.mmap(-1, 2 * page)
     target = torch.frombuffer(mem, dtype=torch.float32)
     target.fill_(S.POISON)
-    assert _libc().mprotect(target.data_ptr() + page, page, mmap.PROT_READ) == 0
+    memmaps.protect_read_only(target.data_ptr() + page, page)
     with pytest.raises(rs.PreflightError, match=f"byte {page} of it is not writable"):
         sync({0: torch.arange(float(n))}, {10: target})
     assert bool((target == S.POISON).all())
@@ -353,13 +336,7 @@ def test_a_read_only_mapping_at_a_verified_targets_address_is_seen_on_a_repeated
     sync, sb, db = _passed_once(n, _mapped(path, "r+", n))
     at = db.pop(10).data_ptr()
     gc.collect()  # the memmap, and with it the mapping, goes with its last tensor
-    libc = _libc()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = libc.mmap(at, 4 * n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    assert got not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    got = memmaps.map_read_only_at(path, at, 4 * n)
     try:
         if got != at:
             pytest.skip("the kernel did not map the file at the freed target's address")
@@ -368,7 +345,7 @@ def test_a_read_only_mapping_at_a_verified_targets_address_is_seen_on_a_repeated
             sync(sb, db)
         assert bool((db.pop(10) == S.POISON).all())
     finally:
-        libc.munmap(got, 4 * n)
+        memmaps.libc().munmap(got, 4 * n)
 
 
 def test_only_storages_from_elsewhere_are_looked_up_and_not_on_the_short_path(

@@ -8,12 +8,11 @@ import ctypes
 import gc
 import mmap
 import os
-import pathlib
 import signal
 import subprocess
 import sys
-import warnings
 
+import _memmaps as memmaps
 import numpy as np
 import pytest
 import torch
@@ -286,21 +285,12 @@ def test_tables_and_sources_given_as_iterators_are_read_once():
 # A write to read-only memory kills the process, so the calls that write it on the old code run
 # in a fresh interpreter (`in_child`): a crash fails one test instead of ending the session.
 
-needs_memory_map = pytest.mark.skipif(
-    not os.path.exists("/proc/self/maps"), reason="no memory map to look writability up in"
-)
+needs_memory_map = memmaps.needs_memory_map
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def mapped(path, mode, n=4, dtype=np.float32, value=POISON):
-    """A tensor over a numpy memmap of `path` (made with `value`s first if absent) opened with
-    `mode`: 'r' maps it read-only, 'c' copy-on-write, 'r+' shared writable."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        np.memmap(path, dtype, "w+", shape=(n,))[:] = value
-    with warnings.catch_warnings():  # torch warns that it cannot protect a read-only array
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(np.memmap(path, dtype, mode, shape=(n,)))
+    return memmaps.mapped(path, mode, n, value, dtype)
 
 
 def in_child(case, *args):
@@ -378,31 +368,23 @@ def accepts_copy_on_write(op, path):
     assert mapped(path, "r", dtype=dtype).tolist() == [7, 7, 7, 7]
 
 
+# every op that writes CPU memory
+WRITING_OPS = [
+    "copy_runs",
+    "copy_pieces",
+    "progress_set",
+    pytest.param("stage_d2h", marks=needs_cuda),
+    pytest.param("stage_h2d", marks=needs_cuda),
+]
+
+
 @needs_memory_map
-@pytest.mark.parametrize(
-    "op",
-    [
-        "copy_runs",
-        "copy_pieces",
-        "progress_set",
-        pytest.param("stage_d2h", marks=needs_cuda),
-        pytest.param("stage_h2d", marks=needs_cuda),
-    ],
-)
+@pytest.mark.parametrize("op", WRITING_OPS)
 def test_a_destination_in_read_only_memory_is_refused_before_any_write(op, tmp_path):
     in_child(refuses_read_only, op, str(tmp_path / "t.bin"))
 
 
-@pytest.mark.parametrize(
-    "op",
-    [
-        "copy_runs",
-        "copy_pieces",
-        "progress_set",
-        pytest.param("stage_d2h", marks=needs_cuda),
-        pytest.param("stage_h2d", marks=needs_cuda),
-    ],
-)
+@pytest.mark.parametrize("op", WRITING_OPS)
 def test_a_copy_on_write_destination_is_written(op, tmp_path):
     accepts_copy_on_write(op, str(tmp_path / "t.bin"))
 
@@ -423,9 +405,7 @@ def _two_pages_second_read_only():
     mem = mmap.mmap(-1, 2 * page)
     t = torch.frombuffer(mem, dtype=torch.float32)
     t.fill_(POISON)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    assert libc.mprotect(t.data_ptr() + page, page, mmap.PROT_READ) == 0, ctypes.get_errno()
+    memmaps.protect_read_only(t.data_ptr() + page, page)
     return t, mem
 
 
@@ -454,10 +434,6 @@ def refuses_read_only_at_a_verified_address(path):
     """A destination over a writable memmap is written; it is freed, and a read-only mapping
     of the file takes its address: same address and size (and maybe the same storage object's
     memory), but a new storage, so it is looked up again."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     n = mmap.PAGESIZE
     dst = mapped(path, "r+", n=n)
     desc = torch.tensor([[0, 1, 0, 1, n, 1]])
@@ -465,13 +441,7 @@ def refuses_read_only_at_a_verified_address(path):
     at = dst.data_ptr()
     del dst
     gc.collect()  # the memmap, and with it the mapping, goes with its last tensor
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = libc.mmap(at, 4 * n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    finally:
-        os.close(fd)
-    assert got not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
-    if got != at:
+    if memmaps.map_read_only_at(path, at, 4 * n) != at:  # left mapped: the child exits
         print("skip: the kernel did not map the file at the freed destination's address")
         return
     dst = torch.frombuffer((ctypes.c_char * (4 * n)).from_address(at), dtype=torch.float32)

@@ -201,6 +201,28 @@ def train(engine, model, steps, seed, rank, first=0):
     relink_moments(engine)
 
 
+def assert_restored_then_in_step(a, b, want, model, rank, kinds, tag):
+    """Engine B, restored from A's state `want` ({kind: {name: full tensor}}), holds it
+    bitwise; one more step of both on the same batch keeps them bitwise equal (the loss and
+    every kind)."""
+    for k in kinds:
+        got = reference(b, k)
+        for n in want[k]:
+            assert_bitwise(got[n], want[k][n], f"{tag} restored {k} {n}")
+    x = batch(a, model, 777 + rank)
+    losses = []
+    for e in (a, b):
+        loss = e(x).float().pow(2).mean()
+        e.backward(loss)
+        e.step()
+        losses.append(loss.detach())
+    assert_bitwise(losses[1], losses[0], f"{tag} next step's loss")
+    for k in kinds:
+        ra, rb = reference(a, k), reference(b, k)
+        for n in ra:
+            assert_bitwise(rb[n], ra[n], f"{tag} after the next step {k} {n}")
+
+
 def relink_moments(engine):
     """Work around a DeepSpeed 0.19.8 bug: ZeRO-1/2 links the per-param moment views once,
     right after the *first* param group's first step, so params of later groups get no

@@ -300,7 +300,13 @@ def _snapshot(live, budget):
 def _restore_worker(rank, world, configs, budget):
     import torch
     import torch.distributed as dist
-    from _dsutil import assert_bitwise, batch, ds_env, make_engine, reference, train
+    from _dsutil import (
+        assert_restored_then_in_step,
+        ds_env,
+        make_engine,
+        reference,
+        train,
+    )
 
     ds_env(rank, world)
     import reshard as rs
@@ -338,23 +344,8 @@ def _restore_worker(rank, world, configs, budget):
             rsds.refresh_persistent(b)
         else:
             rsds.refresh_params(b)
-        for k in KINDS:
-            got = reference(b, k)
-            for n in want[k]:
-                assert_bitwise(got[n], want[k][n], f"{tag} restored {k} {n}")
-        # the next step of B matches the uninterrupted A, bitwise
-        x = batch(a, model, 777 + rank)
-        losses = []
-        for e in (a, b):
-            loss = e(x).float().pow(2).mean()
-            e.backward(loss)
-            e.step()
-            losses.append(loss.detach())
-        assert_bitwise(losses[1], losses[0], f"{tag} step-3 loss")
-        for k in KINDS:
-            ra, rb = reference(a, k), reference(b, k)
-            for n in ra:
-                assert_bitwise(rb[n], ra[n], f"{tag} after step 3 {k} {n}")
+        # B holds A's state, and its next step matches the uninterrupted A, bitwise
+        assert_restored_then_in_step(a, b, want, model, rank, KINDS, tag)
         dist.barrier()
         done.append(tag)
         a.destroy()

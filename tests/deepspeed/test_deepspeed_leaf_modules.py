@@ -44,6 +44,7 @@ def _leaf_worker(rank, world, configs):
     from _dsutil import (
         assemble,
         assert_bitwise,
+        assert_restored_then_in_step,
         batch,
         check_targets,
         ds_env,
@@ -95,22 +96,7 @@ def _leaf_worker(rank, world, configs):
             rsds.refresh_persistent(b)
         else:
             rsds.refresh_params(b)
-        for kind in KINDS:
-            got = reference(b, kind)
-            for n in want[kind]:
-                assert_bitwise(got[n], want[kind][n], f"{tag} restored {kind} {n}")
-        x = batch(a, model, 777 + rank)
-        losses = []
-        for e in (a, b):
-            loss = e(x).float().pow(2).mean()
-            e.backward(loss)
-            e.step()
-            losses.append(loss.detach())
-        assert_bitwise(losses[1], losses[0], f"{tag} next loss")
-        for kind in KINDS:
-            ra, rb = reference(a, kind), reference(b, kind)
-            for n in ra:
-                assert_bitwise(rb[n], ra[n], f"{tag} after the next step {kind} {n}")
+        assert_restored_then_in_step(a, b, want, model, rank, KINDS, tag)
 
         lives = {k: rsds.describe(b, k) for k in KINDS}
         b.destroy()
